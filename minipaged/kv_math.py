@@ -197,7 +197,7 @@ class KVSpec:
             return n // tp_size, "evenly sharded"
         if tp_size % n == 0:
             return 1, f"each KV head replicated on {tp_size // n} ranks"
-        return n, "replicated (heads do not split evenly)"
+        return n, "replicated: heads do not split evenly"
 
     def per_rank(self, tp_size: int) -> "KVSpec":
         """The KV spec one tensor-parallel rank sees."""

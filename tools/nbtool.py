@@ -26,15 +26,22 @@ KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3
 
 
 def from_py(src: Path, out: Path) -> None:
-    """``# %%`` starts a code cell, ``# %% [markdown]`` a markdown cell (its lines start with '# ')."""
+    """``# %%`` starts a code cell, ``# %% [markdown]`` a markdown cell (its lines start with '# ').
+
+    ``# %% [markdown] answer`` makes a collapsed markdown cell: the answer to a "think, then check".
+    """
     cells = []
-    kind, lines = None, []
+    kind, lines, answer = None, [], False
 
     def flush() -> None:
         text = "\n".join(lines).strip("\n")
         if kind == "markdown":
             text = "\n".join(re.sub(r"^# ?", "", ln) for ln in text.splitlines())
-            cells.append(nbformat.v4.new_markdown_cell(text))
+            cell = nbformat.v4.new_markdown_cell(text)
+            if answer:
+                cell.metadata["jupyter"] = {"source_hidden": True}
+                cell.metadata["tags"] = ["answer"]
+            cells.append(cell)
         elif kind == "code" and text:
             cells.append(nbformat.v4.new_code_cell(text))
 
@@ -42,6 +49,7 @@ def from_py(src: Path, out: Path) -> None:
         if line.startswith("# %%"):
             flush()
             kind, lines = ("markdown" if "[markdown]" in line else "code"), []
+            answer = line.rstrip().endswith("answer")
         else:
             lines.append(line)
     flush()
