@@ -60,17 +60,17 @@ def from_py(src: Path, out: Path) -> None:
 
 
 def strip_unchecked(nb) -> None:
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        cell.execution_count = None
-        if CHECK_MARK not in cell.source:
-            cell.outputs = []
-        else:
-            for out in cell.outputs:
-                if "execution_count" in out:
-                    out["execution_count"] = None
+    """Keep outputs (and an execution count: nbval skips "unrun" cells) only where nbval compares them."""
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    for count, cell in enumerate(code_cells, start=1):
         cell.metadata.pop("execution", None)
+        if CHECK_MARK not in cell.source:
+            cell.outputs, cell.execution_count = [], None
+            continue
+        cell.execution_count = count
+        for out in cell.outputs:
+            if "execution_count" in out:
+                out["execution_count"] = count
     nb.metadata.pop("widgets", None)
 
 
