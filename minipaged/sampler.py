@@ -1,0 +1,56 @@
+"""Turn one row of logits per sequence into one token per sequence.
+
+Greedy rows take the argmax. Sampled rows divide by the temperature, keep the
+``top_k`` highest logits and the smallest set whose probability reaches
+``top_p``, then draw. A request with a ``seed`` draws from its own generator, so
+its tokens do not depend on which other requests share the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) every logit of one row outside the top-k and the top-p nucleus."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the tokens before it already reach top_p (the first one always stays)
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Keeps one ``torch.Generator`` per seeded request, created on its first draw."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        g = self._generators.get(request_id)
+        if g is None:
+            g = self._generators[request_id] = torch.Generator(device=device).manual_seed(params.seed)
+        return g
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        if logits.shape[0] != len(params) or len(params) != len(request_ids):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
+        tokens = logits.argmax(-1).tolist()  # greedy rows are done
+        for i, (rid, p) in enumerate(zip(request_ids, params)):
+            if p.greedy:
+                continue
+            row = apply_top_k_top_p(logits[i].float() / p.temperature, p.top_k, p.top_p)
+            probs = row.softmax(-1)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=self.generator(rid, p, logits.device)))
+        return tokens
