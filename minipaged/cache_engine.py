@@ -1,0 +1,97 @@
+"""The cache engine: the real K/V tensors behind the block ids, and the copies between them.
+
+The block pool and the scheduler only move integers around. This class owns the
+memory those integers name: per layer, one key tensor and one value tensor on
+the device, and a smaller pair in CPU memory for swapping::
+
+    device, per layer:  key_cache   [num_blocks,     block_size, num_kv_heads, head_dim]
+                        value_cache [num_blocks,     block_size, num_kv_heads, head_dim]
+    CPU,    per layer:  key_cache   [num_cpu_blocks, block_size, num_kv_heads, head_dim]   (swap space)
+                        value_cache [num_cpu_blocks, block_size, num_kv_heads, head_dim]
+
+Three kinds of copy, each a list of (source block, destination block) pairs
+that the scheduler hands over with a step:
+
+* ``swap_out``: device → CPU, when a preempted request keeps its KV instead of recomputing it;
+* ``swap_in``:  CPU → device, when it comes back;
+* ``copy``:     device → device, copy-on-write of a shared, partly filled block.
+
+Every copy moves all layers' K and V of a block. Over PCIe that is the price of
+swapping: ``bytes_per_block`` per block each way.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_math import KVSpec, dtype_bytes
+
+
+class CacheEngine:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 num_cpu_blocks: int = 0) -> None:
+        for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {num_cpu_blocks!r}")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"KV cache dtype must be float32, float16 or bfloat16, got {dtype}")
+        self.spec = KVSpec(num_layers, num_kv_heads, head_dim, dtype_bytes(dtype))
+        self.block_size, self.num_blocks, self.num_cpu_blocks = block_size, num_blocks, num_cpu_blocks
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.gpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(num_layers)]
+        pin = self.device.type == "cuda"  # pinned host memory makes device↔host copies asynchronous
+        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        self.cpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
+            for _ in range(num_layers)] if num_cpu_blocks else []
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block, all layers: what one swapped block moves over the bus."""
+        return self.spec.bytes_per_block(self.block_size)
+
+    @staticmethod
+    def _pairs(pairs: list[tuple[int, int]], src_blocks: int, dst_blocks: int, what: str
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        if len(pairs) and (int(src.min()) < 0 or int(src.max()) >= src_blocks or int(dst.min()) < 0
+                           or int(dst.max()) >= dst_blocks):
+            raise ValueError(f"{what}: block id out of range in {pairs} (source has {src_blocks} blocks, "
+                             f"destination {dst_blocks})")
+        if len(set(dst.tolist())) != len(pairs):
+            raise ValueError(f"{what}: two copies write the same destination block in {pairs}")
+        return src, dst
+
+    def _copy(self, src_cache: list[tuple[torch.Tensor, torch.Tensor]],
+              dst_cache: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]], what: str) -> None:
+        if not pairs:
+            return
+        src, dst = self._pairs(pairs, src_cache[0][0].shape[0], dst_cache[0][0].shape[0], what)
+        src_dev = src.to(src_cache[0][0].device)
+        dst_dev = dst.to(dst_cache[0][0].device)
+        for (sk, sv), (dk, dv) in zip(src_cache, dst_cache):
+            dk[dst_dev] = sk[src_dev].to(dk.device, non_blocking=True)
+            dv[dst_dev] = sv[src_dev].to(dv.device, non_blocking=True)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU blocks: pairs of (device block, CPU block)."""
+        if pairs and not self.cpu_cache:
+            raise ValueError("swap_out needs swap space: this cache engine has num_cpu_blocks=0")
+        self._copy(self.gpu_cache, self.cpu_cache, pairs, "swap_out")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks back to device blocks: pairs of (CPU block, device block)."""
+        if pairs and not self.cpu_cache:
+            raise ValueError("swap_in needs swap space: this cache engine has num_cpu_blocks=0")
+        self._copy(self.cpu_cache, self.gpu_cache, pairs, "swap_in")
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Device-to-device block copies (copy-on-write): pairs of (source block, destination block)."""
+        self._copy(self.gpu_cache, self.gpu_cache, pairs, "copy")
