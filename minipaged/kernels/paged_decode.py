@@ -1,0 +1,240 @@
+"""Paged decode attention: one new token per sequence, split-KV ("flash-decoding").
+
+At decode time each sequence brings a single query token, which must attend to all of
+its ``seq_len`` cached tokens. There is almost no arithmetic per byte read: the kernel
+is a race to stream K and V out of HBM. Two ideas keep every SM streaming.
+
+**1. Pack the query heads of one KV head into one program (GQA packing).** With
+grouped-query attention, ``G = num_q_heads // num_kv_heads`` query heads read the same
+KV head. One program loads a K/V tile once and multiplies it against all ``G`` query
+rows. ``tl.dot`` on an NVIDIA GPU wants tiles of at least 16 in every dimension, so
+the ``G`` rows are padded to ``GROUP_P2 = max(16, next_pow2(G))`` with zero rows that
+are masked out on the way back (SmolLM2: G = 3, so 13 of 16 rows are padding — free,
+since the kernel is limited by bandwidth, not by tensor-core FLOPs)::
+
+    q rows (one sequence, kv head h)     K tile (BLOCK_N tokens)
+    ┌──────────────┐                     ┌──────────────┐
+    │ q head h·G+0 │                     │ token  p     │
+    │ q head h·G+1 │     S = q · Kᵀ      │ token  p+1   │
+    │ q head h·G+2 │  ───────────────►   │   ...        │
+    │ 0 (padding)  │  [GROUP_P2,BLOCK_N] │ token  p+N-1 │
+    │   ...        │                     └──────────────┘
+    └──────────────┘
+
+**2. Split the sequence into segments (split-KV).** A batch of 4 sequences × 2 KV
+heads is 8 programs — a handful of the GPU's 132 SMs. So each sequence's tokens are
+cut into segments of ``segment_len`` tokens and each (sequence, KV head, segment)
+gets its own program. Each program runs an online softmax over its segment and
+writes a *partial* result: the running max ``m``, the sum of exponentials ``l`` and the
+normalised output ``o = acc / l``. A second, tiny kernel combines the segments::
+
+    m* = max_g m_g      w_g = l_g · 2^(m_g − m*)      out = Σ_g w_g · o_g / Σ_g w_g
+
+    decode grid = (num_seqs, num_kv_heads, num_segments)      reduce grid = (num_seqs, num_q_heads)
+
+Which physical blocks one program reads — block_size 4, segment_len 8 (tiny numbers for
+the picture: real segments are whole tiles of BLOCK_N = 64 tokens), a sequence of 19
+tokens whose block table is [7, 2, 5, 0, 3]::
+
+    logical block       0     1   │   2     3   │   4
+    physical block      7     2   │   5     0   │   3
+    tokens            0..3  4..7  │ 8..11 12..15│ 16..18
+                      └ segment 0 ┘ └ segment 1 ┘ └ segment 2 (3 tokens, masked tail) ┘
+    program (seq, h, 1) reads only physical blocks 5 and 0.
+
+Inside a program the tile of ``BLOCK_N`` tokens is gathered token by token through
+the block table (``block_tables[seq, p // block_size]``, offset ``p % block_size``), so
+a tile may span several blocks and any block size works; tokens of one block are
+contiguous in memory, so the loads stay coalesced. When the whole sequence fits in
+one segment, the partial output *is* the output: the kernel writes it directly and
+the reduce kernel is skipped.
+
+Softmax runs in base 2 (``exp2``, scores pre-multiplied by ``scale · log2 e``), in
+float32 whatever the cache dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .validation import check_last_dim_contiguous, check_paged_decode, check_triton_runtime
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64          # tokens per K/V tile
+MIN_SEGMENT_LEN = 256  # the default split never makes a segment shorter than this
+MAX_SPLITS = 64        # the reduce kernel holds all segments of one head in one tile
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    part_out_ptr, part_max_ptr, part_sum_ptr,
+    scale_log2,                                            # scale * log2(e)
+    segment_len,                                           # tokens per segment, a multiple of BLOCK_N
+    stride_qs, stride_qh,                                  # query [num_seqs, num_q_heads, head_dim]
+    stride_kb, stride_ko, stride_kh,                       # key_cache [num_blocks, block_size, kv_heads, head_dim]
+    stride_vb, stride_vo, stride_vh,
+    stride_bt,                                             # block_tables [num_seqs, max_blocks]
+    stride_pos, stride_poh, stride_pog,                    # part_out [num_seqs, num_q_heads, num_segments, head_dim]
+    stride_pms, stride_pmh,                                # part_max/sum [num_seqs, num_q_heads, num_segments]
+    QUERIES_PER_KV: tl.constexpr, GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    seg_start = segment * segment_len
+    if seg_start >= seq_len:          # this sequence is shorter than the longest: nothing to do
+        return
+    seg_end = tl.minimum(seg_start + segment_len, seq_len)
+
+    # The G query heads that share this KV head, padded to GROUP_P2 >= 16 rows.
+    rows = tl.arange(0, GROUP_P2)
+    row_mask = rows < QUERIES_PER_KV
+    q_heads = kv_head * QUERIES_PER_KV + rows
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qs + q_heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)     # running max (log2 units)
+    l_i = tl.zeros([GROUP_P2], tl.float32)                   # running sum of 2^(s - m)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)      # running sum of 2^(s - m) * v
+    for start in range(seg_start, seg_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)                   # token positions of this tile
+        tok_mask = pos < seg_end
+        # logical block -> physical block, one lookup per token (tokens of a block share it)
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=tok_mask, other=0)
+        block = block.to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_mask = tok_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko
+                    + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2   # [GROUP_P2, BLOCK_N]
+        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)                          # rescales what was summed so far
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo
+                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # This segment's partial result (or, with one segment, the final output).
+    out = acc / l_i[:, None]
+    tl.store(part_out_ptr + seq * stride_pos + q_heads[:, None] * stride_poh + segment * stride_pog + dims[None, :],
+             out.to(part_out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+    stat = seq * stride_pms + q_heads * stride_pmh + segment
+    tl.store(part_max_ptr + stat, m_i, mask=row_mask)
+    tl.store(part_sum_ptr + stat, l_i, mask=row_mask)
+
+
+@triton.jit
+def _reduce_segments_kernel(
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr,
+    segment_len,
+    stride_os, stride_oh,
+    stride_pos, stride_poh, stride_pog,
+    stride_pms, stride_pmh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+    NUM_SEGMENTS_P2: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_segments = tl.cdiv(seq_len, segment_len)
+    segs = tl.arange(0, NUM_SEGMENTS_P2)
+    seg_mask = segs < num_segments
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_mask = dims < HEAD_DIM
+
+    stat = seq * stride_pms + head * stride_pmh + segs
+    m = tl.load(part_max_ptr + stat, mask=seg_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + stat, mask=seg_mask, other=0.0)
+    w = l * tl.exp2(m - tl.max(m, 0))                          # each segment's share, up to a common factor
+    o = tl.load(part_out_ptr + seq * stride_pos + head * stride_poh + segs[:, None] * stride_pog + dims[None, :],
+                mask=seg_mask[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+def _default_num_splits(num_seqs: int, num_kv_heads: int, capacity: int, device: torch.device) -> int:
+    """Enough segments for about two waves of programs on the GPU, none shorter than MIN_SEGMENT_LEN tokens."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = -(-2 * sms // (num_seqs * num_kv_heads))
+    else:   # the interpreter runs programs one after another: fewer, longer segments
+        want = 1
+    return max(1, min(want, -(-capacity // MIN_SEGMENT_LEN), MAX_SPLITS))
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Triton twin of :func:`minipaged.kernels.reference.paged_decode_attention`.
+
+    ``num_splits`` (keyword only, like flash-attn's) caps the number of KV segments per
+    sequence; ``None`` picks one from the GPU's SM count. Segments are a whole number of
+    ``BLOCK_N``-token tiles, so fewer segments than asked may be used.
+    """
+    check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                       check_values=query.device.type == "cpu")
+    check_triton_runtime(query.dtype, query.device)
+    check_last_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache)
+    num_seqs, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    capacity = block_tables.shape[1] * block_size            # no sequence is longer: no need to read seq_lens
+    if num_splits is None:
+        num_splits = _default_num_splits(num_seqs, num_kv_heads, capacity, query.device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an integer from 1 to {MAX_SPLITS}, got {num_splits!r}")
+    segment_len = -(-capacity // num_splits)
+    segment_len = -(-segment_len // BLOCK_N) * BLOCK_N         # a whole number of tiles
+    num_segments = -(-capacity // segment_len)
+
+    if num_segments == 1:    # the partial output is the output
+        part_out, po_strides = out, (out.stride(0), out.stride(1), 0)
+    else:
+        part_out = torch.empty((num_seqs, num_q_heads, num_segments, head_dim), dtype=torch.float32,
+                               device=query.device)
+        po_strides = part_out.stride()[:3]
+    part_max = torch.empty((num_seqs, num_q_heads, num_segments), dtype=torch.float32, device=query.device)
+    part_sum = torch.empty_like(part_max)
+    head_dim_p2 = max(16, triton.next_power_of_2(head_dim))
+    dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"   # no TF32 rounding of fp32 inputs
+
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_segments)](
+        query, key_cache, value_cache, block_tables, seq_lens,
+        part_out, part_max, part_sum,
+        scale * LOG2E, segment_len,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        *po_strides,
+        part_max.stride(0), part_max.stride(1),
+        QUERIES_PER_KV=group, GROUP_P2=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
+        BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
+        DOT_PRECISION=dot_precision,
+    )
+    if num_segments > 1:
+        _reduce_segments_kernel[(num_seqs, num_q_heads)](
+            out, part_out, part_max, part_sum, seq_lens, segment_len,
+            out.stride(0), out.stride(1),
+            *po_strides,
+            part_max.stride(0), part_max.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
+            NUM_SEGMENTS_P2=triton.next_power_of_2(num_segments),
+        )
+    return out
+

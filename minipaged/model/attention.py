@@ -1,0 +1,52 @@
+"""Paged attention as the model sees it: write this step's K/V, then attend through the block table.
+
+One ``AttentionMetadata`` describes a whole step and is shared by every layer::
+
+    sequence        a (prefill chunk)      b (decode)   c (decode)
+    new tokens      a5 a6 a7 a8            b17          c3
+    cu_seqlens_q    0            4          5            6
+    seq_lens        9                       18           4      (cached + new)
+    slot_mapping    one slot per new token: physical_block · block_size + offset
+    block_tables    one row of physical block ids per sequence (padded)
+
+A step made only of decodes (every sequence brings one token) goes to the
+decode kernel; anything else to the prefill kernel, which handles a decode as a
+prefill of length one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = padding, write nothing
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor  # int32 [num_seqs]: every token of the sequence after this step
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]: where each sequence's new tokens start
+    max_query_len: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class PagedAttention:
+    """Picks the kernels of one backend: ``torch`` (reference, the CPU default) or ``triton``."""
+
+    def __init__(self, backend: str = "torch") -> None:
+        from .. import kernels
+
+        self.backend = backend
+        self.ops = kernels.get_attention_backend(backend)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return self.ops.paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                                   scale)
+        return self.ops.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
+                                                meta.seq_lens, scale)

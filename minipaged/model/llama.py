@@ -1,0 +1,217 @@
+"""A compact Llama forward pass that reads and writes a paged KV cache.
+
+The engine flattens every scheduled token of every request into one row per
+token (no padding, no batch dimension), so one step can mix a 300-token prefill
+chunk with fifty single-token decodes::
+
+    input_ids  [ p0 p1 p2 … p299 | d0 | d1 | … | d49 ]     num_tokens rows
+    positions  [  0  1  2 … 299  | 17 | 42 | … | 8  ]     absolute position in its own sequence
+
+Everything except attention is per token, so it runs on those rows as they are.
+Attention is the one place where tokens of a sequence meet their past: each
+layer scatters the new K/V into its cache (``slot_mapping``), then reads the
+whole context back through the block table (``AttentionMetadata``).
+
+The module names mirror transformers' ``LlamaForCausalLM``, so its state dict
+(from the safetensors cache of ``minipaged.model_loader``) loads as it is.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .attention import AttentionMetadata, PagedAttention
+
+
+def _rope_theta(config: Any) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") not in ("default", None):
+        raise ValueError(f"rope_type {params['rope_type']!r} is not supported (only the default RoPE)")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config has no rope_theta")
+    return float(theta)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · weight, computed in fp32 like the reference implementation."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding: rotate pairs of dimensions by an angle that grows with position.
+
+    Position enters attention only through these rotations, which is why K can
+    be cached *after* rotation: a cached key never needs to know where later
+    queries sit.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, attention: PagedAttention) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.scale = self.head_dim**-0.5
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q = RotaryEmbedding.apply(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = RotaryEmbedding.apply(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        out = self.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, attention: PagedAttention) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, attention)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, attention: PagedAttention) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama on a paged KV cache: ``forward`` returns hidden states, ``compute_logits`` the scores.
+
+    Only the rows that sample a token (the last token of each sequence in this
+    step) go through the output head: a 300-token prefill chunk needs one row of
+    logits, not 300.
+    """
+
+    def __init__(self, config: Any, backend: str = "torch") -> None:
+        super().__init__()
+        if getattr(config, "model_type", "llama") not in ("llama", "mistral"):
+            raise ValueError(f"model_type {config.model_type!r} is not a Llama-architecture model")
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.config = config
+        self.attention = PagedAttention(backend)
+        self.model = LlamaModel(config, self.attention)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.layers[0].self_attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", backend: str = "torch") -> "LlamaForCausalLM":
+        """Build from a transformers Llama folder (config.json + safetensors), e.g. the SmolLM2 cache."""
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        folder = Path(path)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"{folder} is not a model folder: no config.json")
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = cls(config, backend=backend)
+        state: dict[str, torch.Tensor] = {}
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{folder} has no .safetensors weights")
+        for f in files:
+            state.update(load_file(str(f)))
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        if getattr(config, "tie_word_embeddings", False):
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.model.rotary_emb = RotaryEmbedding(model.head_dim, _rope_theta(config))
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def config_summary(config: Any) -> str:
+    return json.dumps({k: getattr(config, k, None) for k in (
+        "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "intermediate_size", "vocab_size", "tie_word_embeddings")})
