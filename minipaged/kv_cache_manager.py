@@ -1,0 +1,263 @@
+"""``KVCacheManager``: the scheduler's one door to the block pool.
+
+The scheduler never handles blocks itself. For each request it asks two questions:
+
+* ``get_computed_blocks(request)``: how much of this prompt is already in the
+  prefix cache? (blocks to reuse, and how many tokens they cover)
+* ``allocate_slots(request, num_new_tokens, ...)``: give me room for the tokens
+  I am about to compute this step, or tell me there is none (``None``).
+
+and says ``free(request)`` when a request finishes or is preempted. The manager
+keeps each request's block list (``req_to_blocks``), turns token counts into
+block counts, applies the admission rule, and records newly full blocks in the
+prefix cache. Names and layout follow vLLM v1's ``kv_cache_manager.py`` for one
+attention type (no coordinator, no hybrid models).
+
+The token layout ``allocate_slots`` reasons about (vLLM draws the same)::
+
+    |<- comp ->|<- new_comp ->|<--- new --->|<- lookahead ->|
+    |  already |  prefix-cache|  computed   |  speculative  |
+    | computed |  hits, free  |  this step  |  draft slots  |
+                              |<------ to be computed ------>|
+               |<--------------- to be allocated ----------->|
+
+    comp      = request.num_computed_tokens (blocks already in req_to_blocks)
+    new_comp  = num_new_computed_tokens     (blocks in new_computed_blocks: touched, not allocated)
+    new       = num_new_tokens
+    lookahead = num_lookahead_tokens
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .block_pool import BlockPool, KVCacheBlock, get_request_block_hasher
+from .request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block bookkeeping for all running requests over one ``BlockPool``.
+
+    Args:
+        block_size: tokens per block.
+        num_blocks: blocks in the pool, null block included (``num_blocks - 1`` usable).
+        enable_caching: automatic prefix caching.
+        watermark: fraction of the pool kept free against *new admissions*
+            (vLLM v0's default 0.01). ``watermark_blocks = int(watermark * num_blocks)``.
+        watermark_blocks: the same reserve as a block count; overrides ``watermark``.
+        reserved_blocks: blocks held back from every allocation (vLLM keeps such a
+            reserve for KV transfers in flight); 0 here unless asked for.
+
+    Why the watermark only applies to new admissions: a running request that
+    cannot get its next block must be preempted, throwing away work. Letting a
+    newcomer take the last few blocks just to have a running request preempted
+    one step later is a bad trade, so newcomers must leave ``watermark_blocks``
+    free; running requests may dig into that reserve.
+    """
+
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True, watermark: float = 0.01,
+                 watermark_blocks: int | None = None, reserved_blocks: int = 0) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+        if watermark_blocks is None:
+            watermark_blocks = int(watermark * num_blocks)
+        if not isinstance(watermark_blocks, int) or watermark_blocks < 0:
+            raise ValueError(f"watermark_blocks must be a non-negative integer, got {watermark_blocks!r}")
+        if not isinstance(reserved_blocks, int) or reserved_blocks < 0:
+            raise ValueError(f"reserved_blocks must be a non-negative integer, got {reserved_blocks!r}")
+        if watermark_blocks + reserved_blocks >= num_blocks - 1:
+            raise ValueError(f"watermark ({watermark_blocks}) + reserved ({reserved_blocks}) blocks leave nothing "
+                             f"to admit a request with in a pool of {num_blocks - 1} usable blocks")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.watermark_blocks = watermark_blocks
+        self.reserved_blocks = reserved_blocks
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_hasher = get_request_block_hasher(block_size)
+        # request_id -> its blocks in logical order (its block table).
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # request_id -> how many of its blocks are already in the prefix cache.
+        self.num_cached_block: dict[str, int] = {}
+        # Copy-on-write copies (source block, destination block) for the cache engine to perform.
+        self.pending_copies: list[tuple[int, int]] = []
+
+    # ---- prefix cache lookup -----------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of the prompt's leading full blocks found in the prefix cache.
+
+        Returns ``(blocks, num_computed_tokens)``. Never the whole prompt: the last
+        prompt token must go through the model to produce the logits of the first
+        output token, so the hit is capped at ``num_tokens - 1`` tokens. Since hits
+        are whole blocks, a fully cached, block-aligned prompt gives up its last
+        block (up to ``block_size`` tokens recomputed)::
+
+            prompt 8 tokens, block 4, both blocks cached:  hit = [b0] -> 4 tokens
+            prompt 9 tokens, block 4, both blocks cached:  hit = [b0, b1] -> 8 tokens
+
+        The blocks are not touched yet: ``allocate_slots`` does that if the request
+        is admitted.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._attach_hasher(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:  # chained hashes: the first miss ends the prefix
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    # ---- allocation --------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request``; return the new blocks.
+
+        Returns ``None``, changing nothing, when the pool cannot supply them::
+
+            required  = blocks to allocate (+ cached-but-free hit blocks, which
+                        leave the free queue when touched) + watermark (new requests only)
+            available = free blocks - reserved blocks
+            required > available  ->  None   (the scheduler waits or preempts)
+
+        Raises ``ValueError`` for a request that could never fit, however empty
+        the pool: waiting for it would wait forever.
+        """
+        for name, v in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
+                        ("num_lookahead_tokens", num_lookahead_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        new_computed = list(new_computed_blocks or [])
+        if num_new_computed_tokens != len(new_computed) * self.block_size:
+            raise ValueError(f"num_new_computed_tokens={num_new_computed_tokens} must equal "
+                             f"{len(new_computed)} computed blocks x block_size {self.block_size}")
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        if new_computed and (req_blocks or not self.enable_caching):
+            raise ValueError("new_computed_blocks are prefix-cache hits: only for a request that holds no "
+                             "blocks yet, and only with enable_caching=True")
+        if self.enable_caching:
+            self._attach_hasher(request)  # before any change: it refuses a hasher of another block size
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        num_required = cdiv(num_tokens_need_slot, self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed))
+        # A hit on a cached block that sits in the free queue uses up a free block too.
+        num_evictable_computed = sum(1 for b in new_computed if b.ref_cnt == 0 and not b.is_null)
+        # Copy-on-write: the first new token lands in a partly filled block that a forked
+        # sibling (n > 1) shares. That block must be copied first, which takes one more block.
+        write_idx = request.num_computed_tokens // self.block_size
+        cow = (num_new_tokens > 0 and request.num_computed_tokens % self.block_size != 0
+               and write_idx < len(req_blocks) and req_blocks[write_idx].ref_cnt > 1)
+        num_new_blocks += cow
+
+        is_new_admission = not req_blocks
+        watermark = self.watermark_blocks if is_new_admission else 0
+        capacity = self.num_blocks - 1 - self.reserved_blocks - watermark
+        if num_required > capacity:
+            raise ValueError(f"request {request.request_id!r} needs {num_required} blocks for "
+                             f"{num_tokens_need_slot} tokens; the pool can never give it more than {capacity} "
+                             f"({self.num_blocks - 1} usable - {self.reserved_blocks} reserved "
+                             f"- {watermark} watermark)")
+        available = self.block_pool.get_num_free_blocks() - self.reserved_blocks
+        if num_new_blocks + num_evictable_computed + watermark > available:
+            return None
+
+        # From here on nothing can fail: the pool has the blocks.
+        self.block_pool.touch(new_computed)
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks.extend(new_computed)
+        if cow:
+            shared, private = blocks[write_idx], self.block_pool.get_new_blocks(1)[0]
+            blocks[write_idx] = private
+            self.block_pool.free_blocks([shared])  # one owner fewer; the sibling keeps it
+            self.pending_copies.append((shared.block_id, private.block_id))
+            num_new_blocks -= 1
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # Prefix hits are cached already; so are the blocks cached in earlier steps.
+            num_cached = len(new_computed) if is_new_admission else self.num_cached_block[request.request_id]
+            # Cache the blocks that are full once this step's tokens are written. Lookahead
+            # slots hold no real tokens, and tokens not yet in the request have no hash.
+            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            num_full_blocks = num_tokens_to_cache // self.block_size
+            self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full_blocks, self.block_size)
+            self.num_cached_block[request.request_id] = max(num_cached, num_full_blocks)
+        return new_blocks
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let ``child`` share every block of ``parent`` (parallel sampling, n > 1).
+
+        Nothing is copied: ref counts rise by one. The first write into a shared,
+        partly filled block copies it (``allocate_slots`` records the copy in
+        ``pending_copies`` for the cache engine)::
+
+            parent  [b3][b8][b5: 2/4]          child  [b3][b8][b5: 2/4]    ref(b5) = 2
+            parent writes its next token   →   parent [b3][b8][b9: 3/4]    copy b5 → b9
+                                               child  [b3][b8][b5: 2/4]    ref(b5) = 1
+        """
+        if child.request_id in self.req_to_blocks:
+            raise ValueError(f"request {child.request_id!r} already holds blocks")
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        if self.enable_caching:
+            self._attach_hasher(child)
+            self.num_cached_block[child.request_id] = self.num_cached_block.get(parent.request_id, 0)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write block copies (source, destination) decided since the last call."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def free(self, request: Request | str) -> None:
+        """Give back all blocks of a finished or preempted request, last block first.
+
+        Tail first, so that under prefix caching a request's *last* blocks are
+        evicted before its *first* ones (shared prefixes live at the front).
+        """
+        request_id = request if isinstance(request, str) else request.request_id
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_block.pop(request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    # ---- queries -----------------------------------------------------------------------
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return list(self.req_to_blocks.get(request_id, []))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as ids, in logical order."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def get_num_blocks(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, []))
+
+    @property
+    def num_blocks_per_request(self) -> dict[str, int]:
+        return {rid: len(blocks) for rid, blocks in self.req_to_blocks.items()}
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use (cached-but-free blocks count as free)."""
+        return self.block_pool.get_usage()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def _attach_hasher(self, request: Request) -> None:
+        if request.block_hasher is None or getattr(request.block_hasher, "block_size", None) != self.block_size:
+            request.set_block_hasher(self.block_hasher)  # raises on a different block size
