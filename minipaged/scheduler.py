@@ -1,0 +1,334 @@
+"""The scheduler: every step, decide again who runs and with how many tokens.
+
+Static batching picks a batch and runs it until its *longest* member finishes.
+Iteration-level scheduling (Orca; vLLM) re-decides at every step, so a request
+that finishes leaves at once and a waiting one takes its place the same step::
+
+    step   1    2    3    4    5    6    7
+    A      P    d    d    d    ✓                      P  prefill (chunk)
+    B      P    d    ✓                               d  one decode token
+    C           P    P    d    d    d    ✓           ✓  finished: blocks freed
+    D                     P    d    ✓                   (C's prompt is chunked over 2 steps)
+
+One ``schedule()`` call, in vLLM v1's order:
+
+1. **Running requests first**, oldest first. Each gets what it still needs (the
+   rest of its prompt, or one decode token), capped by the step's token budget
+   ``max_num_batched_tokens``, so a long prompt is *chunked* across steps and
+   mixes with other requests' decodes. Their blocks come from
+   ``allocate_slots``; when it answers None the pool is dry and the *newest*
+   running request is preempted (recompute: drop its KV, re-run it later;
+   swap: copy its blocks to CPU) until the allocation succeeds.
+2. **Then waiting requests**, in arrival order, while budget, ``max_num_seqs``
+   and the pool allow — but not in a step that had to preempt. A waiting
+   request first looks for its prompt in the prefix cache.
+
+``update_from_output`` then appends each sampled token, finishes requests
+(EOS unless ignored, a stop token, ``max_tokens``, ``max_model_len``), frees
+their blocks, and forks the extra samples of an ``n > 1`` request, which share
+the prompt's blocks until they write (copy-on-write).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_pool import BlockPool
+from .block_table import slot_mapping as build_slot_mapping
+from .kv_cache_manager import KVCacheManager, cdiv
+from .request import Request, RequestStatus
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256  # requests in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step: the token budget
+    max_model_len: int = 8192  # prompt + output, per request
+    preemption_mode: str = "recompute"
+    num_cpu_blocks: int = 0  # swap space, in blocks (block 0 included, unused, as on the device)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {self.num_cpu_blocks!r}")
+        if self.preemption_mode == "swap" and self.num_cpu_blocks < 2:
+            raise ValueError("preemption_mode='swap' needs swap space: set num_cpu_blocks >= 2 "
+                             "(block 0 is the null block, as on the device)")
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    num_new_tokens: int  # a prefill chunk, or 1 for a decode
+    start: int  # position of its first new token (= tokens already computed)
+    block_ids: list[int]  # its block table after this step's allocation
+    num_samples: int  # tokens to sample after this step: 0 mid-prompt, n on an n > 1 request's first, else 1
+
+    @property
+    def samples(self) -> bool:
+        return self.num_samples > 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, device block)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
+    preempted: list[str] = field(default_factory=list)
+    block_size: int = 16
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.request.num_prompt_tokens > s.start)
+
+    def positions(self) -> list[list[int]]:
+        return [list(range(s.start, s.start + s.num_new_tokens)) for s in self.scheduled]
+
+    def slot_mapping(self) -> torch.Tensor:
+        """One slot per scheduled token, in order: block_table[pos // block_size]·block_size + pos % block_size."""
+        return build_slot_mapping([s.block_ids for s in self.scheduled], self.positions(), self.block_size)
+
+
+class Scheduler:
+    """Continuous batching over one ``KVCacheManager``; swap space is a second ``BlockPool`` on the CPU."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished: list[Request] = []  # in the order they finished; the driver drains it
+        # Swap space: CPU blocks of each swapped-out request, in logical order.
+        self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_caching=False) if config.num_cpu_blocks >= 2 else None
+        self.swapped_blocks: dict[str, list[int]] = {}
+        self.num_preemptions = 0
+        self.step_count = 0
+
+    # ---- intake ----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or finish it at once as *rejected* if it can never run.
+
+        A prompt longer than ``max_model_len``, or a request whose longest possible
+        life needs more blocks than the pool will ever have, is rejected with a
+        message on that request alone: the others are not affected.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        max_len = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
+        capacity = self.kv.num_blocks - 1 - self.kv.reserved_blocks - self.kv.watermark_blocks
+        if request.sampling_params.n > self.config.max_num_seqs:
+            self._reject(request, f"n={request.sampling_params.n} samples exceed max_num_seqs="
+                                  f"{self.config.max_num_seqs}")
+        elif request.num_prompt_tokens > self.config.max_model_len:
+            self._reject(request, f"prompt of {request.num_prompt_tokens} tokens is longer than "
+                                  f"max_model_len={self.config.max_model_len}")
+        elif cdiv(max_len, self.block_size) > capacity:
+            self._reject(request, f"needs up to {cdiv(max_len, self.block_size)} blocks ({max_len} tokens) but the "
+                                  f"KV pool can give one request at most {capacity}")
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+
+    def _reject(self, request: Request, why: str) -> None:
+        request.status, request.finish_reason = RequestStatus.FINISHED, "rejected"
+        request.error = f"request {request.request_id!r} rejected: {why}"
+        request.finish_time = request.arrival_time
+        self.finished.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(block_size=self.block_size)
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. running requests, oldest first; preempt the newest when the pool runs dry
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: nobody older can be helped this step either
+            self._add_scheduled(out, req, num_new)
+            scheduled_ids.add(req.request_id)
+            budget -= num_new
+            i += 1
+
+        # 2. waiting (and swapped) requests in arrival order, unless this step had to preempt
+        num_seqs = sum(self._num_seqs_when_running(r) for r in self.running)
+        while not out.preempted and self.waiting and budget > 0:
+            req = self.waiting[0]
+            if num_seqs + self._num_seqs_when_running(req) > self.config.max_num_seqs:
+                break
+            if req.status is RequestStatus.SWAPPED:
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self._swap_in(req, num_new, out):
+                    break
+            else:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+                num_new = min(req.num_tokens - num_hit_tokens, budget)
+                if self.kv.allocate_slots(req, num_new, num_hit_tokens, hits) is None:
+                    break  # first come, first served: nobody overtakes the head of the queue
+                req.num_computed_tokens = num_hit_tokens
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_seqs += self._num_seqs_when_running(req)
+            self._add_scheduled(out, req, num_new)
+            budget -= num_new
+
+        out.copy_blocks = self.kv.take_pending_copies()
+        self.step_count += 1
+        return out
+
+    @staticmethod
+    def _num_seqs_when_running(req: Request) -> int:
+        """A not-yet-forked n > 1 request becomes n sequences after its first sample: count them all now."""
+        return req.sampling_params.n if req.num_output_tokens == 0 and req.parent_id is None else 1
+
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        samples = req.num_computed_tokens + num_new == req.num_tokens  # every known token computed
+        first = req.num_output_tokens == 0 and req.parent_id is None
+        out.scheduled.append(ScheduledRequest(
+            request=req, num_new_tokens=num_new, start=req.num_computed_tokens,
+            block_ids=self.kv.get_block_ids(req.request_id),
+            num_samples=(req.sampling_params.n if first else 1) if samples else 0))
+
+    # ---- preemption --------------------------------------------------------------------------
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Take ``req`` off the device: swap its blocks to CPU if there is room, else recompute later."""
+        self.num_preemptions += 1
+        req.num_preemptions += 1
+        out.preempted.append(req.request_id)
+        device_blocks = self.kv.get_block_ids(req.request_id)
+        cpu_blocks = None
+        if self.config.preemption_mode == "swap" and req.num_computed_tokens > 0:
+            num = cdiv(req.num_computed_tokens, self.block_size)  # only blocks that hold computed K/V
+            if self.cpu_pool is not None and self.cpu_pool.get_num_free_blocks() >= num:
+                cpu_blocks = [b.block_id for b in self.cpu_pool.get_new_blocks(num)]
+        self.kv.free(req)
+        if cpu_blocks is not None:
+            out.swap_out.extend(zip(device_blocks, cpu_blocks))
+            self.swapped_blocks[req.request_id] = cpu_blocks
+            req.status = RequestStatus.SWAPPED
+        else:  # recompute: forget the KV, keep the tokens; the prompt + outputs so far are re-prefilled
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    def _swap_in(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate device blocks for a swapped request and schedule the CPU → device copies."""
+        computed = req.num_computed_tokens
+        req.num_computed_tokens = 0  # allocate as if new: every block, old and new, is fresh on the device
+        blocks = self.kv.allocate_slots(req, computed + num_new)
+        req.num_computed_tokens = computed
+        if blocks is None:
+            return False
+        cpu_blocks = self.swapped_blocks.pop(req.request_id)
+        out.swap_in.extend(zip(cpu_blocks, (b.block_id for b in blocks)))
+        assert self.cpu_pool is not None
+        self.cpu_pool.free_blocks(self.cpu_pool.blocks[b] for b in reversed(cpu_blocks))
+        return True
+
+    # ---- after the model ran -----------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]], now: float = 0.0
+                           ) -> list[Request]:
+        """Advance every scheduled request; ``sampled`` maps a request id to its new token(s).
+
+        A request that samples gets exactly one token, except the first sample of
+        an ``n > 1`` request, which gets ``n``: one for itself and one for each
+        sibling forked from it here. Returns the requests that finished this step.
+        """
+        finished: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if not s.samples:
+                if req.request_id in sampled:
+                    raise ValueError(f"request {req.request_id!r} got a token in a step that does not sample")
+                continue
+            tokens = sampled.get(req.request_id)
+            if tokens is None or len(tokens) != s.num_samples:
+                raise ValueError(f"request {req.request_id!r} needs {s.num_samples} sampled token(s), "
+                                 f"got {tokens!r}")
+            if s.num_samples > 1:
+                for j, token in enumerate(tokens[1:], start=1):
+                    finished += self._fork(req, j, token, now)
+            finished += self._append_token(req, tokens[0], now)
+        self.finished += finished
+        return finished
+
+    def _fork(self, parent: Request, index: int, token: int, now: float) -> list[Request]:
+        child = Request(request_id=f"{parent.request_id}#{index}", prompt_token_ids=parent.prompt_token_ids,
+                        num_computed_tokens=parent.num_computed_tokens, cache_salt=parent.cache_salt,
+                        sampling_params=parent.sampling_params, eos_token_id=parent.eos_token_id,
+                        arrival_time=parent.arrival_time, parent_id=parent.request_id,
+                        status=RequestStatus.RUNNING)
+        self.requests[child.request_id] = child
+        self.kv.fork(parent, child)
+        self.running.append(child)
+        return self._append_token(child, token, now)
+
+    def _append_token(self, req: Request, token: int, now: float) -> list[Request]:
+        req.append_output_token_ids(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.token_times.append(now)
+        p = req.sampling_params
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token == req.eos_token_id):
+            reason = "stop"
+        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            reason = "length"
+        if reason is None:
+            return []
+        req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, now
+        self.running.remove(req)
+        self.kv.free(req)
+        return [req]
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is and give back its blocks."""
+        req = self.requests[request_id]
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        cpu_blocks = self.swapped_blocks.pop(request_id, None)
+        if cpu_blocks and self.cpu_pool is not None:
+            self.cpu_pool.free_blocks(self.cpu_pool.blocks[b] for b in reversed(cpu_blocks))
+        req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+        self.finished.append(req)
