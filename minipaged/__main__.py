@@ -1,7 +1,10 @@
-"""Command line: ``python -m minipaged {prepare,demo,grade}``.
+"""Command line: ``python -m minipaged {prepare,demo,generate,chat,bench,grade}``.
 
 * ``prepare``: convert the SmolLM2 GGUF once into the local cache (``make setup`` runs it).
-* ``demo``: the main job — answer a few prompts with SmolLM2 and print its KV-cache budget.
+* ``demo``: the main job — the paged engine serves a batch of prompts; answers, pool figures, throughput.
+* ``generate "..." ["..."]``: answer prompts (chat template unless ``--raw``; ``--stream`` for one).
+* ``chat``: an interactive, streamed chat.
+* ``bench``: throughput on a seeded mixed-length batch (the full comparison is benchmarks/bench_engine.py).
 * ``grade [FOLDER]``: run every exercise notebook in FOLDER and print a score table.
 """
 from __future__ import annotations
@@ -14,6 +17,11 @@ DEMO_PROMPTS = [
     "What is the capital of France?",
     "Name three primary colors.",
     "Write one sentence about the ocean.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "List the days of the week.",
+    "What does a KV cache store?",
+    "Write a haiku about autumn.",
 ]
 
 
@@ -48,23 +56,123 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine(args: argparse.Namespace):
+    from .engine import LLM
+
+    return LLM(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+               enable_prefix_caching=args.prefix_caching, max_num_seqs=args.max_num_seqs)
+
+
+def _params(args: argparse.Namespace):
+    from .sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, n=args.n)
+
+
+def _pool_report(llm) -> str:
+    stats = llm.step_stats
+    peak = max((s["blocks_used"] for s in stats), default=0)
+    tokens = sum(s["tokens"] for s in stats)
+    return (f"{llm.describe()}\n"
+            f"steps {len(stats)}, tokens computed {tokens:,}, peak blocks in use {peak:,} of {llm.num_blocks - 1:,} "
+            f"({peak / (llm.num_blocks - 1):.1%}), peak batch {max((s['running'] for s in stats), default=0)}, "
+            f"preemptions {llm.scheduler.num_preemptions}")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .kv_math import KVSpec
-    from .model_loader import hf_greedy_generate, load_hf_model, load_tokenizer
+    from .sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    tokenizer, model = load_tokenizer(), load_hf_model()
-    print(f"Loaded SmolLM2-135M-Instruct in {time.perf_counter() - t0:.1f} s "
-          "(transformers; the paged engine replaces this in chapter 09)\n")
+    llm = _engine(args)
+    print(f"Loaded SmolLM2-135M-Instruct into the minipaged engine in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    answers = hf_greedy_generate(model, tokenizer, DEMO_PROMPTS, max_new_tokens=args.max_tokens)
-    for prompt, answer in zip(DEMO_PROMPTS, answers):
-        print(f"Q: {prompt}\nA: {answer}\n")
-    print(f"({len(DEMO_PROMPTS)} prompts, greedy, {time.perf_counter() - t0:.1f} s)\n")
-    spec = KVSpec.from_hf_config(model.config, name="SmolLM2-135M-Instruct")
-    print(f"KV cache of {spec.name}: {spec.num_layers} layers × {spec.num_kv_heads} KV heads × "
-          f"head_dim {spec.head_dim} ({spec.attention_kind}, {spec.num_attention_heads} query heads)")
-    print(kv_budget_table(spec))
+    outs = llm.generate([[{"role": "user", "content": p}] for p in DEMO_PROMPTS],
+                        SamplingParams(max_tokens=args.max_tokens, temperature=0), use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    for prompt, out in zip(DEMO_PROMPTS, outs):
+        print(f"\nQ: {prompt}\nA: {out.outputs[0].text.strip()}")
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"\n{len(outs)} prompts served together, greedy: {generated} tokens in {seconds:.1f} s "
+          f"({generated / seconds:.1f} tokens/s)")
+    print(_pool_report(llm))
+    print(f"\nKV cache of SmolLM2-135M-Instruct: {llm.spec.num_layers} layers × {llm.spec.num_kv_heads} KV heads × "
+          f"head_dim {llm.spec.head_dim} ({llm.spec.attention_kind}, {llm.spec.num_attention_heads} query heads)")
+    print(kv_budget_table(llm.spec))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _engine(args)
+    prompts = args.prompts if args.raw else [[{"role": "user", "content": p}] for p in args.prompts]
+    if args.stream and len(prompts) == 1:
+        printed = 0
+        for out in llm.stream(prompts, _params(args)):
+            text = out.outputs[0].text
+            print(text[printed:], end="", flush=True)
+            printed = len(text)
+        print()
+        return 0
+    for prompt, out in zip(args.prompts, llm.generate(prompts, _params(args))):
+        if out.error:
+            print(f"[{prompt!r}] error: {out.error}")
+            continue
+        for o in out.outputs:
+            tag = f" (sample {o.index})" if len(out.outputs) > 1 else ""
+            print(f"[{prompt!r}]{tag} {o.text.strip()}  <{o.finish_reason}, {len(o.token_ids)} tokens>")
+    if args.verbose:
+        print(_pool_report(llm))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _engine(args)
+    messages: list[dict[str, str]] = []
+    print("Chat with SmolLM2 (empty line or Ctrl-D to quit).")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line or line in ("/exit", "/quit"):
+            break
+        messages.append({"role": "user", "content": line})
+        print("smollm2> ", end="", flush=True)
+        printed, text = 0, ""
+        for out in llm.stream([messages], _params(args)):
+            text = out.outputs[0].text
+            print(text[printed:], end="", flush=True)
+            printed = len(text)
+        print()
+        messages.append({"role": "assistant", "content": text.strip()})
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Serve a seeded mixed-length batch (lognormal prompt and output lengths) and report throughput."""
+    import numpy as np
+
+    from .sampling_params import SamplingParams
+
+    llm = _engine(args)
+    rng = np.random.default_rng(args.seed or 0)
+    prompt_lens = np.clip(rng.lognormal(np.log(64), 0.6, args.num_prompts).astype(int), 8, 512)
+    output_lens = np.clip(rng.lognormal(np.log(48), 0.7, args.num_prompts).astype(int), 4, 256)
+    vocab = llm.model.config.vocab_size
+    prompts = [rng.integers(100, vocab, n).tolist() for n in prompt_lens]
+    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in output_lens]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttfts = sorted(o.metrics.ttft for o in outs)
+    print(f"{args.num_prompts} requests, prompts {int(prompt_lens.min())}-{int(prompt_lens.max())} tokens, "
+          f"outputs {int(output_lens.min())}-{int(output_lens.max())} tokens")
+    print(f"{generated:,} output tokens in {seconds:.1f} s: {generated / seconds:.1f} tokens/s; "
+          f"median TTFT {ttfts[len(ttfts) // 2]:.2f} s")
+    print(_pool_report(llm))
+    total = sum(llm.profile().values())
+    print("time split: " + ", ".join(f"{k} {v / total:.1%}" for k, v in llm.profile().items()))
     return 0
 
 
@@ -81,12 +189,39 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="convert the SmolLM2 GGUF into the local cache once")
-    demo = sub.add_parser("demo", help="answer a few prompts and print the KV budget")
-    demo.add_argument("--max-tokens", type=int, default=32)
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--kv-cache-memory", default=None, help='KV pool budget, e.g. "512MiB" (CPU default 1GiB)')
+    engine.add_argument("--prefix-caching", action="store_true")
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    sampling = argparse.ArgumentParser(add_help=False)
+    sampling.add_argument("--max-tokens", type=int, default=64)
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("-n", type=int, default=1, help="samples per prompt")
+    demo = sub.add_parser("demo", parents=[engine], help="the engine answers a batch of prompts; pool figures")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    gen = sub.add_parser("generate", parents=[engine, sampling], help="answer one or more prompts")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--raw", action="store_true", help="no chat template: continue the text as it is")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print block-pool figures")
+    sub.add_parser("chat", parents=[engine, sampling], help="an interactive chat, streamed")
+    bench = sub.add_parser("bench", parents=[engine], help="throughput on a seeded mixed-length batch")
+    bench.add_argument("--num-prompts", type=int, default=32)
+    bench.add_argument("--seed", type=int, default=0)
     grade = sub.add_parser("grade", help="grade a folder of exercise notebooks")
     grade.add_argument("folder", nargs="?", default="exercises")
     args = parser.parse_args(argv)
-    return {"prepare": cmd_prepare, "demo": cmd_demo, "grade": cmd_grade}[args.command](args)
+    commands = {"prepare": cmd_prepare, "demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat,
+                "bench": cmd_bench, "grade": cmd_grade}
+    try:
+        return commands[args.command](args)
+    except ValueError as exc:  # bad input: a clear message, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,6 +72,10 @@ class RequestOutput:
     error: str | None = None
 
 
+def _has_tokenizer(path: str | os.PathLike) -> bool:
+    return any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
 def _parse_memory(value: int | float | str) -> int:
     """Bytes from 1073741824, 1.5e9, "2GiB", "512MiB"."""
     if isinstance(value, str):
@@ -120,7 +125,7 @@ class LLM:
         with quiet_transformers():
             self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch_dtype, device=self.device,
                                                           backend=backend)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None  # a bare test model has none
         self.load_seconds = time.perf_counter() - t0
         config = self.model.config
         self.max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", 8192), 8192)
@@ -203,10 +208,13 @@ class LLM:
         """A string is tokenized as it is; a list of ints is used as it is; chat messages get the template."""
         from .model_loader import chat_prompt_ids
 
+        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        is_chat = bool(prompt) and not isinstance(prompt, str) and all(isinstance(m, dict) for m in prompt)
+        if (isinstance(prompt, str) or is_chat) and self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer: pass prompts as lists of token ids")
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        prompt = list(prompt)
-        if prompt and all(isinstance(m, dict) for m in prompt):
+        if is_chat:
             return chat_prompt_ids(self.tokenizer, prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages "
@@ -267,13 +275,16 @@ class LLM:
     def _output(self, request_id: str) -> RequestOutput:
         reqs = [r for rid, r in self.scheduler.requests.items() if rid == request_id or r.parent_id == request_id]
         main = self.scheduler.requests[request_id]
-        outputs = [CompletionOutput(i, self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
-                                    list(r.output_token_ids), r.finish_reason) for i, r in enumerate(reqs)]
+        outputs = [CompletionOutput(i, self.decode(r.output_token_ids), list(r.output_token_ids), r.finish_reason)
+                   for i, r in enumerate(reqs)]
         metrics = RequestMetrics(main.arrival_time, main.first_token_time, main.finish_time, main.num_preemptions,
                                  main.inter_token_latencies)
         finished = all(r.is_finished for r in reqs) and (main.finish_reason == "rejected"
                                                          or len(reqs) == main.sampling_params.n)
         return RequestOutput(request_id, list(main.prompt_token_ids), outputs, finished, metrics, main.error)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
