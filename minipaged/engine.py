@@ -272,16 +272,27 @@ class LLM:
             tokens=out.total_num_scheduled_tokens, preempted=len(out.preempted)))
         return [r.request_id for r in finished]
 
-    def _output(self, request_id: str) -> RequestOutput:
-        reqs = [r for rid, r in self.scheduler.requests.items() if rid == request_id or r.parent_id == request_id]
+    def _samples(self, request_id: str) -> list[Request]:
+        """The request and the extra samples forked from it so far ("id#1", "id#2", ...)."""
         main = self.scheduler.requests[request_id]
+        forks = (self.scheduler.requests.get(f"{request_id}#{j}") for j in range(1, main.sampling_params.n))
+        return [main] + [r for r in forks if r is not None]
+
+    def _finished(self, request_id: str) -> bool:
+        reqs = self._samples(request_id)
+        main = reqs[0]
+        return main.finish_reason == "rejected" or (len(reqs) == main.sampling_params.n
+                                                    and all(r.is_finished for r in reqs))
+
+    def _output(self, request_id: str) -> RequestOutput:
+        reqs = self._samples(request_id)
+        main = reqs[0]
         outputs = [CompletionOutput(i, self.decode(r.output_token_ids), list(r.output_token_ids), r.finish_reason)
                    for i, r in enumerate(reqs)]
         metrics = RequestMetrics(main.arrival_time, main.first_token_time, main.finish_time, main.num_preemptions,
                                  main.inter_token_latencies)
-        finished = all(r.is_finished for r in reqs) and (main.finish_reason == "rejected"
-                                                         or len(reqs) == main.sampling_params.n)
-        return RequestOutput(request_id, list(main.prompt_token_ids), outputs, finished, metrics, main.error)
+        return RequestOutput(request_id, list(main.prompt_token_ids), outputs, self._finished(request_id), metrics,
+                             main.error)
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -294,19 +305,19 @@ class LLM:
         lengths = {rid: -1 for rid in ids}
         pending = set(ids)
         for rid in ids:  # rejected at once: report them first
-            if self.scheduler.requests[rid].is_finished:
+            if self._finished(rid):
                 pending.discard(rid)
                 yield self._output(rid)
         while pending:
             self.step()
             for rid in sorted(pending, key=ids.index):
-                out = self._output(rid)
-                n = sum(len(o.token_ids) for o in out.outputs)
-                if n != lengths[rid] or out.finished:
+                n = sum(r.num_output_tokens for r in self._samples(rid))
+                done = self._finished(rid)
+                if n != lengths[rid] or done:
                     lengths[rid] = n
-                    if out.finished:
+                    if done:
                         pending.discard(rid)
-                    yield out
+                    yield self._output(rid)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -317,11 +328,11 @@ class LLM:
         ids = self._add_all(prompts, sampling_params)
         show = len(ids) >= 16 if use_tqdm is None else use_tqdm
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not show)
-        done = sum(self.scheduler.requests[r].is_finished for r in ids)
+        done = sum(self._finished(r) for r in ids)
         bar.update(done)
-        while any(not self._output(r).finished for r in ids):
+        while done < len(ids):
             self.step()
-            now_done = sum(self._output(r).finished for r in ids)
+            now_done = sum(self._finished(r) for r in ids)
             bar.update(now_done - done)
             done = now_done
         bar.close()
