@@ -1,0 +1,165 @@
+"""Chapters 02-04 widgets, driven from Python as a learner would drive them."""
+import pytest
+
+from minipaged.block_pool import BlockPool
+from minipaged.block_table import BlockTable
+from minipaged.contiguous import reservation_size
+from minipaged.kv_cache_manager import KVCacheManager
+from minipaged.request import Request
+from minipaged.viz import BlockPoolGrid, BlockTableView, ContiguousVsPaged, contiguous_layouts
+from minipaged.viz.block_viz import CACHED_FREE_COLOR, FREE_COLOR, HOLE_COLOR, NULL_COLOR, SHARED_COLOR
+from minipaged.workloads import Trace, TraceRequest, sharegpt_like_trace
+
+
+def _grow(manager, request, n):
+    """Allocate and 'compute' n more tokens of request, as a scheduler step would."""
+    assert manager.allocate_slots(request, n) is not None
+    request.num_computed_tokens += n
+
+
+def test_pool_grid_replays_the_seed_trace_with_history():
+    mgr = KVCacheManager(block_size=4, num_blocks=20, enable_caching=False, watermark=0.0)
+    a = Request("A", [11])
+    grid = BlockPoolGrid(mgr, tokens={"A": a}, columns=10)
+    assert grid.cells[0]["status"] == "null" and grid.cells[0]["color"] == NULL_COLOR
+    assert grid.summary["free"] == 19 and grid.summary["free_queue"] == list(range(1, 20))
+    for i in range(5):
+        _grow(mgr, a, 1)
+        a.append_output_token_ids(100 + i)
+    grid.refresh("A has 5 tokens")
+    assert grid.summary["block_tables"] == {"A": [1, 2]}
+    one, two = grid.cells[1], grid.cells[2]
+    assert one["owners"] == ["A"] and one["ref_cnt"] == 1 and one["color"] == two["color"] != FREE_COLOR
+    assert "tokens 0–3 (4/4 slots)" in one["hover"] and "token 4 (1/4 slots)" in two["hover"]
+    assert "ref_cnt 1" in two["hover"] and "hash —" in two["hover"]
+    b = Request("B", [7])
+    grid._tokens["B"] = b
+    _grow(mgr, b, 1)
+    grid.refresh("B starts")
+    assert grid.cells[3]["owners"] == ["B"] and grid.cells[3]["color"] != one["color"]
+    mgr.free(a)
+    grid.refresh("A finishes")
+    s = grid.summary
+    assert s["free"] == 18 and s["free_queue"][-2:] == [2, 1]  # freed tail first, at the back
+    assert grid.cells[1]["status"] == "free" and grid.cells[1]["free_queue_position"] == 17
+    # the plot: one trace per owner or status, each square hoverable
+    names = {t.name for t in grid.figure.data}
+    assert {"B", "free", "null"} <= names
+    assert sum(len(t.x) for t in grid.figure.data) == 20
+    # the slider steps back through history
+    assert grid.step.max == 3 and grid.step.value == 3
+    grid.step.value = 1
+    assert grid.label == "A has 5 tokens" and grid.summary["block_tables"] == {"A": [1, 2]}
+    assert "A has 5 tokens" in grid.caption.value
+
+
+def test_pool_grid_shows_shared_and_cached_blocks():
+    mgr = KVCacheManager(block_size=4, num_blocks=8, enable_caching=True, watermark=0.0)
+    prompt = list(range(9))
+    a = Request("A", prompt)
+    _grow(mgr, a, 9)
+    b = Request("B", prompt)
+    hits, n = mgr.get_computed_blocks(b)
+    assert n == 8
+    mgr.allocate_slots(b, 1, num_new_computed_tokens=n, new_computed_blocks=hits)
+    grid = BlockPoolGrid(mgr)
+    shared = grid.cells[hits[0].block_id]
+    assert shared["status"] == "shared" and shared["color"] == SHARED_COLOR
+    assert shared["owners"] == ["A", "B"] and shared["ref_cnt"] == 2 and shared["hash"] is not None
+    assert shared["hash"] in shared["hover"]
+    mgr.free(a)
+    mgr.free(b)
+    grid.refresh("both finished")
+    cached = grid.cells[hits[0].block_id]
+    assert cached["status"] == "free, cached" and cached["color"] == CACHED_FREE_COLOR
+    assert grid.summary["cached_free"] == 2 and grid.summary["in_use"] == 0
+
+
+def test_pool_grid_on_a_bare_pool_with_owners():
+    pool = BlockPool(6, enable_caching=False)
+    owners = {"x": pool.get_new_blocks(2)}
+    grid = BlockPoolGrid(pool, owners=owners, columns=3)
+    assert grid.cells[1]["owners"] == ["x"] and grid.cells[2]["tokens"] == ["x: logical block 1"]
+    assert grid.summary["in_use"] == 2 and grid.summary["usage"] == pytest.approx(2 / 5)
+    with pytest.raises(TypeError):
+        BlockPoolGrid([1, 2, 3])
+
+
+def _small_trace():
+    # A 12-slot arena reserving exact lengths: A (3 slots) and B (6) start, C (5) waits. When A leaves, the
+    # arena has 6 free slots, in two holes of 3: C still cannot start (external fragmentation).
+    return Trace([TraceRequest("A", 0, 2, 1), TraceRequest("B", 0, 2, 4), TraceRequest("C", 0, 3, 2)])
+
+
+def test_contiguous_vs_paged_steps_through_the_same_trace():
+    view = ContiguousVsPaged(_small_trace(), num_slots=12, max_model_len=12, policy="exact", block_size=2)
+    st, c = view.state, view.contiguous
+    assert st["step"] == 0 and st["contiguous"]["active"] and st["paged"]["active"]
+    assert [r[:3] for r in view.layout["reservations"]] == [("A", 0, 3), ("B", 3, 6)]
+    assert st["contiguous"]["waiting"] == 1 and st["paged"]["waiting"] == 0  # paging runs C at once
+    view.step.value = 1
+    st = view.state
+    assert view.layout["free_extents"] == [(0, 3), (9, 3)] and view.layout["waiting_head"] == "C"
+    assert st["contiguous"]["external"] == c.external_waste[1] == 6 and c.refused_fragmented[1] == 1
+    hole_bars = [t for t in view.memory.data if t.name == "free hole (too small)"]
+    assert sum(hole_bars[0].x) == 6 and hole_bars[0].marker.color == HOLE_COLOR
+    assert "1 waiting" in view.caption.value and "external 6" in view.caption.value
+    # the timeline: one line per allocator and a marker at the current step
+    assert [t.name for t in view.timeline.data] == ["contiguous (live / slots)", "paged (live / slots)"]
+    assert view.timeline.layout.shapes[0].x0 == 1
+    # the paged run ends first: after its last step it reads "finished"
+    view.step.value = view.step.max
+    assert view.state["paged"]["finished"] and not view.state["paged"]["active"]
+    assert "all requests finished" in view.caption.value
+    # another reservation policy re-runs both simulations
+    view.policy.value = "max"
+    assert all(r[2] == 12 for r in view.layouts[0]["reservations"])
+
+
+def test_contiguous_layouts_replay_matches_the_simulation():
+    trace = sharegpt_like_trace(40, seed=3, arrival_rate=0.3, max_model_len=1024)
+    for policy in ("max", "pow2", "exact"):
+        view = ContiguousVsPaged(trace, num_slots=6 * 1024, max_model_len=1024, policy=policy)
+        res = view.contiguous
+        lays = contiguous_layouts(trace, res, 1024, policy)
+        for i, lay in enumerate(lays):
+            assert sum(r[2] for r in lay["reservations"]) == res.allocated_slots[i]
+            assert sum(r[3] for r in lay["reservations"]) == res.live_tokens[i]
+            head = lay["waiting_head"]
+            size = reservation_size(next(r for r in trace if r.req_id == head), policy, 1024) if head else None
+            ext = sum(n for _, n in lay["free_extents"] if size is not None and n < size)
+            assert ext == res.external_waste[i]
+    with pytest.raises(ValueError):
+        contiguous_layouts(trace, view.paged, 1024)
+
+
+def test_block_table_view_resolves_positions_to_slots():
+    view = BlockTableView({"A": [7, 2, 9], "B": [1, 4], "C": [6]}, block_size=16, num_blocks=12,
+                          num_tokens={"A": 48, "B": 32, "C": 16})
+    assert [(a["request"], a["logical"], a["physical"]) for a in view.arrows] == [
+        ("A", 0, 7), ("A", 1, 2), ("A", 2, 9), ("B", 0, 1), ("B", 1, 4), ("C", 0, 6)]
+    assert view.position.max == 47
+    view.position.value = 20
+    r = view.resolved
+    assert (r["logical_block"], r["block"], r["offset"], r["slot"]) == (1, 2, 4, 2 * 16 + 4)
+    assert [a["highlighted"] for a in view.arrows] == [False, True, False, False, False, False]
+    assert "slot 2 · 16 + 4 = <b>36</b>" in view.caption.value
+    assert len(view.figure.layout.annotations) == 6
+    assert view.figure.layout.annotations[1].arrowwidth > view.figure.layout.annotations[0].arrowwidth
+    view.request.value = "C"
+    assert view.position.max == 15 and view.resolved["block"] == 6
+    physical = view.figure.data[1]
+    assert len(physical.x) == 12 and physical.marker.color[0] == NULL_COLOR
+    assert physical.marker.color[3] == FREE_COLOR and physical.marker.color[6] != FREE_COLOR
+
+
+def test_block_table_view_from_a_manager_and_the_seed_table():
+    mgr = KVCacheManager(block_size=16, num_blocks=8, enable_caching=False, watermark=0.0)
+    req = Request("r", list(range(50)))
+    _grow(mgr, req, 50)
+    view = BlockTableView.from_manager(mgr, num_tokens={"r": req}, position=49)
+    assert view.resolved == dict(request="r", position=49, logical_block=3, offset=1, block=4, slot=4 * 16 + 1)
+    seed = BlockTableView({"A": BlockTable(4, [19, 18, 5], num_tokens=11)}, block_size=4, position=10)
+    assert (seed.resolved["block"], seed.resolved["offset"], seed.resolved["slot"]) == (5, 2, 22)
+    with pytest.raises(ValueError):
+        BlockTableView({"A": [30]}, block_size=4, num_blocks=8)
