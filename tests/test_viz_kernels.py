@@ -1,0 +1,198 @@
+"""Chapter 05 pictures: the read plans agree with the kernel wrappers, and PagedReadView driven from Python."""
+import pytest
+import torch
+
+import minipaged.kernels  # noqa: F401  (before triton: the interpreter on CPU)
+from minipaged.kernels import paged_decode, paged_prefill
+from minipaged.kv_math import PRESETS, KVSpec
+from minipaged.viz import PagedReadView
+from minipaged.viz import kernel_viz as KV
+from minipaged.viz.block_viz import FREE_COLOR
+
+
+class _Spy:
+    """Stands in for a @triton.jit kernel: records the grid and the arguments of each launch, runs nothing."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+        return launch
+
+
+def _decode_launch(monkeypatch, block_tables, seq_lens, num_splits, block_size=16, kv_heads=2, q_heads=4, d=16):
+    spy, reduce_spy = _Spy(), _Spy()
+    monkeypatch.setattr(paged_decode, "_paged_decode_kernel", spy)
+    monkeypatch.setattr(paged_decode, "_reduce_segments_kernel", reduce_spy)
+    num_blocks = int(block_tables.max()) + 1
+    cache = torch.zeros(num_blocks, block_size, kv_heads, d)
+    query = torch.zeros(len(seq_lens), q_heads, d)
+    paged_decode.paged_decode_attention(query, cache, cache, block_tables, seq_lens, 0.25, num_splits=num_splits)
+    (grid, args, kwargs), = spy.launches
+    return grid, args[9], kwargs   # args[9] is segment_len
+
+
+def test_constants_are_the_kernels():
+    assert KV.DECODE_BLOCK_N == paged_decode.BLOCK_N
+    assert KV.DECODE_MAX_SPLITS == paged_decode.MAX_SPLITS
+    assert KV.PREFILL_BLOCK_N == paged_prefill.BLOCK_N
+    assert KV.PREFILL_MAX_BLOCK_M == paged_prefill.MAX_BLOCK_M
+
+
+@pytest.mark.parametrize("width,num_splits", [(13, 1), (13, 2), (13, 4), (13, 5), (3, 3), (64, 33), (8, 64)])
+def test_split_kv_segments_is_what_the_wrapper_launches(monkeypatch, width, num_splits):
+    tables = torch.arange(2 * width, dtype=torch.int32).reshape(2, width)
+    lens = torch.tensor([width * 16, 5], dtype=torch.int32)
+    grid, segment_len, kwargs = _decode_launch(monkeypatch, tables, lens, num_splits)
+    assert (segment_len, grid[2]) == KV.split_kv_segments(width * 16, num_splits)
+    assert grid[:2] == (2, 2) and kwargs["BLOCK_N"] == KV.DECODE_BLOCK_N
+
+
+def test_split_kv_segments_examples_and_errors():
+    assert KV.split_kv_segments(32768, 33) == (1024, 32)   # chapter 05's H100 question: 33 asked, 32 made
+    assert KV.split_kv_segments(208, 4) == (64, 4)
+    assert KV.split_kv_segments(208, 1) == (256, 1)
+    with pytest.raises(ValueError):
+        KV.split_kv_segments(208, 0)
+
+
+def test_decode_plan_matches_the_kernel_docstring_picture():
+    # paged_decode.py: block_size 4, segments of 8 tokens, 19 tokens through [7, 2, 5, 0, 3]
+    plan = KV.decode_read_plan([[7, 2, 5, 0, 3]], [19], block_size=4, num_splits=3, tile=4)
+    assert [(p.first, p.end) for p in plan] == [(0, 8), (8, 16), (16, 19)]
+    assert [p.physical_blocks for p in plan] == [[7, 2], [5, 0], [3]]
+    assert plan[2].reads == ((4, 3, 3),)   # logical 4, physical 3, a masked tail of 3 tokens
+    assert "seq 0 · segment 1: tokens 8–15" in KV.format_read_plan(plan)
+
+
+def test_decode_plan_covers_every_token_once_and_nothing_else():
+    g = torch.Generator().manual_seed(0)
+    lens = [1, 37, 150, 260]
+    bs = 16
+    perm = torch.randperm(40, generator=g).tolist()
+    tables, used = [], 0
+    for n in lens:
+        tables.append(perm[used:used + -(-n // bs)] + [0] * (17 - -(-n // bs)))
+        used += -(-n // bs)
+    for splits in (1, 3, 5):
+        plan = KV.decode_read_plan(tables, lens, bs, num_splits=splits)
+        segment_len, num_segments = KV.split_kv_segments(17 * bs, splits)
+        assert len(plan) == len(lens) * num_segments
+        for seq, n in enumerate(lens):
+            mine = [p for p in plan if p.seq == seq]
+            covered = {}
+            for p in mine:
+                assert p.num_tokens <= segment_len and p.tiles == -(-p.num_tokens // KV.DECODE_BLOCK_N)
+                for logical, phys, count in p.reads:
+                    assert tables[seq][logical] == phys
+                    covered[logical] = covered.get(logical, 0) + count
+            want = {lg: min(bs, n - lg * bs) for lg in range(-(-n // bs))}
+            assert covered == want
+            assert sum(p.num_tokens for p in mine) == n
+
+
+def test_prefill_plan_is_what_the_wrapper_launches(monkeypatch):
+    spy = _Spy()
+    monkeypatch.setattr(paged_prefill, "_paged_prefill_kernel", spy)
+    seq_lens, q_lens = [70, 64, 51], [70, 24, 1]
+    tables = torch.arange(15, dtype=torch.int32).reshape(3, 5)
+    cu = torch.tensor([0, 70, 94, 95], dtype=torch.int32)
+    cache = torch.zeros(15, 16, 1, 16)
+    paged_prefill.paged_prefill_attention(torch.zeros(95, 2, 16), cache, cache, tables, cu,
+                                          torch.tensor(seq_lens, dtype=torch.int32), 0.25)
+    (grid, _, kwargs), = spy.launches
+    plan = KV.prefill_read_plan(tables, cu, seq_lens, 16)
+    assert len(plan) == grid[0] * grid[2] and grid[2] == 2
+    block_m = kwargs["BLOCK_M"]
+    assert block_m == 64
+    for p in plan:
+        ctx = seq_lens[p.seq] - q_lens[p.seq]
+        if p.part * block_m >= q_lens[p.seq]:
+            assert p.reads == () and "returns at once" in p.describe()
+        else:
+            assert (p.first, p.end) == (0, min(seq_lens[p.seq], ctx + (p.part + 1) * block_m))
+    # the fresh 70-token prompt: its first query tile stops at key 63 (causality), its second reads all 70
+    assert [(p.end, p.tiles) for p in plan if p.seq == 0] == [(64, 1), (70, 2)]
+
+
+def test_gqa_query_tile():
+    assert KV.gqa_query_tile(9, 3, 1) == [3, 4, 5] + [None] * 13           # SmolLM2
+    assert KV.gqa_query_tile(128, 8, 7) == list(range(112, 128))            # G = 16: no padding
+    assert len(KV.gqa_query_tile(64, 2, 0)) == 32                           # G = 32: next power of two
+    assert KV.gqa_query_tile(8, 8, 2) == [2] + [None] * 15                  # MHA: 15 of 16 rows padding
+    with pytest.raises(ValueError):
+        KV.gqa_query_tile(9, 2, 0)
+    with pytest.raises(ValueError):
+        KV.gqa_query_tile(9, 3, 3)
+
+
+def test_traffic_counts():
+    llama = KVSpec.from_preset("llama-3-8b")
+    t = KV.decode_traffic(32, 8, 128, 2, batch=32, context=4096, num_layers=32)
+    assert t["kv_bytes"] == llama.bytes_for_tokens(32 * 4096)
+    assert t["intensity"] == pytest.approx(2 * 4 / 2)                       # 2·G / bytes
+    for spec in PRESETS.values():
+        g = spec.num_attention_heads // spec.num_kv_heads
+        assert KV.decode_traffic(spec.num_attention_heads, spec.num_kv_heads, 64, 2, 1, 7)["intensity"] == g
+    # prefill: count visible (query, key) pairs by brute force
+    q_len, ctx = 5, 6
+    pairs = sum(1 for j in range(q_len) for p in range(ctx + q_len) if p <= ctx + j)
+    p = KV.prefill_traffic(2, 1, 4, 2, q_len, ctx)
+    assert p["flops"] == 4 * pairs * 2 * 4
+    assert p["bytes"] == 2 * 11 * 1 * 4 * 2 + 2 * 5 * 2 * 4 * 2
+    assert KV.prefill_traffic(32, 8, 128, 2, 2048)["intensity"] > KV.prefill_traffic(32, 8, 128, 2, 128)["intensity"]
+
+
+def test_roofline_figure():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = KV.roofline_figure(989.4, 3350.0, [("decode", 4.0), ("prefill", 820.0)], title="t")
+    ax = fig.axes[0]
+    assert len(ax.lines) == 1 + 1 + 2   # roof, ridge, two points
+    plt.close(fig)
+
+
+TABLES = [[9, 25, 5, 0, 0, 0, 0], [4, 8, 21, 3, 26, 16, 6], [20, 14, 11, 10, 24, 7, 1]]
+LENS = [37, 100, 110]
+
+
+def test_read_view_driven_from_python():
+    view = PagedReadView(torch.tensor(TABLES, dtype=torch.int32), torch.tensor(LENS), 16, num_blocks=28,
+                         num_splits=1)
+    assert view.splits.max == 2 and view.segment_len == 128         # 7 blocks x 16 = 112 tokens: at most 2 tiles
+    assert [p.label for p in view.programs] == ["seq 0 · segment 0", "seq 1 · segment 0", "seq 2 · segment 0"]
+    assert view.selected is view.programs[0]
+    read = [c["block"] for c in view.cells if c["read"]]
+    assert read == sorted([9, 25, 5])
+    assert {c["block"]: c["tokens_read"] for c in view.cells if c["read"]} == {9: 16, 25: 16, 5: 5}
+    assert view.cells[5]["seq"] == 0 and view.cells[5]["tokens_held"] == 5 and view.cells[2]["seq"] is None
+    assert "num_splits 1" in view.caption.value and "physical [9, 25, 5]" in view.caption.value
+    # the figure: the pool row plus one marker per (program, block) read; one highlight per block read + the row
+    pool, reads = view.figure.data
+    assert list(pool.x) == list(range(28)) and pool.marker.color[2] == FREE_COLOR
+    assert len(reads.x) == sum(len(p.reads) for p in view.programs) == 3 + 7 + 7
+    assert len(view.figure.layout.shapes) == 1 + 3
+
+    view.program.value = 2                                           # pick seq 2
+    assert view.selected.seq == 2 and [c["block"] for c in view.cells if c["read"]] == sorted(TABLES[2])
+
+    view.splits.value = 2                                            # segments of 64 tokens
+    assert view.segment_len == 64 and len(view.programs) == 6
+    assert view.program.value == 2 and view.selected.label == "seq 1 · segment 0"   # the index is kept
+    labels = [label for label, _ in view.program.options]
+    assert "seq 0 · segment 1 (returns at once)" in labels
+    view.program.value = labels.index("seq 0 · segment 1 (returns at once)")
+    assert view.selected.reads == () and not any(c["read"] for c in view.cells)
+    assert len(view.figure.layout.shapes) == 0 and "returns at once" in view.caption.value
+    view.program.value = 5                                           # seq 2, segment 1: tokens 64–109
+    assert view.selected.physical_blocks == [24, 7, 1] and view.selected.reads[-1] == (6, 1, 14)
+    assert view.widget.children[1] is view.caption
+
+
+def test_read_view_rejects_a_block_outside_the_pool():
+    with pytest.raises(ValueError, match="outside a pool"):
+        PagedReadView([[3, 40]], [20], 16, num_blocks=10)
