@@ -1,11 +1,12 @@
 """The scheduler: continuous batching, chunked prefill, preemption, prefix caching, forks — and a fuzz run.
 
-The fuzz driver is a model-free stand-in that still moves real data: it keeps a
-real ``CacheEngine`` and writes, for every computed position, a value that
-depends only on the tokens up to that position (as a real model's K/V does).
-Before each step it reads every scheduled request's context back through its
-block table and checks it. A wrong swap, a missed copy-on-write, a prefix hit on
-the wrong block or a block reused while still owned would all show up there.
+The data-checking fake-model ``Driver``, the invariants and the fuzz live in
+``minipaged.testing`` (one copy, shared with ``benchmarks/fuzz_scheduler.py``):
+the driver keeps a real ``CacheEngine``, writes for every computed position a
+value that depends only on the tokens up to it (as a real model's K/V does),
+and reads every scheduled request's context back through its block table each
+step. A wrong swap, a missed copy-on-write, a prefix hit on the wrong block or
+a block reused while still owned would all show up there.
 """
 from __future__ import annotations
 
@@ -13,106 +14,11 @@ import random
 import time
 
 import pytest
-import torch
 
-from minipaged.cache_engine import CacheEngine
-from minipaged.kv_cache_manager import KVCacheManager
-from minipaged.request import Request, RequestStatus
+from minipaged.request import Request
 from minipaged.sampling_params import SamplingParams
-from minipaged.scheduler import Scheduler, SchedulerConfig
-
-EOS = 0
-
-
-def prefix_value(tokens: list[int]) -> float:
-    """What position len(tokens)-1 caches: a function of the whole prefix, like real K/V."""
-    h = 0
-    for t in tokens:
-        h = (h * 1_000_003 + t + 1) % 999_983
-    return float(h)
-
-
-class Driver:
-    """Runs a scheduler with a fake model; checks the cache contents and the invariants every step."""
-
-    def __init__(self, block_size=4, num_blocks=32, caching=True, watermark_blocks=1, mode="recompute",
-                 num_cpu_blocks=0, budget=64, max_num_seqs=8, max_model_len=256, seed=0):
-        self.kv = KVCacheManager(block_size, num_blocks, enable_caching=caching, watermark_blocks=watermark_blocks)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                               max_model_len=max_model_len, preemption_mode=mode,
-                                               num_cpu_blocks=num_cpu_blocks), self.kv)
-        self.cache = CacheEngine(1, num_blocks, block_size, 1, 1, num_cpu_blocks=num_cpu_blocks)
-        self.rng = random.Random(seed)
-        self.block_size = block_size
-        self.steps = 0
-
-    def add(self, rid, prompt, **params):
-        req = Request(rid, prompt, sampling_params=SamplingParams(**params), eos_token_id=EOS)
-        self.sched.add_request(req)
-        return req
-
-    def sample(self, req: Request) -> int:
-        return random.Random(f"{req.request_id}/{req.num_tokens}").randrange(0, 40)
-
-    def step(self):
-        out = self.sched.schedule()
-        self.steps += 1
-        assert out.total_num_scheduled_tokens <= self.sched.config.max_num_batched_tokens
-        assert len(out.scheduled) <= self.sched.config.max_num_seqs
-        assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
-        self.cache.swap_out(out.swap_out)
-        self.cache.swap_in(out.swap_in)
-        self.cache.copy(out.copy_blocks)
-        kcache = self.cache.gpu_cache[0][0].view(-1)
-        bs = self.block_size
-        slots = out.slot_mapping()
-        assert slots.numel() == out.total_num_scheduled_tokens and bool((slots >= 0).all())
-        assert len(set(slots.tolist())) == slots.numel()  # no two tokens written to one slot
-        values = [prefix_value(s.request.all_token_ids[: p + 1]) for s in out.scheduled
-                  for p in range(s.start, s.start + s.num_new_tokens)]
-        kcache[slots] = torch.tensor(values)
-        # Like a model layer, a step writes its new K/V first, then attends: every position up to the
-        # last new one must now hold its own prefix's value (prefix hits may read blocks written this step).
-        for s in out.scheduled:
-            assert s.num_new_tokens >= 1
-            tokens = s.request.all_token_ids
-            for p in range(s.start + s.num_new_tokens):
-                slot = s.block_ids[p // bs] * bs + p % bs
-                assert kcache[slot] == prefix_value(tokens[: p + 1]), (s.request_id, p, self.steps)
-        sampled = {}
-        for s in out.scheduled:
-            if s.samples:
-                n = s.num_samples
-                sampled[s.request_id] = [self.sample(s.request)] + [self.rng.randrange(0, 40) for _ in range(n - 1)]
-        self.sched.update_from_output(out, sampled, now=float(self.steps))
-        self.check_invariants()
-        return out
-
-    def check_invariants(self):
-        pool = self.kv.block_pool
-        free = pool.free_block_queue.get_all_free_blocks()
-        free_ids = {b.block_id for b in free}
-        assert len(free_ids) == len(free) == pool.get_num_free_blocks()
-        refs = {}
-        for blocks in self.kv.req_to_blocks.values():
-            for b in blocks:
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
-        for b in pool.blocks[1:]:
-            assert b.ref_cnt == refs.get(b.block_id, 0), f"block {b.block_id}: ref_cnt {b.ref_cnt}"
-            assert (b.block_id in free_ids) == (b.ref_cnt == 0)
-        assert 0 not in free_ids and 0 not in refs  # the null block is never handed out
-        live = {r.request_id for r in self.sched.running}
-        assert set(self.kv.req_to_blocks) <= live | {r.request_id for r in self.sched.waiting
-                                                     if r.status is RequestStatus.SWAPPED}
-        if self.sched.cpu_pool is not None:
-            in_cpu = sum(len(v) for v in self.sched.swapped_blocks.values())
-            assert in_cpu + self.sched.cpu_pool.get_num_free_blocks() == self.sched.config.num_cpu_blocks - 1
-
-    def run(self, max_steps=10_000):
-        while self.sched.has_unfinished():
-            self.step()
-            assert self.steps < max_steps, "no progress"
-        assert self.kv.block_pool.get_num_free_blocks() == self.kv.num_blocks - 1  # nothing leaked
+from minipaged.scheduler import SchedulerConfig
+from minipaged.testing import EOS, Driver, fuzz, random_config
 
 
 def test_requests_finish_with_their_lengths_and_free_everything():
@@ -257,59 +163,6 @@ def test_bad_config():
         SchedulerConfig(preemption_mode="drop")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_num_batched_tokens=0)
-
-
-def random_config(rng: random.Random) -> dict:
-    mode = rng.choice(["recompute", "swap"])
-    return dict(block_size=rng.choice([1, 2, 4, 8, 16]), num_blocks=rng.randint(4, 40),
-                caching=rng.random() < 0.6, watermark_blocks=rng.choice([0, 0, 1]), mode=mode,
-                num_cpu_blocks=rng.randint(2, 30) if mode == "swap" else 0, budget=rng.choice([1, 3, 8, 32, 128]),
-                max_num_seqs=rng.randint(1, 8), max_model_len=rng.choice([16, 48, 200]))
-
-
-def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
-    """Random configurations and workloads until ``total_steps`` steps have run; returns what happened."""
-    rng = random.Random(seed)
-    seen = dict(steps=0, requests=0, preemptions=0, swapped_blocks=0, cow_copies=0, prefix_hit_tokens=0,
-                rejected=0, forks=0)
-    while seen["steps"] < total_steps:
-        cfg = random_config(rng)
-        d = Driver(**cfg, seed=rng.randrange(1 << 30))
-        shared = [rng.randrange(1, 40) for _ in range(rng.randint(0, 24))]
-        expected = {}
-        for i in range(rng.randint(1, 12)):
-            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(1, 40) for _ in range(rng.randint(1, 30))]
-            p = dict(max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.7, n=rng.choice([1, 1, 1, 2, 3]))
-            try:
-                d.add(f"q{i}", prompt, **p)
-            except ValueError as exc:  # a pool smaller than the watermark: refused at construction
-                raise AssertionError(exc) from exc
-            expected[f"q{i}"] = p
-        while d.sched.has_unfinished():
-            out = d.step()
-            assert d.steps < 50_000, "no progress"
-            seen["swapped_blocks"] += len(out.swap_out)
-            seen["cow_copies"] += len(out.copy_blocks)
-            seen["prefix_hit_tokens"] += sum(s.start for s in out.scheduled if s.request.num_output_tokens == 0)
-        assert d.kv.block_pool.get_num_free_blocks() == d.kv.num_blocks - 1  # nothing leaked
-        for rid, req in d.sched.requests.items():
-            assert req.is_finished, rid
-            if req.finish_reason == "rejected":
-                continue
-            p = expected[req.parent_id or rid]
-            assert req.num_output_tokens <= p["max_tokens"]
-            if req.finish_reason == "length" and req.num_tokens < d.sched.config.max_model_len:
-                assert req.num_output_tokens == p["max_tokens"]
-            if req.finish_reason == "stop":
-                assert req.output_token_ids[-1] == EOS and not p["ignore_eos"]
-        finished_ids = [r.request_id for r in d.sched.finished]
-        assert len(finished_ids) == len(set(finished_ids)) == len(d.sched.requests)  # each exactly once
-        seen["steps"] += d.steps
-        seen["requests"] += len(d.sched.requests)
-        seen["preemptions"] += d.sched.num_preemptions
-        seen["rejected"] += sum(r.finish_reason == "rejected" for r in d.sched.requests.values())
-        seen["forks"] += sum(r.parent_id is not None for r in d.sched.requests.values())
-    return seen
 
 
 def test_fuzz_ten_thousand_steps():

@@ -1,0 +1,548 @@
+"""The model-free simulator: the real scheduler, a fake model, and a cost model that tells the time.
+
+Chapters 06-08 compare scheduling policies on thousands of requests. Running a
+real model for that would take hours on a laptop, and it is not needed: what a
+policy decides depends only on token *counts*, not on token *values*. So the
+simulator runs the package's real ``Scheduler`` and ``KVCacheManager`` with a
+fake model whose output lengths are known in advance (every request has
+``SamplingParams(max_tokens=L, ignore_eos=True)``) and charges each step a time
+from a simple cost model::
+
+    step time = max( (weights + KV bytes/token · tokens in context) / memory bandwidth ,   memory-bound
+                     2 · params · new tokens / FLOP/s )                                    compute-bound
+              + swapped bytes / PCIe bandwidth                                             swap copies
+
+    weights read once per step, whatever the batch   →  big batches amortise them
+    KV read once per token in context, per step      →  long contexts cost every step
+    compute per new token                            →  prefill chunks are compute-bound
+
+(a roofline: a GPU overlaps memory traffic and arithmetic, so a step takes as
+long as the slower of the two). Decode steps of a few requests are dominated by
+reading the weights; long prefills by arithmetic. ``HARDWARE`` holds A100-,
+H100- and laptop-CPU-like numbers (peak figures from the data sheets).
+
+Beside it, the **static batching** baseline that continuous batching replaced:
+take up to ``B`` requests in arrival order, run them as one padded batch until
+its *longest* member finishes, then take the next ``B``. Its KV memory is
+reserved contiguously for ``max_model_len`` tokens per request, so the same
+memory caps ``B`` at ``pool tokens // max_model_len``. It runs under the same
+cost model (vectorised: a batch is a rectangle, no scheduler needed)::
+
+    static, B = 3        step:  1 2 3 4 5 6 7 8 9       continuous       1 2 3 4 5 6 7 8 9
+    r0 (4 tokens)              P d d d · · · · ·        r0                P d d d
+    r1 (9 tokens)              P d d d d d d d d        r1                P d d d d d d d d
+    r2 (2 tokens)              P d · · · · · · ·        r2                P d
+    r3 waits for the whole batch ──────────────▶        r3                    P d d   (takes r2's place)
+                               · = a padded row still computed, producing nothing
+
+Both return a ``SimResult``: per step (running, waiting, blocks in use, tokens
+scheduled, preemptions) and per request (TTFT, inter-token latency, finish
+time), with ``summary()`` for the headline numbers.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from .kv_cache_manager import KVCacheManager
+from .kv_math import KVSpec
+from .request import Request
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .workloads import Trace
+
+FAKE_TOKEN = 1  # what the fake model "samples": any id will do, nobody reads it
+
+
+# ---- hardware and the cost model -------------------------------------------------------------
+@dataclass(frozen=True)
+class Hardware:
+    """The three rates the cost model needs (peak numbers), and the memory size."""
+
+    name: str
+    mem_bandwidth: float  # bytes/s between memory and the compute units (HBM, or DRAM on a CPU)
+    flops: float  # dense 16-bit matmul FLOP/s
+    swap_bandwidth: float  # bytes/s between device and host memory (PCIe), used by swap copies
+    memory_bytes: float
+
+
+HARDWARE: dict[str, Hardware] = {
+    # Data-sheet peaks: HBM bandwidth, dense BF16 tensor-core FLOP/s, PCIe x16 one direction.
+    "a100": Hardware("A100-SXM4 80 GB", 2.039e12, 312e12, 32e9, 80e9),
+    "h100": Hardware("H100-SXM5 80 GB", 3.35e12, 989e12, 64e9, 80e9),
+    # A laptop: dual-channel DDR4, two cores of AVX2 FMA in fp32; "swap" is a copy inside the same DRAM.
+    "cpu": Hardware("laptop CPU, 2 cores", 25e9, 100e9, 10e9, 16e9),
+}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per step from what the step reads and computes (see the module docstring).
+
+    ``step_time(kv_tokens, new_tokens, swap_bytes)``:
+
+    * ``kv_tokens``: tokens whose K/V the step reads: for each scheduled request,
+      everything up to its last new token (context + new);
+    * ``new_tokens``: tokens computed this step (prefill chunks + one per decode);
+    * ``swap_bytes``: bytes copied between device and host (swap out + swap in).
+    """
+
+    weight_bytes: float
+    kv_bytes_per_token: float
+    flops_per_token: float
+    mem_bandwidth: float
+    flops: float
+    swap_bandwidth: float
+    step_overhead: float = 0.0  # fixed seconds per step (kernel launches, sampling, scheduling)
+    name: str = ""
+
+    @classmethod
+    def for_model(cls, model: str | KVSpec = "llama-3-8b", hardware: str | Hardware = "h100",
+                  num_params: float | None = None, weight_bytes_per_param: float = 2.0,
+                  kv_dtype: str | int | None = None, step_overhead: float = 0.0) -> CostModel:
+        """A cost model for a preset (``kv_math.PRESETS``) or any ``KVSpec`` on a ``HARDWARE`` entry."""
+        spec = KVSpec.from_preset(model, dtype=kv_dtype) if isinstance(model, str) else model
+        hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
+        params = num_params if num_params is not None else spec.num_params
+        if not params:
+            raise ValueError(f"{spec.name or 'this spec'} has no num_params: pass num_params=")
+        return cls(weight_bytes=params * weight_bytes_per_param, kv_bytes_per_token=spec.bytes_per_token,
+                   flops_per_token=2.0 * params, mem_bandwidth=hw.mem_bandwidth, flops=hw.flops,
+                   swap_bandwidth=hw.swap_bandwidth, step_overhead=step_overhead,
+                   name=f"{spec.name} on {hw.name}")
+
+    def step_time(self, kv_tokens: float, new_tokens: float, swap_bytes: float = 0.0) -> float:
+        memory = (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) / self.mem_bandwidth
+        compute = self.flops_per_token * new_tokens / self.flops
+        return self.step_overhead + (memory if memory > compute else compute) + swap_bytes / self.swap_bandwidth
+
+    def step_times(self, kv_tokens: np.ndarray, new_tokens: np.ndarray) -> np.ndarray:
+        """``step_time`` over arrays of steps (no swapping)."""
+        memory = (self.weight_bytes + self.kv_bytes_per_token * np.asarray(kv_tokens, float)) / self.mem_bandwidth
+        compute = self.flops_per_token * np.asarray(new_tokens, float) / self.flops
+        return self.step_overhead + np.maximum(memory, compute)
+
+    def swap_time(self, num_blocks: int, block_size: int) -> float:
+        """Seconds to move ``num_blocks`` blocks one way over PCIe."""
+        return num_blocks * block_size * self.kv_bytes_per_token / self.swap_bandwidth
+
+
+def kv_pool_blocks(model: str | KVSpec = "llama-3-8b", hardware: str | Hardware = "h100", block_size: int = 16,
+                   gpu_memory_utilization: float = 0.9, weight_bytes_per_param: float = 2.0) -> int:
+    """Usable KV blocks left after the weights (vLLM's start-up sizing, activations ignored)."""
+    from .kv_math import num_blocks_at_startup
+
+    spec = KVSpec.from_preset(model) if isinstance(model, str) else model
+    hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
+    return num_blocks_at_startup(hw.memory_bytes, gpu_memory_utilization,
+                                 (spec.num_params or 0) * weight_bytes_per_param, 0, spec, block_size)
+
+
+# ---- the workload ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimRequest:
+    """One request of a simulated workload: it arrives at ``arrival`` seconds and will generate ``output_len``."""
+
+    req_id: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    prompt_token_ids: tuple[int, ...] | None = None  # None: a prompt no other request shares
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 1 or self.arrival < 0:
+            raise ValueError(f"bad request {self.req_id}: need prompt_len >= 1, output_len >= 1, arrival >= 0")
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
+            raise ValueError(f"request {self.req_id}: {len(self.prompt_token_ids)} prompt ids, "
+                             f"prompt_len={self.prompt_len}")
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.output_len
+
+
+def requests_from_trace(trace: Trace, time_unit: float = 0.0) -> list[SimRequest]:
+    """A ``workloads.Trace`` as simulator requests; its arrival steps become ``arrival · time_unit`` seconds.
+
+    ``time_unit=0`` puts every request at time 0 (an offline batch).
+    """
+    return [SimRequest(r.req_id, r.arrival * time_unit, r.prompt_len, r.output_len) for r in trace]
+
+
+def shared_prefix_requests(requests: Sequence[SimRequest], prefix_len: int, share: float = 1.0,
+                           num_prefixes: int = 1, vocab: int = 32_000, seed: int = 0) -> list[SimRequest]:
+    """Give a fraction ``share`` of the requests one of ``num_prefixes`` system prompts of ``prefix_len`` tokens.
+
+    Each request keeps its own ``prompt_len`` tokens *after* the prefix (random ids),
+    so a shared request's prompt grows by ``prefix_len``.
+    """
+    rng = np.random.default_rng(seed)
+    prefixes = [tuple(int(t) for t in rng.integers(1, vocab, prefix_len)) for _ in range(num_prefixes)]
+    out = []
+    for r in requests:
+        own = tuple(int(t) for t in rng.integers(1, vocab, r.prompt_len))
+        if rng.random() < share:
+            ids = prefixes[int(rng.integers(num_prefixes))] + own
+        else:
+            ids = own
+        out.append(replace(r, prompt_len=len(ids), prompt_token_ids=ids))
+    return out
+
+
+# ---- configuration and results ---------------------------------------------------------------
+@dataclass(frozen=True)
+class SimConfig:
+    """The engine being simulated: pool, scheduler limits, preemption and caching."""
+
+    block_size: int = 16
+    num_blocks: int = 4097  # null block included
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_caching: bool = False
+    watermark: float = 0.01
+    preemption_mode: str = "recompute"
+    num_cpu_blocks: int = 0
+
+    @property
+    def pool_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=self.max_model_len, preemption_mode=self.preemption_mode,
+                               num_cpu_blocks=self.num_cpu_blocks)
+
+    def make_scheduler(self) -> Scheduler:
+        kv = KVCacheManager(self.block_size, self.num_blocks, enable_caching=self.enable_caching,
+                            watermark=self.watermark)
+        return Scheduler(self.scheduler_config(), kv)
+
+    def static_batch_cap(self) -> int:
+        """Requests a contiguous allocator can hold at once: each reserves ``max_model_len`` slots."""
+        return self.pool_tokens // self.max_model_len
+
+
+@dataclass
+class RequestMetrics:
+    req_id: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    start: float | None = None  # when it first ran (its first step began)
+    first_token: float | None = None
+    finish: float | None = None  # its last token
+    token_times: list[float] = field(default_factory=list, repr=False)
+    num_preemptions: int = 0
+    rejected: bool = False
+    release: float | None = None  # static batching: when its batch ended and its memory was released
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def queueing(self) -> float | None:
+        return None if self.start is None else self.start - self.arrival
+
+    @property
+    def itls(self) -> np.ndarray:
+        return np.diff(np.asarray(self.token_times, dtype=float))
+
+
+STEP_FIELDS = ("time", "duration", "num_running", "num_waiting", "blocks_in_use", "tokens_scheduled",
+               "prefill_tokens", "kv_tokens", "num_preempted", "swap_out_blocks", "swap_in_blocks")
+
+
+@dataclass
+class SimResult:
+    """What one simulated run did: ``steps`` (one array per ``STEP_FIELDS`` entry) and ``requests``.
+
+    ``events`` lists ``(time, kind, request id)`` with kind in admit / preempt / resume / finish
+    (continuous) or batch / finish (static). For static batching ``blocks_in_use`` counts the
+    *reserved* contiguous memory, in blocks of ``block_size`` tokens.
+    """
+
+    policy: str
+    config: SimConfig
+    cost: CostModel
+    requests: list[RequestMetrics]
+    steps: dict[str, np.ndarray]
+    events: list[tuple[float, str, str]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> list[RequestMetrics]:
+        return [r for r in self.requests if not r.rejected]
+
+    def summary(self) -> dict[str, float]:
+        done = self.finished
+        if not done:
+            raise ValueError("no request finished")
+        t0 = min(r.arrival for r in done)
+        makespan = max(r.finish for r in done) - t0
+        out_tokens = sum(len(r.token_times) for r in done)
+        ttft = np.array([r.ttft for r in done])
+        lat = np.array([r.latency for r in done])
+        itl = np.concatenate([r.itls for r in done]) if done else np.zeros(0)
+        itl = itl if itl.size else np.zeros(1)
+        s = self.steps
+        usable = self.config.num_blocks - 1
+        return dict(
+            requests=len(done), rejected=len(self.requests) - len(done), makespan_s=makespan,
+            throughput_tok_s=out_tokens / makespan, requests_per_s=len(done) / makespan,
+            ttft_mean_s=float(ttft.mean()), ttft_p50_s=float(np.percentile(ttft, 50)),
+            ttft_p99_s=float(np.percentile(ttft, 99)),
+            itl_mean_s=float(itl.mean()), itl_p50_s=float(np.percentile(itl, 50)),
+            itl_p99_s=float(np.percentile(itl, 99)),
+            latency_mean_s=float(lat.mean()), latency_p99_s=float(np.percentile(lat, 99)),
+            steps=int(len(s["time"])), mean_batch=float(s["num_running"].mean()) if len(s["time"]) else 0.0,
+            peak_blocks=int(s["blocks_in_use"].max()) if len(s["time"]) else 0,
+            mean_block_usage=float(s["blocks_in_use"].mean() / usable) if len(s["time"]) else 0.0,
+            preemptions=int(s["num_preempted"].sum()),
+            computed_tokens=int(s["tokens_scheduled"].sum()),
+            swapped_blocks=int(s["swap_out_blocks"].sum() + s["swap_in_blocks"].sum()),
+            **{k: v for k, v in self.info.items() if isinstance(v, (int, float))},
+        )
+
+
+def _finish_steps(cols: dict[str, list]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(cols[k], dtype=float if k in ("time", "duration") else np.int64) for k in STEP_FIELDS}
+
+
+def fake_samples(out: SchedulerOutput, token: Callable[[Request], int] | int = FAKE_TOKEN) -> dict[str, list[int]]:
+    """The fake model: a token for every scheduled request that samples (``n`` on an n > 1 request's first)."""
+    if isinstance(token, int):
+        return {s.request_id: [token] * s.num_samples for s in out.scheduled if s.num_samples}
+    return {s.request_id: [token(s.request)] * s.num_samples for s in out.scheduled if s.num_samples}
+
+
+# ---- continuous batching: the real scheduler ------------------------------------------------
+def _make_request(i: int, r: SimRequest) -> Request:
+    ids = list(r.prompt_token_ids) if r.prompt_token_ids is not None else [i + 2] + [FAKE_TOKEN] * (r.prompt_len - 1)
+    return Request(r.req_id, ids, cache_salt=r.cache_salt, arrival_time=r.arrival,
+                   sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+
+
+def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config: SimConfig = SimConfig(),
+                        record_events: bool = True, check: bool = False, max_steps: int = 10_000_000,
+                        on_step: Callable[[Scheduler, SchedulerOutput, float], None] | None = None) -> SimResult:
+    """Serve ``requests`` with the real ``Scheduler``; the clock advances by ``cost.step_time`` per step.
+
+    A request is added to the scheduler once the clock reaches its arrival. With
+    ``check=True`` the block-pool invariants (``minipaged.testing.check_invariants``)
+    are asserted after every step (slower: for tests). ``on_step(scheduler, output,
+    now)`` is called after each step, e.g. to take snapshots for a widget.
+    """
+    sched = config.make_scheduler()
+    kv = sched.kv
+    checker = None
+    if check:
+        from .testing import check_invariants as checker
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    metrics = {r.req_id: RequestMetrics(r.req_id, r.arrival, r.prompt_len, r.output_len) for r in requests}
+    if len(metrics) != len(requests):
+        raise ValueError("request ids must be unique")
+    cols: dict[str, list] = {k: [] for k in STEP_FIELDS}
+    events: list[tuple[float, str, str]] = []
+    usable = config.num_blocks - 1
+    bytes_per_block = cost.kv_bytes_per_token * config.block_size
+    hit_tokens = query_tokens = 0
+    now, nxt, n = 0.0, 0, len(order)
+    while nxt < n or sched.has_unfinished():
+        while nxt < n and requests[order[nxt]].arrival <= now:
+            i = order[nxt]
+            sched.add_request(_make_request(i, requests[i]))
+            nxt += 1
+        if not sched.has_unfinished():
+            now = max(now, requests[order[nxt]].arrival)
+            continue
+        before = {r.request_id for r in sched.running}
+        swapped_before = set(sched.swapped_blocks)
+        out = sched.schedule()
+        if not out.scheduled:
+            raise RuntimeError(f"the scheduler made no progress at t={now:.3f}s "
+                               f"({len(sched.waiting)} waiting, {len(sched.running)} running)")
+        kv_tokens = new_tokens = prefill = 0
+        for s in out.scheduled:
+            new_tokens += s.num_new_tokens
+            kv_tokens += s.start + s.num_new_tokens
+            req = s.request
+            if s.start < req.num_prompt_tokens:
+                prefill += s.num_new_tokens
+            rid = s.request_id
+            if rid not in before:
+                m = metrics.get(rid)
+                if m is not None and m.start is None:
+                    m.start = now
+                if rid not in swapped_before:  # a (re)admission that looked in the prefix cache
+                    hit_tokens += s.start
+                    query_tokens += req.num_tokens
+                if record_events:
+                    events.append((now, "resume" if req.num_preemptions else "admit", rid))
+        if record_events:
+            events.extend((now, "preempt", rid) for rid in out.preempted)
+        swaps = len(out.swap_out) + len(out.swap_in)
+        dt = cost.step_time(kv_tokens, new_tokens, swaps * bytes_per_block)
+        cols["time"].append(now)
+        cols["duration"].append(dt)
+        cols["num_running"].append(len(out.scheduled))
+        cols["num_waiting"].append(len(sched.waiting))
+        cols["blocks_in_use"].append(usable - kv.get_num_free_blocks())
+        cols["tokens_scheduled"].append(new_tokens)
+        cols["prefill_tokens"].append(prefill)
+        cols["kv_tokens"].append(kv_tokens)
+        cols["num_preempted"].append(len(out.preempted))
+        cols["swap_out_blocks"].append(len(out.swap_out))
+        cols["swap_in_blocks"].append(len(out.swap_in))
+        now += dt
+        finished = sched.update_from_output(out, fake_samples(out), now)
+        if record_events:
+            events.extend((now, "finish", r.request_id) for r in finished)
+        if checker is not None:
+            checker(sched)
+        if on_step is not None:
+            on_step(sched, out, now)
+        if len(cols["time"]) >= max_steps:
+            raise RuntimeError(f"more than {max_steps} steps")
+    for rid, req in sched.requests.items():
+        m = metrics[rid]
+        m.num_preemptions = req.num_preemptions
+        if req.finish_reason == "rejected":
+            m.rejected = True
+            continue
+        m.token_times = req.token_times
+        m.first_token, m.finish = req.first_token_time, req.finish_time
+    info = dict(prefix_hit_tokens=hit_tokens, prefix_query_tokens=query_tokens,
+                prefix_hit_rate=hit_tokens / query_tokens if query_tokens else 0.0)
+    return SimResult("continuous", config, cost, list(metrics.values()), _finish_steps(cols), events, info)
+
+
+# ---- static batching: the baseline -----------------------------------------------------------
+def simulate_static(requests: Sequence[SimRequest], cost: CostModel, config: SimConfig = SimConfig(),
+                    batch_size: int | None = None, padded: bool = True, record_events: bool = True) -> SimResult:
+    """Serve ``requests`` in fixed batches, each running until its longest member finishes.
+
+    * The engine, when idle, takes the requests that have arrived, in arrival
+      order, up to ``B = min(batch_size, config.static_batch_cap())`` (it does not
+      wait to fill a batch); if none has arrived it waits for the next.
+    * Memory: each member reserves ``max_model_len`` contiguous slots, so the
+      pool of ``config.num_blocks`` blocks caps ``B``. As in the scheduler, a
+      prompt longer than ``max_model_len`` is rejected, and a request stops
+      generating when it reaches ``max_model_len`` tokens.
+    * A batch is one padded tensor (``padded=True``): the prefill computes
+      ``B × longest prompt`` tokens, and every decode step runs all ``B`` rows,
+      reading ``B × (longest prompt + step)`` tokens of KV, until the longest
+      output is done. ``padded=False`` charges only live requests (a kinder baseline).
+    * A request's tokens stream out as they are produced (``finish`` = its own last
+      token); its memory is released only when the batch ends (``release``).
+    """
+    cap = config.static_batch_cap()
+    if cap < 1:
+        raise ValueError(f"a pool of {config.pool_tokens} tokens cannot reserve even one request of "
+                         f"max_model_len={config.max_model_len}")
+    B = cap if batch_size is None else min(batch_size, cap)
+    if B < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    metrics = [RequestMetrics(r.req_id, r.arrival, r.prompt_len, r.output_len) for r in requests]
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    ok = [i for i in order if requests[i].prompt_len <= config.max_model_len]
+    for i in order:
+        if requests[i].prompt_len > config.max_model_len:
+            metrics[i].rejected = True
+    # As in the scheduler, a request stops when it reaches max_model_len (always after at least one token).
+    out_len = {i: max(1, min(requests[i].output_len, config.max_model_len - requests[i].prompt_len)) for i in ok}
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in STEP_FIELDS}
+    events: list[tuple[float, str, str]] = []
+    reserved_blocks = -(-config.max_model_len // config.block_size)
+    now, k, batches = 0.0, 0, 0
+    arrivals = np.array([requests[i].arrival for i in ok], dtype=float)
+    while k < len(ok):
+        now = max(now, arrivals[k])
+        end = k + 1
+        while end < len(ok) and end - k < B and arrivals[end] <= now:
+            end += 1
+        batch = ok[k:end]
+        p = np.array([requests[i].prompt_len for i in batch])
+        o = np.array([out_len[i] for i in batch])
+        rows, P, O = len(batch), int(p.max()), int(o.max())
+        # step 0: the prefill (first token); steps 1..O-1: decodes (token j+1 of every live row)
+        steps = np.arange(O)
+        live = (o[None, :] > steps[:, None])  # [O, rows]: row still producing tokens at step j
+        if padded:
+            new = np.full(O, rows, dtype=np.int64)
+            new[0] = rows * P
+            kv = rows * (P + steps)
+        else:
+            new = live.sum(axis=1)
+            new[0] = int(p.sum())
+            kv = (live * (p[None, :] + steps[:, None])).sum(axis=1)
+        dt = cost.step_times(kv, new)
+        ends = now + np.cumsum(dt)
+        starts = ends - dt
+        for j, i in enumerate(batch):
+            m = metrics[i]
+            m.start = now
+            m.token_times = ends[: o[j]].tolist()
+            m.first_token, m.finish, m.release = m.token_times[0], m.token_times[-1], float(ends[-1])
+        if record_events:
+            events.append((now, "batch", ",".join(requests[i].req_id for i in batch)))
+            events.extend(sorted((metrics[i].finish, "finish", requests[i].req_id) for i in batch))
+        waiting_after = np.searchsorted(arrivals, starts, side="right") - end
+        parts["time"].append(starts)
+        parts["duration"].append(dt)
+        parts["num_running"].append(live.sum(axis=1))
+        parts["num_waiting"].append(np.maximum(waiting_after, 0))
+        parts["blocks_in_use"].append(np.full(O, rows * reserved_blocks))
+        parts["tokens_scheduled"].append(new)
+        prefill = np.zeros(O, dtype=np.int64)
+        prefill[0] = new[0]
+        parts["prefill_tokens"].append(prefill)
+        parts["kv_tokens"].append(np.asarray(kv))
+        for name in ("num_preempted", "swap_out_blocks", "swap_in_blocks"):
+            parts[name].append(np.zeros(O, dtype=np.int64))
+        now = float(ends[-1])
+        k = end
+        batches += 1
+    steps = {name: (np.concatenate(v) if v else np.zeros(0)).astype(float if name in ("time", "duration")
+                                                                   else np.int64)
+             for name, v in parts.items()}
+    used = sum(out_len.values())
+    computed_useful = sum(requests[i].prompt_len + out_len[i] for i in ok)
+    info = dict(batch_size=B, batch_cap=cap, batches=batches,
+                padding_fraction=1.0 - computed_useful / max(1, int(steps["tokens_scheduled"].sum())),
+                output_tokens=used)
+    return SimResult("static", config, cost, metrics, steps, events, info)
+
+
+def compare(requests: Sequence[SimRequest], cost: CostModel, config: SimConfig = SimConfig(),
+            batch_size: int | None = None, padded: bool = True) -> dict[str, dict[str, float]]:
+    """``summary()`` of static and continuous batching on the same requests, cost model and memory."""
+    static = simulate_static(requests, cost, config, batch_size, padded=padded, record_events=False)
+    cont = simulate_continuous(requests, cost, config, record_events=False)
+    return {"static": static.summary(), "continuous": cont.summary()}
+
+
+def format_table(rows: dict[str, dict[str, float]], keys: Iterable[tuple[str, str, float, str]]) -> str:
+    """A small fixed-width table: ``keys`` = (summary key, label, scale, format) per line; one column per run."""
+    names = list(rows)
+    width = max(12, *(len(n) + 2 for n in names))
+    lines = [f"{'':<26}" + "".join(f"{n:>{width}}" for n in names)]
+    for key, label, scale, fmt in keys:
+        vals = "".join(f"{format(rows[n][key] * scale, fmt):>{width}}" for n in names)
+        lines.append(f"{label:<26}{vals}")
+    return "\n".join(lines)
+
+
+__all__ = ["HARDWARE", "CostModel", "Hardware", "RequestMetrics", "STEP_FIELDS", "SimConfig", "SimRequest",
+           "SimResult", "compare", "fake_samples", "format_table", "kv_pool_blocks", "requests_from_trace",
+           "shared_prefix_requests", "simulate_continuous", "simulate_static"]
+

@@ -1,0 +1,190 @@
+"""Test support for the scheduler: a data-checking fake-model driver, the invariants, and a seeded fuzz.
+
+Used by ``tests/test_scheduler.py`` (10,000 fuzz steps and a hypothesis state
+machine), ``tests/test_simulator.py`` and ``benchmarks/fuzz_scheduler.py``
+(100,000+ steps): one copy of each.
+
+The ``Driver`` is a model-free stand-in that still moves real data: it keeps a
+real ``CacheEngine`` and writes, for every computed position, a value that
+depends only on the tokens up to that position (as a real model's K/V does).
+After each step's writes it reads every scheduled request's context back
+through its block table and checks it. A wrong swap, a missed copy-on-write, a
+prefix hit on the wrong block or a block reused while still owned would all
+show up there.
+
+The checks are ``assert`` statements: do not run this module under ``python -O``.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .cache_engine import CacheEngine
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .simulator import fake_samples
+
+EOS = 0
+
+
+def prefix_value(tokens: list[int]) -> float:
+    """What position len(tokens)-1 caches: a function of the whole prefix, like real K/V."""
+    h = 0
+    for t in tokens:
+        h = (h * 1_000_003 + t + 1) % 999_983
+    return float(h)
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Block-pool and swap-space bookkeeping after a step: no leak, no double free, consistent ref counts."""
+    kv = sched.kv
+    pool = kv.block_pool
+    free = pool.free_block_queue.get_all_free_blocks()
+    free_ids = {b.block_id for b in free}
+    assert len(free_ids) == len(free) == pool.get_num_free_blocks()
+    refs: dict[int, int] = {}
+    for blocks in kv.req_to_blocks.values():
+        for b in blocks:
+            refs[b.block_id] = refs.get(b.block_id, 0) + 1
+    for b in pool.blocks[1:]:
+        assert b.ref_cnt == refs.get(b.block_id, 0), f"block {b.block_id}: ref_cnt {b.ref_cnt}"
+        assert (b.block_id in free_ids) == (b.ref_cnt == 0)
+    assert 0 not in free_ids and 0 not in refs  # the null block is never handed out
+    live = {r.request_id for r in sched.running}
+    assert set(kv.req_to_blocks) <= live | {r.request_id for r in sched.waiting
+                                            if r.status is RequestStatus.SWAPPED}
+    if sched.cpu_pool is not None:
+        in_cpu = sum(len(v) for v in sched.swapped_blocks.values())
+        assert in_cpu + sched.cpu_pool.get_num_free_blocks() == sched.config.num_cpu_blocks - 1
+
+
+def check_step_limits(sched: Scheduler, out: SchedulerOutput) -> None:
+    """The step respects its limits: token budget, max_num_seqs, each request at most once, one slot per token."""
+    assert out.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
+    assert len(out.scheduled) <= sched.config.max_num_seqs
+    assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
+    assert all(s.num_new_tokens >= 1 for s in out.scheduled)
+
+
+class Driver:
+    """Runs a scheduler with a fake model; checks the cache contents and the invariants every step."""
+
+    def __init__(self, block_size=4, num_blocks=32, caching=True, watermark_blocks=1, mode="recompute",
+                 num_cpu_blocks=0, budget=64, max_num_seqs=8, max_model_len=256, seed=0):
+        self.kv = KVCacheManager(block_size, num_blocks, enable_caching=caching, watermark_blocks=watermark_blocks)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                               max_model_len=max_model_len, preemption_mode=mode,
+                                               num_cpu_blocks=num_cpu_blocks), self.kv)
+        self.cache = CacheEngine(1, num_blocks, block_size, 1, 1, num_cpu_blocks=num_cpu_blocks)
+        self.rng = random.Random(seed)
+        self.block_size = block_size
+        self.steps = 0
+
+    def add(self, rid, prompt, **params):
+        req = Request(rid, prompt, sampling_params=SamplingParams(**params), eos_token_id=EOS)
+        self.sched.add_request(req)
+        return req
+
+    def sample(self, req: Request) -> int:
+        return random.Random(f"{req.request_id}/{req.num_tokens}").randrange(0, 40)
+
+    def step(self):
+        out = self.sched.schedule()
+        self.steps += 1
+        check_step_limits(self.sched, out)
+        self.cache.swap_out(out.swap_out)
+        self.cache.swap_in(out.swap_in)
+        self.cache.copy(out.copy_blocks)
+        kcache = self.cache.gpu_cache[0][0].view(-1)
+        bs = self.block_size
+        slots = out.slot_mapping()
+        assert slots.numel() == out.total_num_scheduled_tokens and bool((slots >= 0).all())
+        assert len(set(slots.tolist())) == slots.numel()  # no two tokens written to one slot
+        values = [prefix_value(s.request.all_token_ids[: p + 1]) for s in out.scheduled
+                  for p in range(s.start, s.start + s.num_new_tokens)]
+        kcache[slots] = torch.tensor(values)
+        # Like a model layer, a step writes its new K/V first, then attends: every position up to the
+        # last new one must now hold its own prefix's value (prefix hits may read blocks written this step).
+        for s in out.scheduled:
+            tokens = s.request.all_token_ids
+            for p in range(s.start + s.num_new_tokens):
+                slot = s.block_ids[p // bs] * bs + p % bs
+                assert kcache[slot] == prefix_value(tokens[: p + 1]), (s.request_id, p, self.steps)
+        # The first sample of each request comes from ``sample``; the extra samples of an n > 1 fork are random.
+        sampled = fake_samples(out, self.sample)
+        for rid, tokens in sampled.items():
+            tokens[1:] = [self.rng.randrange(0, 40) for _ in tokens[1:]]
+        self.sched.update_from_output(out, sampled, now=float(self.steps))
+        self.check_invariants()
+        return out
+
+    def check_invariants(self):
+        check_invariants(self.sched)
+
+    def run(self, max_steps=10_000):
+        while self.sched.has_unfinished():
+            self.step()
+            assert self.steps < max_steps, "no progress"
+        assert self.kv.block_pool.get_num_free_blocks() == self.kv.num_blocks - 1  # nothing leaked
+
+
+def random_config(rng: random.Random) -> dict:
+    mode = rng.choice(["recompute", "swap"])
+    return dict(block_size=rng.choice([1, 2, 4, 8, 16]), num_blocks=rng.randint(4, 40),
+                caching=rng.random() < 0.6, watermark_blocks=rng.choice([0, 0, 1]), mode=mode,
+                num_cpu_blocks=rng.randint(2, 30) if mode == "swap" else 0, budget=rng.choice([1, 3, 8, 32, 128]),
+                max_num_seqs=rng.randint(1, 8), max_model_len=rng.choice([16, 48, 200]))
+
+
+def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
+    """Random configurations and workloads until ``total_steps`` steps have run; returns what happened.
+
+    Each round draws a configuration (block sizes 1-16, pools down to 3 usable
+    blocks, budgets down to 1 token, both preemption modes, swap space down to one
+    block, caching on or off), then up to 12 requests, half of them sharing a
+    prefix, some with n = 2 or 3, some stopping at EOS, and runs them to the end
+    with the data-checking ``Driver``. In the end every request must have finished
+    exactly once with the right number of tokens, and every block must be free.
+    """
+    rng = random.Random(seed)
+    seen = dict(steps=0, rounds=0, requests=0, preemptions=0, swapped_blocks=0, cow_copies=0, prefix_hit_tokens=0,
+                rejected=0, forks=0)
+    while seen["steps"] < total_steps:
+        cfg = random_config(rng)
+        d = Driver(**cfg, seed=rng.randrange(1 << 30))
+        shared = [rng.randrange(1, 40) for _ in range(rng.randint(0, 24))]
+        expected = {}
+        for i in range(rng.randint(1, 12)):
+            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(1, 40) for _ in range(rng.randint(1, 30))]
+            p = dict(max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.7, n=rng.choice([1, 1, 1, 2, 3]))
+            d.add(f"q{i}", prompt, **p)
+            expected[f"q{i}"] = p
+        while d.sched.has_unfinished():
+            out = d.step()
+            assert d.steps < 50_000, "no progress"
+            seen["swapped_blocks"] += len(out.swap_out)
+            seen["cow_copies"] += len(out.copy_blocks)
+            seen["prefix_hit_tokens"] += sum(s.start for s in out.scheduled if s.request.num_output_tokens == 0)
+        assert d.kv.block_pool.get_num_free_blocks() == d.kv.num_blocks - 1  # nothing leaked
+        for rid, req in d.sched.requests.items():
+            assert req.is_finished, rid
+            if req.finish_reason == "rejected":
+                continue
+            p = expected[req.parent_id or rid]
+            assert req.num_output_tokens <= p["max_tokens"]
+            if req.finish_reason == "length" and req.num_tokens < d.sched.config.max_model_len:
+                assert req.num_output_tokens == p["max_tokens"]
+            if req.finish_reason == "stop":
+                assert req.output_token_ids[-1] == EOS and not p["ignore_eos"]
+        finished_ids = [r.request_id for r in d.sched.finished]
+        assert len(finished_ids) == len(set(finished_ids)) == len(d.sched.requests)  # each exactly once
+        seen["steps"] += d.steps
+        seen["rounds"] += 1
+        seen["requests"] += len(d.sched.requests)
+        seen["preemptions"] += d.sched.num_preemptions
+        seen["rejected"] += sum(r.finish_reason == "rejected" for r in d.sched.requests.values())
+        seen["forks"] += sum(r.parent_id is not None for r in d.sched.requests.values())
+    return seen
