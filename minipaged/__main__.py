@@ -150,24 +150,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Serve a seeded mixed-length batch (lognormal prompt and output lengths) and report throughput."""
-    import numpy as np
-
     from .sampling_params import SamplingParams
+    from .workloads import generation_workload
 
     llm = _engine(args)
-    rng = np.random.default_rng(args.seed or 0)
-    prompt_lens = np.clip(rng.lognormal(np.log(64), 0.6, args.num_prompts).astype(int), 8, 512)
-    output_lens = np.clip(rng.lognormal(np.log(48), 0.7, args.num_prompts).astype(int), 4, 256)
-    vocab = llm.model.config.vocab_size
-    prompts = [rng.integers(100, vocab, n).tolist() for n in prompt_lens]
-    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in output_lens]
+    prompts, output_lens = generation_workload(args.num_prompts, llm.model.config.vocab_size, args.seed or 0)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in output_lens]
+    prompt_lens = [len(p) for p in prompts]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     ttfts = sorted(o.metrics.ttft for o in outs)
-    print(f"{args.num_prompts} requests, prompts {int(prompt_lens.min())}-{int(prompt_lens.max())} tokens, "
-          f"outputs {int(output_lens.min())}-{int(output_lens.max())} tokens")
+    print(f"{args.num_prompts} requests, prompts {min(prompt_lens)}-{max(prompt_lens)} tokens, "
+          f"outputs {min(output_lens)}-{max(output_lens)} tokens")
     print(f"{generated:,} output tokens in {seconds:.1f} s: {generated / seconds:.1f} tokens/s; "
           f"median TTFT {ttfts[len(ttfts) // 2]:.2f} s")
     print(_pool_report(llm))

@@ -127,6 +127,29 @@ def test_reference_decode_matches_naive_attention(case):
         close(out[i: i + 1], want, case.dtype)
 
 
+@pytest.mark.parametrize("with_prefill", [False, True], ids=["decode-only", "mixed"])
+def test_reference_groups_many_decodes_by_length(with_prefill):
+    """Enough one-token sequences that the plan cuts them into length groups; results stay per-sequence exact."""
+    case = Case(torch.float32, 4, 3, 1, 8)
+    g = torch.Generator().manual_seed(5)
+    seq_lens = torch.randint(1, 60, (70,), generator=g).tolist()
+    q_lens = [1] * 70
+    if with_prefill:
+        seq_lens[10], q_lens[10] = 23, 6
+        seq_lens[40], q_lens[40] = 8, 8
+    kc, vc, tables, lens = paged_cache(case, seq_lens, seed=6)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    plan = R.plan_attention(tables, cu, lens, case.block_size)
+    assert len(plan.decode) == R.MAX_DECODE_GROUPS and len(plan.prefills) == (2 if with_prefill else 0)
+    q = torch.randn(int(cu[-1]), case.num_q_heads, case.head_dim, generator=g)
+    out = R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.4)
+    if not with_prefill:
+        close(R.paged_decode_attention(q, kc, vc, tables, lens, 0.4), out, case.dtype)
+    for i, (n, m) in enumerate(zip(seq_lens, q_lens)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        close(out[rows], naive_attention(q[rows], kc, vc, tables[i], n, list(range(n - m, n)), 0.4), case.dtype)
+
+
 @pytest.mark.parametrize("case", [Case(torch.float32, 4, 3, 3, 16), Case(torch.float16, 8, 2, 2, 32)], ids=str)
 def test_reference_prefill_matches_naive_attention(case):
     seq_lens, q_lens = [5, 19, 30, 9], [5, 7, 1, 0]          # fully new, partly cached, one token, nothing new

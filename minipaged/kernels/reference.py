@@ -21,7 +21,10 @@ computed in float32 whatever the cache dtype, and the result is cast back.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
 
 from .validation import check_paged_decode, check_paged_prefill, check_reshape_and_cache
 
@@ -36,12 +39,19 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     which writes nothing.
     """
     check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    block_size = key_cache.shape[1]
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[keep]
-    value_cache[blocks, offsets] = value[keep]
+    write_slots(key[keep], value[keep], key_cache, value_cache, slot_mapping[keep].long())
+
+
+def write_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    """The scatter itself, unchecked: row ``t`` of K/V goes to slot ``slots[t]`` (int64, no padding).
+
+    A ``[num_blocks, block_size, ...]`` cache viewed as ``[num_blocks * block_size, ...]``
+    is indexed by the slot number directly: that is what ``block * block_size + offset`` means.
+    """
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
 def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
@@ -54,20 +64,123 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: t
     return k, v
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos: torch.Tensor) -> torch.Tensor:
-    """Causal attention of queries at absolute positions ``q_pos`` over keys at positions ``0..len(k)-1``.
+def context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot of every context token of every sequence, padded to the longest: ``[num_seqs, max_len]``.
 
-    ``q`` is ``[n_q, num_q_heads, d]``, ``k``/``v`` ``[n_k, num_kv_heads, d]``; query head ``h`` reads
-    KV head ``h // (num_q_heads // num_kv_heads)`` (grouped-query attention).
+    Position ``p`` of sequence ``i`` is in slot ``block_tables[i, p // block_size] * block_size
+    + p % block_size``. Padding positions (``p >= seq_lens[i]``) point at the sequence's own
+    position 0, a real value, and come back marked invalid: garbage in slots that belong to
+    nobody (even NaN) is never read, so masking the scores is enough::
+
+        block_size 4, seq_lens [6, 3], tables [[7, 2], [5, .]]
+        slots  [[28 29 30 31  8  9],      valid [[1 1 1 1 1 1],
+                [20 21 22 20 20 20]]             [1 1 1 0 0 0]]
     """
-    group = q.shape[1] // k.shape[1]
-    k = k.float().repeat_interleave(group, dim=1)                       # [n_k, num_q_heads, d]
-    v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale          # [num_q_heads, n_q, n_k]
-    k_pos = torch.arange(k.shape[0], device=q.device)
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    pos = torch.arange(max_len, device=block_tables.device)
+    valid = pos[None, :] < seq_lens[:, None].to(pos.device)
+    pos = torch.where(valid, pos[None, :], 0)
+    blocks = torch.gather(block_tables.long(), 1, pos // block_size)
+    return blocks * block_size + pos % block_size, valid
+
+
+@dataclass
+class DecodeGroup:
+    """One-token sequences of similar length, attended together (padded to the group's longest)."""
+    rows: torch.Tensor | None  # their query rows; None = every row of the step, in order
+    slots: torch.Tensor        # [n, max_len] context slots (see context_slots)
+    valid: torch.Tensor        # [n, max_len] which of them are real
+
+
+@dataclass
+class AttentionPlan:
+    """What one step's attention needs apart from the layer's own tensors, computed once per step.
+
+    Every layer of the model reads the same sequences through the same block tables, so
+    the gather indices and masks are built here once and reused by all of them::
+
+        decode    one-token sequences, in groups of similar length: slots and valid [n, max_len]
+        prefills  one entry per multi-token sequence: its rows, its context slots, a causal mask
+
+    Padding every decode to the longest context of the step would gather (and attend over)
+    mostly padding when lengths are mixed, so sequences are sorted by length and cut into
+    up to four groups, each padded only to its own longest.
+    """
+    num_rows: int
+    decode: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP = 16
+
+
+def plan_attention(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                   block_size: int) -> AttentionPlan:
+    """Sort a step's sequences into decode groups and per-sequence prefills, and build their indices."""
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    single = sorted((i for i, q in enumerate(q_lens) if q == 1), key=lambda i: lens[i])
+    device = block_tables.device
+    plan = AttentionPlan(cu[-1] if cu else 0)
+    num_groups = max(1, min(MAX_DECODE_GROUPS, len(single) // MIN_DECODE_GROUP))
+    if len(single) == len(q_lens) and (num_groups == 1 or lens[single[0]] == lens[single[-1]]):
+        plan.decode.append(DecodeGroup(None, *context_slots(block_tables, seq_lens, block_size)))
+    elif single:
+        for g in range(num_groups):
+            members = single[g * len(single) // num_groups:(g + 1) * len(single) // num_groups]
+            idx = torch.tensor(members, dtype=torch.long, device=device)
+            rows = torch.tensor([cu[i] for i in members], dtype=torch.long, device=device)
+            plan.decode.append(DecodeGroup(rows, *context_slots(block_tables[idx], seq_lens[idx], block_size)))
+    for i, n in enumerate(lens):
+        if q_lens[i] < 2:
+            continue
+        seq_slots, _ = context_slots(block_tables[i:i + 1], seq_lens[i:i + 1], block_size)
+        q_pos = torch.arange(n - q_lens[i], n, device=device)
+        causal = torch.arange(n, device=device)[None, :] <= q_pos[:, None]       # [q_len, n]
+        plan.prefills.append((cu[i], cu[i + 1], seq_slots[0], causal))
+    return plan
+
+
+def attend(plan: AttentionPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Attention of every query row over its sequence's paged context, following ``plan``.
+
+    The one-token sequences go together: the G query heads sharing a KV head are viewed
+    as G query rows of that head (``[n, kv_heads, G, d]``), so K and V are gathered once
+    per KV head, not once per query head::
+
+        K gathered  [n, kv_heads, max_len, d]     (a view of the [n, max_len, kv_heads, d] gather)
+        scores      [n, kv_heads, G, max_len]     padding masked out
+
+    Scores and softmax are float32 whatever the cache dtype; the result has the query's dtype.
+    """
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty_like(query)
+    for dec in plan.decode:
+        n = dec.slots.shape[0]
+        q = query if dec.rows is None else query[dec.rows]
+        q = q.float().view(n, num_kv_heads, group, head_dim)
+        k = flat_k[dec.slots].float().transpose(1, 2)                                # [n, kv_heads, max_len, d]
+        v = flat_v[dec.slots].float().transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.valid[:, None, None, :], scale=scale)
+        o = o.reshape(n, -1, head_dim).to(query.dtype)
+        if dec.rows is None:
+            out = o
+        else:
+            out[dec.rows] = o
+    for start, end, slots, causal in plan.prefills:
+        q = query[start:end].float().transpose(0, 1)[None]                           # [1, q_heads, q_len, d]
+        k = flat_k[slots].float().transpose(0, 1)[None]                              # [1, kv_heads, n, d]
+        v = flat_v[slots].float().transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1).to(query.dtype)
+    return out
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -79,34 +192,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     cache). Returns ``[num_seqs, num_q_heads, head_dim]`` in the query's dtype.
     """
     check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    return _decode_batched(query, key_cache, value_cache, block_tables, seq_lens, scale)
-
-
-def _decode_batched(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode for the whole batch at once: gather every context padded to the longest, mask the padding.
-
-    The query heads that share a KV head are viewed as one group (``[B, kv_heads, group, d]``),
-    so K and V are read once per KV head instead of being repeated per query head::
-
-        K gathered  [B, max_len, kv_heads, d]     (rows past seq_len[b] are masked out)
-        scores      [B, kv_heads, group, max_len]
-    """
-    num_seqs, num_q_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    if num_seqs == 0:
-        return torch.empty_like(query)
-    max_len = int(seq_lens.max())
-    tables = block_tables[:, : -(-max_len // block_size)].long().clamp(0, num_blocks - 1)  # spare columns: masked
-    k = key_cache[tables].flatten(1, 2)[:, :max_len].float()              # [B, max_len, kv_heads, d]
-    v = value_cache[tables].flatten(1, 2)[:, :max_len].float()
-    q = query.float().view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale
-    padding = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None].to(query.device)
-    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-    v = v.masked_fill(padding[:, :, None, None], 0.0)  # padded slots may hold anything, even NaN: 0·NaN = NaN
-    out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), v)
-    return out.reshape(num_seqs, num_q_heads, head_dim).to(query.dtype)
+    cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return attend(plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1]), query, key_cache,
+                  value_cache, scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -122,20 +210,5 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     position ``seq_len - q_len + j`` and attends to every position up to its own.
     """
     check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-    out = torch.empty_like(query)
-    cu = cu_seqlens_q.tolist()
-    q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-    # Sequences bringing one token (decodes mixed into a prefill step) go through the batched decode.
-    single = [i for i, q in enumerate(q_lens) if q == 1]
-    if single:
-        rows = torch.tensor([cu[i] for i in single], device=query.device)
-        idx = torch.tensor(single, device=query.device)
-        out[rows] = _decode_batched(query[rows], key_cache, value_cache, block_tables[idx], seq_lens[idx], scale)
-    for i, n in enumerate(seq_lens.tolist()):
-        start, end = cu[i], cu[i + 1]
-        if end - start in (0, 1):
-            continue
-        k, v = gather_kv(key_cache, value_cache, block_tables[i], n)
-        q_pos = torch.arange(n - (end - start), n, device=query.device)
-        out[start:end] = _attend(query[start:end], k, v, scale, q_pos)
-    return out
+    return attend(plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1]), query, key_cache,
+                  value_cache, scale)

@@ -12,10 +12,15 @@ One ``AttentionMetadata`` describes a whole step and is shared by every layer::
 A step made only of decodes (every sequence brings one token) goes to the
 decode kernel; anything else to the prefill kernel, which handles a decode as a
 prefill of length one.
+
+With the ``torch`` backend the first layer of a step checks the metadata and builds
+an ``AttentionPlan`` (gather indices and masks, see ``kernels.reference``) that the
+other layers reuse: thirty layers read the same block tables, so validating and
+indexing them thirty times would be wasted work.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +32,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_seqs]: every token of the sequence after this step
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]: where each sequence's new tokens start
     max_query_len: int
+    _plan: object = field(default=None, repr=False)  # the torch backend's AttentionPlan, built by the first layer
 
     @property
     def is_decode_only(self) -> bool:
@@ -39,14 +45,35 @@ class PagedAttention:
     def __init__(self, backend: str = "torch") -> None:
         from .. import kernels
 
-        self.backend = backend
         self.ops = kernels.get_attention_backend(backend)
+        self.backend = self.ops.name
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.backend == "torch":
+            return self._torch(q, k, v, key_cache, value_cache, meta, scale)
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         if meta.is_decode_only:
             return self.ops.paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                                    scale)
         return self.ops.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
                                                 meta.seq_lens, scale)
+
+    def _torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        from ..kernels import reference, validation
+
+        if meta._plan is None:  # first layer of the step: check everything once, then plan
+            validation.check_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            validation.check_paged_prefill(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
+                                           meta.seq_lens, scale)
+            keep = meta.slot_mapping >= 0
+            write = None if bool(keep.all()) else keep
+            plan = reference.plan_attention(meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, key_cache.shape[1])
+            meta._plan = (write, meta.slot_mapping.long() if write is None else meta.slot_mapping[write].long(), plan)
+        write, slots, plan = meta._plan
+        if write is None:
+            reference.write_slots(k, v, key_cache, value_cache, slots)
+        else:
+            reference.write_slots(k[write], v[write], key_cache, value_cache, slots)
+        return reference.attend(plan, q, key_cache, value_cache, scale)

