@@ -63,3 +63,27 @@ def test_tied_embeddings_and_bad_configs(tmp_path):
         LlamaForCausalLM.from_pretrained(tmp_path / "missing")
     with pytest.raises(ValueError, match="not a Llama"):
         LlamaForCausalLM(SimpleNamespace(model_type="gpt2", num_attention_heads=4, num_key_value_heads=4))
+
+
+def test_packed_linear_matches_nn_linear_and_follows_weight_updates():
+    """The oneDNN path (inference on a CPU) computes what nn.Linear does, and never uses a stale packed weight."""
+    from minipaged.model import llama
+
+    torch.manual_seed(0)
+    layer = llama.Linear(48, 80, bias=True)
+    plain = torch.nn.Linear(48, 80, bias=True)
+    plain.load_state_dict(layer.state_dict())
+    for rows in (1, 3, 32, 70):
+        x = torch.randn(rows, 48)
+        with torch.inference_mode():
+            got = layer(x)
+        torch.testing.assert_close(got, plain(x).detach(), atol=1e-5, rtol=1e-5)
+    assert layer._packed is not None or not llama._ONEDNN       # the packed path really ran
+    with torch.no_grad():
+        layer.weight.mul_(2.0)                                   # an in-place change must re-pack
+        plain.weight.mul_(2.0)
+        x = torch.randn(5, 48)
+        torch.testing.assert_close(layer(x), plain(x), atol=1e-5, rtol=1e-5)
+    y = layer(torch.randn(2, 48, requires_grad=True))            # with gradients on: plain nn.Linear, trainable
+    y.sum().backward()
+    assert layer.weight.grad is not None

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_tile import attend_tile
 from .validation import check_last_dim_contiguous, check_paged_prefill, check_triton_runtime
 
 LOG2E = 1.4426950408889634
@@ -90,23 +91,11 @@ def _paged_prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         tok_mask = pos < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=tok_mask, other=0)
-        block = block.to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        kv_mask = tok_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko
-                    + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_N]
-        visible = tok_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo
-                    + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        visible = tok_mask[None, :] & (pos[None, :] <= q_pos[:, None])            # causal by absolute position
+        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
+                                    pos, tok_mask, visible, kv_head, stride_kb, stride_ko, stride_kh,
+                                    stride_vb, stride_vo, stride_vh, dims, dim_mask, scale_log2,
+                                    BLOCK_SIZE, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + q_head * stride_oh + dims[None, :],

@@ -46,7 +46,8 @@ class Linear(nn.Linear):
     uses) on a weight re-laid-out once for its kernels is 2–2.5× faster at every
     batch size we serve, from 1 to 128 rows (``benchmarks/bench_engine.py``; vLLM's
     CPU backend does the same). The packed copy is made on first use and re-made if
-    the weight changes; with gradients on, or off the CPU, this is plain ``nn.Linear``.
+    the weight changes; with gradients on, or off the CPU, this is plain ``nn.Linear``
+    (and everywhere with ``MINIPAGED_ONEDNN=0``).
     """
 
     _packed: tuple[int, int, torch.Tensor] | None = None  # (weight version, data pointer, packed weight)
@@ -62,7 +63,9 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed[2], self.bias, "none", [], "")
 
 
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# MINIPAGED_ONEDNN=0 turns the packed path off (the engine benchmark's ablation row).
+_ONEDNN = (os.environ.get("MINIPAGED_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
+           and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class RMSNorm(nn.Module):
