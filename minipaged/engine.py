@@ -135,6 +135,9 @@ class LLM:
         num_blocks = self._size_pool(block_size, kv_cache_memory, gpu_memory_utilization, num_gpu_blocks_override,
                                      max_num_batched_tokens)
         usable = num_blocks - 1
+        if max_model_len is None:
+            # Not asked for: fit the longest sequence the pool can hold (a small CPU budget is a fine choice).
+            self.max_model_len = min(self.max_model_len, usable * block_size)
         if cdiv(self.max_model_len, block_size) > usable:
             raise ValueError(f"max_model_len={self.max_model_len} needs {cdiv(self.max_model_len, block_size)} "
                              f"blocks of {block_size} tokens but the KV pool has only {usable}: lower "
@@ -339,9 +342,11 @@ class LLM:
         return [self._output(r) for r in ids]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """One conversation (a list of ``{"role", "content"}`` messages) or a batch of them, through the chat template."""
         batch = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate(batch, sampling_params)
+        return self.generate(batch, sampling_params, use_tqdm=use_tqdm)
 
     def _add_all(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:

@@ -143,6 +143,7 @@ def test_inputs_rejections_and_streaming(prompt_ids):
     with pytest.raises(ValueError, match="dtype"):
         LLM(dtype="int8")
     with pytest.raises(ValueError, match="max_model_len=8192 needs 512 blocks"):
-        LLM(num_gpu_blocks_override=10)
+        LLM(num_gpu_blocks_override=10, max_model_len=8192)
+    assert LLM(num_gpu_blocks_override=10).max_model_len == 9 * 16   # unasked, it fits the pool (null block aside)
     with pytest.raises(ValueError, match="too small for one KV block"):
         LLM(kv_cache_memory="100KiB")

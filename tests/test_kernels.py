@@ -175,6 +175,40 @@ def test_reference_reshape_and_cache_writes_slots_and_skips_padding():
     assert int((kc != 0).any(-1).sum()) == 3                 # exactly three slots written
 
 
+def heads_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values stored [blocks, heads, block_size, d] and viewed [blocks, block_size, heads, d]:
+    no [num_slots, heads, d] view of it exists, so slot numbers cannot index it directly."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def test_reference_handles_caches_with_no_slot_view():
+    case = Case(torch.float32, 4, 3, 2, 8)
+    seq_lens, q_lens = [6, 1, 9], [6, 1, 2]
+    kc, vc, tables, lens = paged_cache(case, seq_lens, seed=3)
+    hk, hv = heads_major(kc), heads_major(vc)
+    assert R.slot_view(hk) is None and R.slot_view(kc) is not None
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), case.num_q_heads, case.head_dim)
+    close(R.paged_prefill_attention(q, hk, hv, tables, cu, lens, 0.5),
+          R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.5), case.dtype)
+    key = torch.randn(3, case.num_kv_heads, case.head_dim)
+    slots = torch.tensor([5, -1, 0])
+    R.reshape_and_cache(key, -key, hk, hv, slots)
+    R.reshape_and_cache(key, -key, kc, vc, slots)
+    torch.testing.assert_close(hk, kc, rtol=0, atol=0, equal_nan=True)   # unowned slots stay NaN in both
+    torch.testing.assert_close(hv, vc, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(hk[1, 1], key[0]) and torch.equal(hv[0, 0], -key[2])
+
+
+def test_reference_empty_decode_batch():
+    kc, vc, tables, lens = paged_cache(Case(torch.float32, 4, 1, 1, 8), [3], seed=4)
+    q = torch.empty(0, 1, 8)
+    none = torch.empty(0, tables.shape[1], dtype=tables.dtype)
+    assert R.paged_decode_attention(q, kc, vc, none, lens[:0], 1.0).shape == (0, 1, 8)
+    with pytest.raises(ValueError, match="cu_seqlens_q must have num_seqs"):   # a prefill names its sequences
+        R.paged_prefill_attention(q, kc, vc, none, torch.zeros(1, dtype=torch.int32), lens[:0], 1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # The Triton kernels against the references
 # ---------------------------------------------------------------------------------------------

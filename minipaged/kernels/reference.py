@@ -49,9 +49,24 @@ def write_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 
     A ``[num_blocks, block_size, ...]`` cache viewed as ``[num_blocks * block_size, ...]``
     is indexed by the slot number directly: that is what ``block * block_size + offset`` means.
+    A cache whose blocks are not evenly spaced in memory (sliced block-wise out of a bigger
+    buffer) has no such view; it is written through (block, offset) pairs instead.
     """
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value.to(value_cache.dtype))
+    for src, cache in ((key, key_cache), (value, value_cache)):
+        flat = slot_view(cache)
+        if flat is not None:
+            flat.index_copy_(0, slots, src.to(cache.dtype))
+        else:
+            block_size = cache.shape[1]
+            cache[slots // block_size, slots % block_size] = src.to(cache.dtype)
+
+
+def slot_view(cache: torch.Tensor) -> torch.Tensor | None:
+    """``[num_blocks, block_size, ...]`` as ``[num_slots, ...]`` sharing its memory, or None if the strides forbid it."""
+    try:
+        return cache.view(-1, *cache.shape[2:])
+    except RuntimeError:
+        return None
 
 
 def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
@@ -126,7 +141,7 @@ def plan_attention(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_l
     device = block_tables.device
     plan = AttentionPlan(cu[-1] if cu else 0)
     num_groups = max(1, min(MAX_DECODE_GROUPS, len(single) // MIN_DECODE_GROUP))
-    if len(single) == len(q_lens) and (num_groups == 1 or lens[single[0]] == lens[single[-1]]):
+    if single and len(single) == len(q_lens) and (num_groups == 1 or lens[single[0]] == lens[single[-1]]):
         plan.decode.append(DecodeGroup(None, *context_slots(block_tables, seq_lens, block_size)))
     elif single:
         for g in range(num_groups):
@@ -158,8 +173,9 @@ def attend(plan: AttentionPlan, query: torch.Tensor, key_cache: torch.Tensor, va
     Scores and softmax are float32 whatever the cache dtype; the result has the query's dtype.
     """
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+    # A cache with no slot view is copied flat: attention only reads it.
+    flat_k = key_cache.reshape(-1, num_kv_heads, head_dim)
+    flat_v = value_cache.reshape(-1, num_kv_heads, head_dim)
     group = query.shape[1] // num_kv_heads
     out = torch.empty_like(query)
     for dec in plan.decode:
