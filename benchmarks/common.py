@@ -6,10 +6,18 @@ import platform
 
 
 def machine() -> dict:
-    cpu = platform.processor()
+    """Platform, CPU and Python. Cloud CPUs often all say "AMD EPYC": family/model and the widest SIMD
+    tell the generations apart (a Zen 1 with AVX2 and a Zen 5 with AVX-512 differ 4-5x on the engine)."""
+    info: dict[str, str] = {}
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
         pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+    flags = set(info.get("flags", "").split())
+    simd = next((name for name in ("avx512f", "avx2", "avx", "sse4_2", "asimd") if name in flags), "unknown")
+    return {"platform": platform.platform(), "cpu": info.get("model name", platform.processor()),
+            "cpu_family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
+            "simd": simd.replace("avx512f", "avx512"), "cpu_count": os.cpu_count(),
             "python": platform.python_version()}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import platform
 import sys
 import time
@@ -31,6 +30,8 @@ sys.path.insert(0, str(REPO))
 
 from minipaged import __version__  # noqa: E402
 from minipaged.testing import fuzz  # noqa: E402
+
+from common import machine  # noqa: E402
 
 
 def main() -> None:
@@ -54,15 +55,10 @@ def main() -> None:
 
     import numpy
     import torch
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     result = {
         "benchmark": "scheduler fuzz",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count()},
+        "machine": machine(),
         "versions": {"minipaged": __version__, "python": platform.python_version(), "torch": torch.__version__,
                      "numpy": numpy.__version__},
         "config": {"steps_requested": args.steps, "seed": args.seed,
