@@ -16,8 +16,9 @@ def machine() -> dict:
     except OSError:
         pass
     flags = set(info.get("flags", "").split())
-    simd = next((name for name in ("avx512f", "avx2", "avx", "sse4_2", "asimd") if name in flags), "unknown")
+    simd = next((label for flag, label in (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx"),
+                                           ("sse4_2", "sse4_2"), ("asimd", "asimd")) if flag in flags), "unknown")
     return {"platform": platform.platform(), "cpu": info.get("model name", platform.processor()),
             "cpu_family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
-            "simd": simd.replace("avx512f", "avx512"), "cpu_count": os.cpu_count(),
+            "simd": simd, "cpu_count": os.cpu_count(),
             "python": platform.python_version()}
