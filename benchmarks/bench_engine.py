@@ -18,9 +18,13 @@ Each runs in a fresh interpreter (``--worker``), one after another, so none of t
 warms a cache for another. The headline is output tokens per second and the ratios
 of minipaged to each peer (each peer runs ``--rounds`` times, alternating, and its best
 round counts: on a shared 2-core machine one noisy minute should not decide a ratio);
-the engine's own step loop is profiled (schedule,
-prepare inputs, model, sample, update). Results go to
-``assets/benchmarks/engine_cpu.json`` and ``engine_cpu.png``.
+the engine's own step loop is profiled (schedule, prepare inputs, model, sample, update).
+
+Beside the peers stands a floor: the seconds the workload's matrix products alone take at
+the rate this machine's GEMMs were just measured at (``gemm_floor``). On two CPU cores a
+135M-parameter model is GEMM-bound, so the floor says how much room any engine has left,
+and the seconds each engine spends above it are its attention, scheduling and glue.
+Results go to ``assets/benchmarks/engine_cpu.json`` and ``engine_cpu.png``.
 
     python benchmarks/bench_engine.py                       # 128 requests, static at B = 16, 32, 64
     python benchmarks/bench_engine.py --num-requests 32 --static-batch-sizes 32 --no-vllm   # a quick look
@@ -63,11 +67,62 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
     got = [len(o.outputs[0].token_ids) for o in outs]
     assert got == work["output_lens"], "minipaged did not produce the requested lengths"
     t_start = llm.step_stats[0]["time"]
+    floor = gemm_floor(llm.model, work, args)
     return dict(seconds=seconds, output_tokens=sum(got), profile=llm.profile(), num_blocks=llm.num_blocks - 1,
+                gemm_floor=floor,
                 steps=len(llm.step_stats), preemptions=sum(s["preempted"] for s in llm.step_stats),
                 mean_ttft=sum(o.metrics.ttft for o in outs) / len(outs),
                 timeline=[(round(s["time"] - t_start, 3), s["running"], s["blocks_used"]) for s in llm.step_stats],
                 torch=torch.__version__, threads=torch.get_num_threads())
+
+
+def gemm_floor(model, work: dict, args: argparse.Namespace) -> dict:
+    """How long the workload's matrix products alone take on this machine: a floor under any engine.
+
+    Every token a request feeds the model (its prompt, then each output but the last) goes
+    through every projection of every layer, and every output token through the output
+    head; none of that can be skipped, batched away or cached (the prompts share no prefix).
+    Timing this model's own ``Linear`` layers at the row counts the engine runs them with
+    (``max_num_batched_tokens`` rows for prefill, ``max_num_seqs`` or all requests for decode) and scaling
+    to the workload's token counts gives the seconds an engine with free attention, free
+    scheduling and free sampling would still need. vLLM's CPU backend multiplies with the
+    same oneDNN kernels, so the floor bounds it as well::
+
+        floor = prompt tokens · t_layers(prefill rows) + (outputs − requests) · t_layers(decode rows)
+                + outputs · t_head(decode rows)                     (t per row, best of 3 passes)
+    """
+    import torch
+
+    layers = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+
+    def per_row(mods: list, rows: int) -> float:
+        inputs = [torch.randn(rows, m.in_features) for m in mods]
+        best = float("inf")
+        with torch.inference_mode():
+            for m, x in zip(mods, inputs):  # warm-up: packs the weights
+                m(x)
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for m, x in zip(mods, inputs):
+                    m(x)
+                best = min(best, time.perf_counter() - t0)
+        return best / rows
+
+    prefill_rows, decode_rows = args.max_num_batched_tokens, min(args.max_num_seqs, len(work["prompts"]))
+    prompt_tokens = sum(len(p) for p in work["prompts"])
+    outputs = sum(work["output_lens"])
+    decode_tokens = outputs - len(work["output_lens"])
+    layer_prefill, layer_decode = per_row(layers, prefill_rows), per_row(layers, decode_rows)
+    head_decode = per_row([model.lm_head], decode_rows)
+    seconds = prompt_tokens * layer_prefill + decode_tokens * layer_decode + outputs * head_decode
+    flops_per_token = 2 * sum(m.weight.numel() for m in layers)
+    head_flops = 2 * model.lm_head.weight.numel()
+    return dict(seconds=round(seconds, 2), tok_per_s=round(outputs / seconds, 1),
+                flops=(prompt_tokens + decode_tokens) * flops_per_token + outputs * head_flops,
+                gflops_prefill=round(flops_per_token / layer_prefill / 1e9, 1),
+                gflops_decode=round(flops_per_token / layer_decode / 1e9, 1),
+                gflops_head=round(head_flops / head_decode / 1e9, 1),
+                prefill_rows=prefill_rows, decode_rows=decode_rows)
 
 
 def worker_static(work: dict, args: argparse.Namespace) -> dict:
@@ -159,7 +214,13 @@ def plot(result: dict, path: Path) -> None:
     bars = ax.barh([r[0] for r in rows][::-1], [r[1] for r in rows][::-1], color=[r[2] for r in rows][::-1])
     ax.bar_label(bars, fmt="%.0f tok/s", padding=3)
     ax.set_xlabel("output tokens / s (higher is better)")
-    ax.set_xlim(0, max(r[1] for r in rows) * 1.3)
+    floor = result.get("gemm_floor")
+    top = max([r[1] for r in rows] + ([floor["tok_per_s"]] if floor else []))
+    if floor:  # no engine multiplying with these GEMMs can pass this line
+        ax.axvline(floor["tok_per_s"], color="#c53030", linestyle="--", linewidth=1,
+                   label=f"matrix products alone: {floor['tok_per_s']:.0f} tok/s")
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlim(0, top * 1.3)
     w = result["workload"]
     ax.set_title(f"{w['num_requests']} requests, prompts {w['prompt_min']}–{w['prompt_max']}, "
                  f"outputs {w['output_min']}–{w['output_max']} tokens", fontsize=10)
@@ -255,6 +316,11 @@ def main() -> int:
     total = sum(prof.values())
     ours["profile_share"] = {k: round(v / total, 4) for k, v in prof.items()}
     best_static = max(static, key=lambda s: s["tok_per_s"]) if static else None
+    # Seconds outside the matrix products: attention, scheduling, sampling, glue. The floor is the
+    # one measured in the same interpreter as the minipaged round kept.
+    floor = dict(ours["gemm_floor"])
+    floor["outside_gemm_s"] = {k: round(r["seconds"] - floor["seconds"], 1)
+                               for k, r in (("minipaged", ours), ("vllm", theirs)) if r}
     result = dict(
         benchmark="engine_cpu", date=dt.date.today().isoformat(), machine=machine(),
         workload=dict(num_requests=args.num_requests, seed=args.seed, prompt_min=min(lens), prompt_max=max(lens),
@@ -263,8 +329,8 @@ def main() -> int:
                       output_tokens=sum(output_lens), dtype="float32", greedy=True, ignore_eos=True,
                       kv_cache_gib=KV_CACHE_GIB, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, rounds=args.rounds),
-        minipaged=ours, vllm=theirs, static=static, minipaged_default_gemm=ablation,
-        ratios=dict(vs_vllm=round(ours["tok_per_s"] / theirs["tok_per_s"], 3) if theirs else None,
+        minipaged=ours, vllm=theirs, static=static, minipaged_default_gemm=ablation, gemm_floor=floor,
+        ratios=dict(of_gemm_floor=round(ours["tok_per_s"] / floor["tok_per_s"], 3),vs_vllm=round(ours["tok_per_s"] / theirs["tok_per_s"], 3) if theirs else None,
                     onednn_gain=round(ours["tok_per_s"] / ablation["tok_per_s"], 3) if ablation else None,
                     vs_best_static=round(ours["tok_per_s"] / best_static["tok_per_s"], 3) if best_static else None,
                     vs_static={str(s["batch_size"]): round(ours["tok_per_s"] / s["tok_per_s"], 3) for s in static}))
@@ -280,6 +346,10 @@ def main() -> int:
     for s in static:
         print(f"{'static B=' + str(s['batch_size']):<22}{s['tok_per_s']:>9.1f}"
               f"{result['ratios']['vs_static'][str(s['batch_size'])]:>17.2f}×")
+    print(f"{'GEMM floor':<22}{floor['tok_per_s']:>9.1f}{result['ratios']['of_gemm_floor']:>17.2f}×   "
+          f"(matrix products alone: {floor['seconds']:.1f} s at {floor['gflops_prefill']:.0f} / "
+          f"{floor['gflops_decode']:.0f} GFLOP/s prefill / decode)")
+    print("seconds outside the matrix products: " + ", ".join(f"{k} {v:.1f}" for k, v in floor["outside_gemm_s"].items()))
     print("minipaged step loop: " + ", ".join(f"{k} {v:.1%}" for k, v in ours["profile_share"].items()))
     print(f"wrote {args.out / 'engine_cpu.json'} and engine_cpu.png")
     return 0
