@@ -76,17 +76,19 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
                 torch=torch.__version__, threads=torch.get_num_threads())
 
 
-def gemm_floor(model, work: dict, args: argparse.Namespace) -> dict:
+def gemm_floor(model: "torch.nn.Module", work: dict, args: argparse.Namespace) -> dict:
     """How long the workload's matrix products alone take on this machine: a floor under any engine.
 
     Every token a request feeds the model (its prompt, then each output but the last) goes
     through every projection of every layer, and every output token through the output
     head; none of that can be skipped, batched away or cached (the prompts share no prefix).
     Timing this model's own ``Linear`` layers at the row counts the engine runs them with
-    (``max_num_batched_tokens`` rows for prefill, ``max_num_seqs`` or all requests for decode) and scaling
-    to the workload's token counts gives the seconds an engine with free attention, free
-    scheduling and free sampling would still need. vLLM's CPU backend multiplies with the
-    same oneDNN kernels, so the floor bounds it as well::
+    (``max_num_batched_tokens`` rows for prefill; ``max_num_seqs``, or every request if fewer,
+    for decode) and scaling to the workload's token counts gives the seconds an engine with
+    free attention, free scheduling and free sampling would still need. Decode batches shrink
+    as requests finish, which only makes real GEMMs slower: this is a floor, not an estimate.
+    vLLM's CPU backend multiplies fp32 with pre-packed oneDNN too (without AMX), so the floor
+    bounds it as well::
 
         floor = prompt tokens · t_layers(prefill rows) + (outputs − requests) · t_layers(decode rows)
                 + outputs · t_head(decode rows)                     (t per row, best of 3 passes)
@@ -330,7 +332,8 @@ def main() -> int:
                       kv_cache_gib=KV_CACHE_GIB, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, rounds=args.rounds),
         minipaged=ours, vllm=theirs, static=static, minipaged_default_gemm=ablation, gemm_floor=floor,
-        ratios=dict(of_gemm_floor=round(ours["tok_per_s"] / floor["tok_per_s"], 3),vs_vllm=round(ours["tok_per_s"] / theirs["tok_per_s"], 3) if theirs else None,
+        ratios=dict(of_gemm_floor=round(ours["tok_per_s"] / floor["tok_per_s"], 3),
+                    vs_vllm=round(ours["tok_per_s"] / theirs["tok_per_s"], 3) if theirs else None,
                     onednn_gain=round(ours["tok_per_s"] / ablation["tok_per_s"], 3) if ablation else None,
                     vs_best_static=round(ours["tok_per_s"] / best_static["tok_per_s"], 3) if best_static else None,
                     vs_static={str(s["batch_size"]): round(ours["tok_per_s"] / s["tok_per_s"], 3) for s in static}))
@@ -349,7 +352,8 @@ def main() -> int:
     print(f"{'GEMM floor':<22}{floor['tok_per_s']:>9.1f}{result['ratios']['of_gemm_floor']:>17.2f}×   "
           f"(matrix products alone: {floor['seconds']:.1f} s at {floor['gflops_prefill']:.0f} / "
           f"{floor['gflops_decode']:.0f} GFLOP/s prefill / decode)")
-    print("seconds outside the matrix products: " + ", ".join(f"{k} {v:.1f}" for k, v in floor["outside_gemm_s"].items()))
+    print("seconds outside the matrix products: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in floor["outside_gemm_s"].items()))
     print("minipaged step loop: " + ", ".join(f"{k} {v:.1%}" for k, v in ours["profile_share"].items()))
     print(f"wrote {args.out / 'engine_cpu.json'} and engine_cpu.png")
     return 0
