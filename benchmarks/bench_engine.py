@@ -24,7 +24,10 @@ Beside the peers stands a floor: the seconds the workload's matrix products alon
 the rate this machine's GEMMs were just measured at (``gemm_floor``). On two CPU cores a
 135M-parameter model is GEMM-bound, so the floor says how much room any engine has left,
 and the seconds each engine spends above it are its attention, scheduling and glue.
-Results go to ``assets/benchmarks/engine_cpu.json`` and ``engine_cpu.png``.
+Results go to ``assets/benchmarks/engine_cpu.json`` and ``engine_cpu.png``. On a GPU
+(``--device cuda --dtype bfloat16``, what ``make gpu-check`` runs) minipaged and static
+batching run on the card in that dtype, vLLM and the oneDNN ablation are skipped, and
+the files are ``engine_cuda.json`` / ``engine_cuda.png``.
 
     python benchmarks/bench_engine.py                       # 128 requests, static at B = 16, 32, 64
     python benchmarks/bench_engine.py --num-requests 32 --static-batch-sizes 32 --no-vllm   # a quick look
@@ -55,7 +58,7 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
     from minipaged import LLM, SamplingParams
 
     llm = LLM(kv_cache_memory=f"{KV_CACHE_GIB}GiB", max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, dtype=args.dtype)
     llm.generate([work["prompts"][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
                  use_tqdm=False)  # warm-up: first-call allocations
     llm.runner.timers.clear()
@@ -96,17 +99,21 @@ def gemm_floor(model: "torch.nn.Module", work: dict, args: argparse.Namespace) -
     import torch
 
     layers = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    weight = model.lm_head.weight
+    sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
 
     def per_row(mods: list, rows: int) -> float:
-        inputs = [torch.randn(rows, m.in_features) for m in mods]
+        inputs = [torch.randn(rows, m.in_features, dtype=weight.dtype, device=weight.device) for m in mods]
         best = float("inf")
         with torch.inference_mode():
             for m, x in zip(mods, inputs):  # warm-up: packs the weights
                 m(x)
             for _ in range(3):
+                sync()
                 t0 = time.perf_counter()
                 for m, x in zip(mods, inputs):
                     m(x)
+                sync()
                 best = min(best, time.perf_counter() - t0)
         return best / rows
 
@@ -134,18 +141,20 @@ def worker_static(work: dict, args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(REPO))
     from minipaged.model_loader import load_hf_model, quiet_transformers
 
-    model = load_hf_model()
+    model = load_hf_model(dtype=getattr(torch, args.dtype), device=args.device)
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
     prompts, outs = work["prompts"], work["output_lens"]
     b = args.batch_size
 
     def run(batch: list[list[int]], new_tokens: int) -> None:
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=args.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=args.device)
         with torch.inference_mode(), quiet_transformers():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
 
     run([prompts[0][:16]], 4)  # warm-up
     t0 = time.perf_counter()
@@ -186,7 +195,8 @@ WORKERS = {"minipaged": worker_minipaged, "static": worker_static, "vllm": worke
 def run_worker(python: str, kind: str, work_file: Path, args: argparse.Namespace, env: dict | None = None,
                **extra: object) -> dict:
     cmd = [python, __file__, "--worker", kind, "--work-file", str(work_file),
-           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--device", args.device, "--dtype", args.dtype]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     print(f"  running {kind} {extra or ''}{env or ''}...", flush=True)
@@ -257,6 +267,9 @@ def main() -> int:
     ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
                     help="also run minipaged on PyTorch's default GEMM (MINIPAGED_ONEDNN=0)")
     ap.add_argument("--out", type=Path, default=ASSETS)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="minipaged and static batching (vLLM CPU always runs float32)")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--work-file", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--batch-size", type=int, default=32, help=argparse.SUPPRESS)
@@ -283,6 +296,8 @@ def main() -> int:
     print(f"{args.num_requests} requests: prompts {min(lens)}-{max(lens)} (mean {sum(lens) / len(lens):.0f}), "
           f"outputs {min(output_lens)}-{max(output_lens)} (mean {sum(output_lens) / len(output_lens):.0f}) tokens")
 
+    if args.device == "cuda":   # vLLM CPU and the CPU GEMM ablation mean nothing next to a GPU run
+        args.no_vllm, args.ablation = True, False
     have_vllm = not args.no_vllm and Path(args.vllm_python).exists()
     if not args.no_vllm and not have_vllm:
         print(f"no vLLM interpreter at {args.vllm_python}: skipping vLLM (create it: python3 -m venv /tmp/vllm-venv "
@@ -324,11 +339,11 @@ def main() -> int:
     floor["outside_gemm_s"] = {k: round(r["seconds"] - floor["seconds"], 1)
                                for k, r in (("minipaged", ours), ("vllm", theirs)) if r}
     result = dict(
-        benchmark="engine_cpu", date=dt.date.today().isoformat(), machine=machine(),
+        benchmark=f"engine_{args.device}", date=dt.date.today().isoformat(), machine=machine(),
         workload=dict(num_requests=args.num_requests, seed=args.seed, prompt_min=min(lens), prompt_max=max(lens),
                       prompt_mean=round(sum(lens) / len(lens), 1), output_min=min(output_lens),
                       output_max=max(output_lens), output_mean=round(sum(output_lens) / len(output_lens), 1),
-                      output_tokens=sum(output_lens), dtype="float32", greedy=True, ignore_eos=True,
+                      output_tokens=sum(output_lens), dtype=args.dtype, device=args.device, greedy=True, ignore_eos=True,
                       kv_cache_gib=KV_CACHE_GIB, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, rounds=args.rounds),
         minipaged=ours, vllm=theirs, static=static, minipaged_default_gemm=ablation, gemm_floor=floor,
@@ -337,8 +352,8 @@ def main() -> int:
                     onednn_gain=round(ours["tok_per_s"] / ablation["tok_per_s"], 3) if ablation else None,
                     vs_best_static=round(ours["tok_per_s"] / best_static["tok_per_s"], 3) if best_static else None,
                     vs_static={str(s["batch_size"]): round(ours["tok_per_s"] / s["tok_per_s"], 3) for s in static}))
-    (args.out / "engine_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, args.out / "engine_cpu.png")
+    (args.out / f"engine_{args.device}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out / f"engine_{args.device}.png")
 
     print(f"\n{'peer':<22}{'tok/s':>9}{'minipaged ÷ peer':>18}")
     print(f"{'minipaged':<22}{ours['tok_per_s']:>9.1f}")
@@ -355,7 +370,7 @@ def main() -> int:
     print("seconds outside the matrix products: "
           + ", ".join(f"{k} {v:.1f}" for k, v in floor["outside_gemm_s"].items()))
     print("minipaged step loop: " + ", ".join(f"{k} {v:.1%}" for k, v in ours["profile_share"].items()))
-    print(f"wrote {args.out / 'engine_cpu.json'} and engine_cpu.png")
+    print(f"wrote {args.out / f'engine_{args.device}.json'} and engine_{args.device}.png")
     return 0
 
 

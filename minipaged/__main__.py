@@ -6,6 +6,8 @@
 * ``chat``: an interactive, streamed chat.
 * ``bench``: throughput on a seeded mixed-length batch (the full comparison is benchmarks/bench_engine.py).
 * ``grade [FOLDER]``: run every exercise notebook in FOLDER and print a score table.
+* ``kernels [--arch sm_80,sm_90] [--json]``: compile every Triton kernel for an NVIDIA GPU (no GPU needed)
+  and print registers, spills, shared memory and occupancy per configuration.
 """
 from __future__ import annotations
 
@@ -180,6 +182,32 @@ def cmd_grade(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(kind: type, name: str):
+    def parse(text: str) -> list:
+        try:
+            return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a comma-separated list, got {text!r}") from None
+    return parse
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    """Compile the Triton kernels for NVIDIA GPUs ahead of time; exit 1 if any fails or spills."""
+    from .kernels import report
+
+    configs = report.default_configs(archs=args.arch, block_sizes=args.block_sizes, groups=args.groups,
+                                     dtypes=args.dtypes, head_dims=args.head_dims, kernels=args.kernels,
+                                     addressing=args.addressing)
+    t0 = time.perf_counter()
+    rows = report.compile_report(configs, processes=args.jobs)
+    if args.json:
+        print(report.rows_to_json_lines(rows))
+    else:
+        print(report.format_table(rows))
+        print(f"{report.summary(rows)} ({time.perf_counter() - t0:.0f} s)")
+    return 0 if all(r.error is None and r.spill_bytes == 0 for r in rows) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipaged", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,9 +238,23 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--seed", type=int, default=0)
     grade = sub.add_parser("grade", help="grade a folder of exercise notebooks")
     grade.add_argument("folder", nargs="?", default="exercises")
+    kernels = sub.add_parser("kernels", help="compile the Triton kernels for NVIDIA GPUs (no GPU needed): registers, "
+                                            "spills, shared memory, occupancy")
+    kernels.add_argument("--arch", type=_csv(str, "--arch"), default=["sm_80", "sm_90"], help="default sm_80,sm_90")
+    kernels.add_argument("--block-sizes", type=_csv(int, "--block-sizes"), default=[16], help="default 16; e.g. 16,32")
+    kernels.add_argument("--groups", type=_csv(int, "--groups"), default=[4],
+                         help="query heads per KV head, default 4 (SmolLM2's 3 is always included)")
+    kernels.add_argument("--dtypes", type=_csv(str, "--dtypes"), default=["float16", "bfloat16", "float32"])
+    kernels.add_argument("--head-dims", type=_csv(int, "--head-dims"), default=[64, 128])
+    kernels.add_argument("--kernels", type=_csv(str, "--kernels"),
+                         default=["reshape_and_cache", "paged_decode", "paged_prefill"])
+    kernels.add_argument("--addressing", choices=["block", "token"], default="block",
+                         help="token: the first version's per-token table lookups, for comparison")
+    kernels.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per core)")
+    kernels.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
     commands = {"prepare": cmd_prepare, "demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat,
-                "bench": cmd_bench, "grade": cmd_grade}
+                "bench": cmd_bench, "grade": cmd_grade, "kernels": cmd_kernels}
     try:
         return commands[args.command](args)
     except ValueError as exc:  # bad input: a clear message, not a traceback

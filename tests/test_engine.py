@@ -8,6 +8,8 @@ the reference model's top two and their logits differ by at most NEAR_TIE
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -28,6 +30,13 @@ PROMPTS = [
     "Summarise the plot of Romeo and Juliet for a child, in two short sentences, using simple words only.",
 ]
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+# `make gpu-check` runs these tests again on the Triton backend (MINIPAGED_TEST_BACKEND=triton), on the GPU.
+BACKEND = os.environ.get("MINIPAGED_TEST_BACKEND", "auto")
+
+
+def engine(**kw) -> LLM:
+    """The engine under test: float32 like the transformers reference, on the backend asked for."""
+    return LLM(dtype="float32", attention_backend=BACKEND, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +91,7 @@ def check_all(llm: LLM, hf, prompt_ids, reference) -> list:
 
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_batch_of_eight_matches_transformers(hf, prompt_ids, reference, block_size):
-    llm = LLM(block_size=block_size)
+    llm = engine(block_size=block_size)
     outs = check_all(llm, hf, prompt_ids, reference)
     assert "Paris" in outs[0].outputs[0].text
     assert max(s["running"] for s in llm.step_stats) == 8  # all eight were served together
@@ -90,7 +99,7 @@ def test_batch_of_eight_matches_transformers(hf, prompt_ids, reference, block_si
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_does_not_change_outputs(hf, prompt_ids, reference, mode):
-    llm = LLM(num_gpu_blocks_override=14, max_model_len=160, preemption_mode=mode,
+    llm = engine(num_gpu_blocks_override=14, max_model_len=160, preemption_mode=mode,
               swap_space="32MiB" if mode == "swap" else 0, watermark=0.0)
     check_all(llm, hf, prompt_ids, reference)
     assert llm.scheduler.num_preemptions > 0
@@ -98,7 +107,7 @@ def test_preemption_does_not_change_outputs(hf, prompt_ids, reference, mode):
 
 
 def test_prefix_caching_and_chunked_prefill_match(hf, prompt_ids, reference):
-    llm = LLM(enable_prefix_caching=True, max_num_batched_tokens=24, max_num_seqs=4)
+    llm = engine(enable_prefix_caching=True, max_num_batched_tokens=24, max_num_seqs=4)
     check_all(llm, hf, prompt_ids, reference)
     assert max(s["tokens"] for s in llm.step_stats) <= 24
     again = llm.generate(prompt_ids[:2], GREEDY)  # the same prompts again: served from the prefix cache
@@ -109,14 +118,14 @@ def test_prefix_caching_and_chunked_prefill_match(hf, prompt_ids, reference):
 
 
 def test_a_request_does_not_depend_on_its_batch(prompt_ids):
-    llm = LLM()
+    llm = engine()
     alone = llm.generate([prompt_ids[3]], GREEDY)[0].outputs[0].token_ids
     crowd = llm.generate(prompt_ids, GREEDY)[3].outputs[0].token_ids
     assert alone == crowd
 
 
 def test_sampling_is_reproducible_with_seeds_and_n(prompt_ids):
-    llm = LLM()
+    llm = engine()
     p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=7, n=3)
     a = llm.generate([prompt_ids[2]], p)[0]
     b = llm.generate([prompt_ids[2], prompt_ids[0]], [p, SamplingParams(max_tokens=5, temperature=1.0)])[0]
@@ -125,7 +134,7 @@ def test_sampling_is_reproducible_with_seeds_and_n(prompt_ids):
 
 
 def test_inputs_rejections_and_streaming(prompt_ids):
-    llm = LLM(max_model_len=256)
+    llm = engine(max_model_len=256)
     text = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0))[0]
     chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)[0]
     assert "Paris" in chat.outputs[0].text and text.outputs[0].token_ids

@@ -35,3 +35,56 @@ def test_triton_backend_matches_torch_backend(tiny_model):
     assert all(len(o.outputs[0].token_ids) == 6 for o in triton_out)
     with pytest.raises(ValueError, match="no tokenizer"):
         triton_llm.generate("text needs a tokenizer", params)
+
+
+def test_triton_backend_checks_and_plans_once_per_step(tiny_model, monkeypatch):
+    """Thirty layers read the same metadata: the Triton backend validates it on the first layer only,
+    and reads no q_len back from the device per layer (the plan carries max_query_len)."""
+    from minipaged.kernels import validation
+
+    llm = LLM(model=tiny_model, attention_backend="triton", block_size=16, num_gpu_blocks_override=16,
+              max_model_len=64)
+    calls = []
+    real = validation.check_paged_prefill
+    monkeypatch.setattr(validation, "check_paged_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = llm.generate([[5, 17, 3, 9], [7, 7, 30]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    steps = len(llm.step_stats)
+    assert all(len(o.outputs[0].token_ids) == 3 for o in out)
+    assert llm.model.config.num_hidden_layers == 2 and len(calls) == steps   # once per step, not once per layer
+
+
+def test_runner_reuses_its_input_buffers(tiny_model):
+    llm = LLM(model=tiny_model, block_size=16, num_gpu_blocks_override=16, max_model_len=64)
+    buffers = llm.runner.buffers
+    addresses = {name: getattr(buffers, name).data_ptr() for name in
+                 ("input_ids", "positions", "slot_mapping", "seq_lens", "cu_seqlens_q", "block_tables")}
+    seen = []
+    real = llm.runner.prepare_inputs
+
+    def spy(out):
+        ids, pos, meta, rows = real(out)
+        seen.append((ids.data_ptr(), pos.data_ptr(), meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr()))
+        return ids, pos, meta, rows
+
+    llm.runner.prepare_inputs = spy
+    llm.generate([[5, 17, 3, 9, 40, 2], [7, 7, 30]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(seen) >= 4 and set(seen) == {(addresses["input_ids"], addresses["positions"],
+                                            addresses["slot_mapping"], addresses["block_tables"])}
+    assert {name: getattr(buffers, name).data_ptr() for name in addresses} == addresses
+
+
+def test_dtype_auto_follows_vllm(tiny_model, monkeypatch):
+    from minipaged import engine
+
+    assert LLM(model=tiny_model, num_gpu_blocks_override=16).dtype == torch.float32      # CPU: float32
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert engine.resolve_dtype("auto", "float32", cuda) == torch.bfloat16   # fp32 checkpoint (our SmolLM2 cache)
+    assert engine.resolve_dtype("auto", "bfloat16", cuda) == torch.bfloat16
+    assert engine.resolve_dtype("auto", "float16", cuda) == torch.float16
+    assert engine.resolve_dtype("auto", None, cuda) == torch.bfloat16
+    assert engine.resolve_dtype("float32", "bfloat16", cuda) == torch.float32   # asked for explicitly
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # e.g. a T4 / V100
+    assert engine.resolve_dtype("auto", "bfloat16", cuda) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        engine.resolve_dtype("int8", None, cuda)

@@ -34,11 +34,10 @@ def _decode_launch(monkeypatch, block_tables, seq_lens, num_splits, block_size=1
     return grid, args[9], kwargs   # args[9] is segment_len
 
 
-def test_constants_are_the_kernels():
-    assert KV.DECODE_BLOCK_N == paged_decode.BLOCK_N
-    assert KV.DECODE_MAX_SPLITS == paged_decode.MAX_SPLITS
-    assert KV.PREFILL_BLOCK_N == paged_prefill.BLOCK_N
-    assert KV.PREFILL_MAX_BLOCK_M == paged_prefill.MAX_BLOCK_M
+def test_picture_tiles_are_the_kernels():
+    assert KV.decode_tile(16) == paged_decode.decode_config(torch.bfloat16, 64, 16).tile_n == 16
+    assert KV.decode_tile(32) == 32 and KV.decode_tile(4) == 16     # tiny blocks: 4 blocks per tile
+    assert KV.prefill_tiles(16, 70) == (64, 16) and KV.prefill_tiles(16, 20) == (32, 16)
 
 
 @pytest.mark.parametrize("width,num_splits", [(13, 1), (13, 2), (13, 4), (13, 5), (3, 3), (64, 33), (8, 64)])
@@ -46,16 +45,17 @@ def test_split_kv_segments_is_what_the_wrapper_launches(monkeypatch, width, num_
     tables = torch.arange(2 * width, dtype=torch.int32).reshape(2, width)
     lens = torch.tensor([width * 16, 5], dtype=torch.int32)
     grid, segment_len, kwargs = _decode_launch(monkeypatch, tables, lens, num_splits)
-    assert (segment_len, grid[2]) == KV.split_kv_segments(width * 16, num_splits)
-    assert grid[:2] == (2, 2) and kwargs["BLOCK_N"] == KV.DECODE_BLOCK_N
+    assert (segment_len, grid[2]) == KV.split_kv_segments(width * 16, num_splits, kwargs["TILE_N"])
+    assert grid[:2] == (2, 2) and kwargs["TILE_N"] == KV.decode_tile(16)
 
 
 def test_split_kv_segments_examples_and_errors():
-    assert KV.split_kv_segments(32768, 33) == (1024, 32)   # chapter 05's H100 question: 33 asked, 32 made
-    assert KV.split_kv_segments(208, 4) == (64, 4)
-    assert KV.split_kv_segments(208, 1) == (256, 1)
+    assert KV.split_kv_segments(32768, 33, 16) == (1008, 33)   # chapter 05's H100 question: 33 asked, 33 made
+    assert KV.split_kv_segments(32768, 33, 64) == (1024, 32)   # with 64-token tiles only 32 would fit
+    assert KV.split_kv_segments(208, 4, 16) == (64, 4)
+    assert KV.split_kv_segments(208, 1, 16) == (208, 1)
     with pytest.raises(ValueError):
-        KV.split_kv_segments(208, 0)
+        KV.split_kv_segments(208, 0, 16)
 
 
 def test_decode_plan_matches_the_kernel_docstring_picture():
@@ -78,13 +78,13 @@ def test_decode_plan_covers_every_token_once_and_nothing_else():
         used += -(-n // bs)
     for splits in (1, 3, 5):
         plan = KV.decode_read_plan(tables, lens, bs, num_splits=splits)
-        segment_len, num_segments = KV.split_kv_segments(17 * bs, splits)
+        segment_len, num_segments = KV.split_kv_segments(17 * bs, splits, KV.decode_tile(bs))
         assert len(plan) == len(lens) * num_segments
         for seq, n in enumerate(lens):
             mine = [p for p in plan if p.seq == seq]
             covered = {}
             for p in mine:
-                assert p.num_tokens <= segment_len and p.tiles == -(-p.num_tokens // KV.DECODE_BLOCK_N)
+                assert p.num_tokens <= segment_len and p.tiles == -(-p.num_tokens // KV.decode_tile(bs))
                 for logical, phys, count in p.reads:
                     assert tables[seq][logical] == phys
                     covered[logical] = covered.get(logical, 0) + count
@@ -99,8 +99,8 @@ def test_prefill_plan_is_what_the_wrapper_launches(monkeypatch):
     seq_lens, q_lens = [70, 64, 51], [70, 24, 1]
     tables = torch.arange(15, dtype=torch.int32).reshape(3, 5)
     cu = torch.tensor([0, 70, 94, 95], dtype=torch.int32)
-    cache = torch.zeros(15, 16, 1, 16)
-    paged_prefill.paged_prefill_attention(torch.zeros(95, 2, 16), cache, cache, tables, cu,
+    cache = torch.zeros(15, 16, 1, 16, dtype=torch.float16)   # the pictures show half-precision tiles
+    paged_prefill.paged_prefill_attention(torch.zeros(95, 2, 16, dtype=torch.float16), cache, cache, tables, cu,
                                           torch.tensor(seq_lens, dtype=torch.int32), 0.25)
     (grid, _, kwargs), = spy.launches
     plan = KV.prefill_read_plan(tables, cu, seq_lens, 16)
@@ -114,7 +114,7 @@ def test_prefill_plan_is_what_the_wrapper_launches(monkeypatch):
         else:
             assert (p.first, p.end) == (0, min(seq_lens[p.seq], ctx + (p.part + 1) * block_m))
     # the fresh 70-token prompt: its first query tile stops at key 63 (causality), its second reads all 70
-    assert [(p.end, p.tiles) for p in plan if p.seq == 0] == [(64, 1), (70, 2)]
+    assert [(p.end, p.tiles) for p in plan if p.seq == 0] == [(64, 4), (70, 5)]   # 16-key tiles
 
 
 def test_gqa_query_tile():
@@ -163,7 +163,7 @@ LENS = [37, 100, 110]
 def test_read_view_driven_from_python():
     view = PagedReadView(torch.tensor(TABLES, dtype=torch.int32), torch.tensor(LENS), 16, num_blocks=28,
                          num_splits=1)
-    assert view.splits.max == 2 and view.segment_len == 128         # 7 blocks x 16 = 112 tokens: at most 2 tiles
+    assert view.splits.max == 7 and view.segment_len == 112         # 7 blocks x 16 = 112 tokens: 7 tiles of 16
     assert [p.label for p in view.programs] == ["seq 0 · segment 0", "seq 1 · segment 0", "seq 2 · segment 0"]
     assert view.selected is view.programs[0]
     read = [c["block"] for c in view.cells if c["read"]]

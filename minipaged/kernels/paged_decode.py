@@ -12,12 +12,12 @@ the ``G`` rows are padded to ``GROUP_P2 = max(16, next_pow2(G))`` with zero rows
 are masked out on the way back (SmolLM2: G = 3, so 13 of 16 rows are padding — free,
 since the kernel is limited by bandwidth, not by tensor-core FLOPs)::
 
-    q rows (one sequence, kv head h)     K tile (BLOCK_N tokens)
+    q rows (one sequence, kv head h)     K tile (TILE_N tokens)
     ┌──────────────┐                     ┌──────────────┐
     │ q head h·G+0 │                     │ token  p     │
     │ q head h·G+1 │     S = q · Kᵀ      │ token  p+1   │
     │ q head h·G+2 │  ───────────────►   │   ...        │
-    │ 0 (padding)  │  [GROUP_P2,BLOCK_N] │ token  p+N-1 │
+    │ 0 (padding)  │  [GROUP_P2,TILE_N]  │ token  p+N-1 │
     │   ...        │                     └──────────────┘
     └──────────────┘
 
@@ -33,7 +33,7 @@ normalised output ``o = acc / l``. A second, tiny kernel combines the segments::
     decode grid = (num_seqs, num_kv_heads, num_segments)      reduce grid = (num_seqs, num_q_heads)
 
 Which physical blocks one program reads — block_size 4, segment_len 8 (tiny numbers for
-the picture: real segments are whole tiles of BLOCK_N = 64 tokens), a sequence of 19
+the picture: real segments are a whole number of tiles of TILE_N >= 16 tokens), a sequence of 19
 tokens whose block table is [7, 2, 5, 0, 3]::
 
     logical block       0     1   │   2     3   │   4
@@ -42,12 +42,15 @@ tokens whose block table is [7, 2, 5, 0, 3]::
                       └ segment 0 ┘ └ segment 1 ┘ └ segment 2 (3 tokens, masked tail) ┘
     program (seq, h, 1) reads only physical blocks 5 and 0.
 
-Inside a program the tile of ``BLOCK_N`` tokens is gathered token by token through
-the block table (``block_tables[seq, p // block_size]``, offset ``p % block_size``), so
-a tile may span several blocks and any block size works; tokens of one block are
-contiguous in memory, so the loads stay coalesced. When the whole sequence fits in
-one segment, the partial output *is* the output: the kernel writes it directly and
-the reduce kernel is skipped.
+Inside a program the segment is read one tile of ``TILE_N`` tokens at a time, and a
+tile never crosses a block: one block-table lookup gives the tile's 64-bit base
+address, and a ``[TILE_N, head_dim]`` tile of int32 offsets, computed once before the
+loop, gives every element (``paged_tile.py`` draws it). ``TILE_N``, ``num_warps`` and
+``num_stages`` come from a small table per dtype and head_dim (``decode_config``),
+chosen so that no configuration spills registers on sm_80 or sm_90
+(``python -m minipaged kernels`` prints them). When the whole sequence fits in one
+segment, the partial output *is* the output: the kernel writes it directly and the
+reduce kernel is skipped.
 
 Softmax runs in base 2 (``exp2``, scores pre-multiplied by ``scale · log2 e``), in
 float32 whatever the cache dtype.
@@ -58,21 +61,21 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, TileConfig, dot_precision, is_half, kv_tile_n
 from .paged_tile import attend_tile
 from .validation import check_last_dim_contiguous, check_paged_decode, check_triton_runtime
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 64          # tokens per K/V tile
 MIN_SEGMENT_LEN = 256  # the default split never makes a segment shorter than this
 MAX_SPLITS = 64        # the reduce kernel holds all segments of one head in one tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["segment_len", "stride_bt"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     part_out_ptr, part_max_ptr, part_sum_ptr,
     scale_log2,                                            # scale * log2(e)
-    segment_len,                                           # tokens per segment, a multiple of BLOCK_N
+    segment_len,                                           # tokens per segment, a multiple of TILE_N
     stride_qs, stride_qh,                                  # query [num_seqs, num_q_heads, head_dim]
     stride_kb, stride_ko, stride_kh,                       # key_cache [num_blocks, block_size, kv_heads, head_dim]
     stride_vb, stride_vo, stride_vh,
@@ -81,8 +84,8 @@ def _paged_decode_kernel(
     stride_pms, stride_pmh,                                # part_max/sum [num_seqs, num_q_heads, num_segments]
     QUERIES_PER_KV: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PER_TOKEN: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -99,30 +102,36 @@ def _paged_decode_kernel(
     q_heads = kv_head * QUERIES_PER_KV + rows
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_mask = dims < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qs + q_heads[:, None] * stride_qh + dims[None, :],
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + q_heads[:, None] * stride_qh + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    # Loop invariants: this KV head's slice of each cache, the int32 offsets of a tile inside a block.
+    tok = tl.arange(0, TILE_N)
+    inner_k = tok[:, None] * stride_ko + dims[None, :]
+    inner_v = tok[:, None] * stride_vo + dims[None, :]
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)     # running max (log2 units)
     l_i = tl.zeros([GROUP_P2], tl.float32)                   # running sum of 2^(s - m)
     acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)      # running sum of 2^(s - m) * v
-    for start in range(seg_start, seg_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)                   # token positions of this tile
-        tok_mask = pos < seg_end
-        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
-                                    pos, tok_mask, tok_mask[None, :], kv_head, stride_kb, stride_ko, stride_kh,
-                                    stride_vb, stride_vo, stride_vh, dims, dim_mask, scale_log2,
-                                    BLOCK_SIZE, DOT_PRECISION)
+    for start in range(seg_start, seg_end, TILE_N):
+        visible = (start + tok < seg_end)[None, :]
+        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, table_ptr, start, seg_end, visible,
+                                    inner_k, inner_v, tok, dims, dim_mask, stride_kb, stride_ko, stride_vb, stride_vo,
+                                    scale_log2, TILE_N, BLOCK_SIZE, DOT_PRECISION, PER_TOKEN)
 
     # This segment's partial result (or, with one segment, the final output).
     out = acc / l_i[:, None]
-    tl.store(part_out_ptr + seq * stride_pos + q_heads[:, None] * stride_poh + segment * stride_pog + dims[None, :],
-             out.to(part_out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
-    stat = seq * stride_pms + q_heads * stride_pmh + segment
+    tl.store(part_out_ptr + seq.to(tl.int64) * stride_pos + q_heads[:, None] * stride_poh + segment * stride_pog
+             + dims[None, :], out.to(part_out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+    stat = seq.to(tl.int64) * stride_pms + q_heads * stride_pmh + segment
     tl.store(part_max_ptr + stat, m_i, mask=row_mask)
     tl.store(part_sum_ptr + stat, l_i, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["segment_len"])
 def _reduce_segments_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr,
     segment_len,
@@ -151,43 +160,64 @@ def _reduce_segments_kernel(
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-def _default_num_splits(num_seqs: int, num_kv_heads: int, capacity: int, device: torch.device) -> int:
+# (half precision?, head_dim padded to a power of two) -> tile cap, warps, stages. Decode is a race to
+# stream K/V: small tiles and 4 warps keep registers low (many resident warps per SM hide latency)
+# and num_stages keeps tiles in flight. Every row compiles without spills on sm_80 and sm_90.
+DECODE_TABLE: dict[tuple[bool, int], TileConfig] = {
+    (True, 64): TileConfig(tile_n=32, num_warps=4, num_stages=3),
+    (True, 128): TileConfig(tile_n=32, num_warps=4, num_stages=3),
+    (True, 256): TileConfig(tile_n=16, num_warps=4, num_stages=3),
+    (False, 64): TileConfig(tile_n=32, num_warps=4, num_stages=3),
+    (False, 128): TileConfig(tile_n=16, num_warps=4, num_stages=3),
+    (False, 256): TileConfig(tile_n=16, num_warps=8, num_stages=2),
+}
+REDUCE_CONFIG = TileConfig(tile_n=0, num_warps=4, num_stages=1)
+
+
+def head_dim_p2(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def decode_config(dtype: torch.dtype, head_dim: int, block_size: int) -> TileConfig:
+    """The decode kernel's tiles and warps for this dtype, head_dim and block size (DECODE_TABLE)."""
+    hd = head_dim_p2(head_dim)
+    if hd > 256:
+        raise ValueError(f"the Triton attention kernels support head_dim up to 256, got {head_dim}")
+    row = DECODE_TABLE[(is_half(dtype), max(64, hd))]
+    return TileConfig(kv_tile_n(block_size, row.tile_n), row.num_warps, row.num_stages)
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, capacity: int, device: torch.device) -> int:
     """Enough segments for about two waves of programs on the GPU, none shorter than MIN_SEGMENT_LEN tokens."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        want = -(-2 * sms // (num_seqs * num_kv_heads))
+        want = triton.cdiv(2 * sms, num_seqs * num_kv_heads)
     else:   # the interpreter runs programs one after another: fewer, longer segments
         want = 1
-    return max(1, min(want, -(-capacity // MIN_SEGMENT_LEN), MAX_SPLITS))
+    return max(1, min(want, triton.cdiv(capacity, MIN_SEGMENT_LEN), MAX_SPLITS))
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                           num_splits: int | None = None) -> torch.Tensor:
-    """Triton twin of :func:`minipaged.kernels.reference.paged_decode_attention`.
+def plan_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor, *,
+                      num_splits: int | None = None, per_token: bool = False) -> list[Launch]:
+    """The launches of one decode call (the attention kernel, then the reduce kernel when a sequence
+    has several segments), writing into ``out``. Checks nothing: the wrapper has.
 
-    ``num_splits`` (keyword only, like flash-attn's) caps the number of KV segments per
-    sequence; ``None`` picks one from the GPU's SM count. Segments are a whole number of
-    ``BLOCK_N``-token tiles, so fewer segments than asked may be used.
+    ``per_token=True`` plans the first version's addressing (a table lookup per token) for comparison.
     """
-    check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                       check_values=query.device.type == "cpu")
-    check_triton_runtime(query.dtype, query.device)
-    check_last_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache)
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_q_heads // num_kv_heads
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
-        return out
+        return []
+    group = num_q_heads // num_kv_heads
+    cfg = decode_config(query.dtype, head_dim, block_size)
     capacity = block_tables.shape[1] * block_size            # no sequence is longer: no need to read seq_lens
     if num_splits is None:
-        num_splits = _default_num_splits(num_seqs, num_kv_heads, capacity, query.device)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, capacity, query.device)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an integer from 1 to {MAX_SPLITS}, got {num_splits!r}")
-    segment_len = -(-capacity // num_splits)
-    segment_len = -(-segment_len // BLOCK_N) * BLOCK_N         # a whole number of tiles
-    num_segments = -(-capacity // segment_len)
+    segment_len = triton.cdiv(triton.cdiv(capacity, num_splits), cfg.tile_n) * cfg.tile_n   # whole tiles
+    num_segments = triton.cdiv(capacity, segment_len)
 
     if num_segments == 1:    # the partial output is the output
         part_out, po_strides = out, (out.stride(0), out.stride(1), 0)
@@ -197,32 +227,46 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         po_strides = part_out.stride()[:3]
     part_max = torch.empty((num_seqs, num_q_heads, num_segments), dtype=torch.float32, device=query.device)
     part_sum = torch.empty_like(part_max)
-    head_dim_p2 = max(16, triton.next_power_of_2(head_dim))
-    dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"   # no TF32 rounding of fp32 inputs
-
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_segments)](
-        query, key_cache, value_cache, block_tables, seq_lens,
-        part_out, part_max, part_sum,
-        scale * LOG2E, segment_len,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        *po_strides,
-        part_max.stride(0), part_max.stride(1),
-        QUERIES_PER_KV=group, GROUP_P2=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
-        BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        DOT_PRECISION=dot_precision,
-    )
+    hd_p2 = head_dim_p2(head_dim)
+    launches = [Launch(
+        _paged_decode_kernel, (num_seqs, num_kv_heads, num_segments),
+        (query, key_cache, value_cache, block_tables, seq_lens, part_out, part_max, part_sum,
+         scale * LOG2E, segment_len,
+         query.stride(0), query.stride(1),
+         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+         block_tables.stride(0), *po_strides, part_max.stride(0), part_max.stride(1)),
+        dict(QUERIES_PER_KV=group, GROUP_P2=max(16, triton.next_power_of_2(group)),
+             HEAD_DIM=head_dim, HEAD_DIM_P2=hd_p2, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
+             DOT_PRECISION=dot_precision(query.dtype), PER_TOKEN=per_token),
+        cfg.num_warps, cfg.num_stages)]
     if num_segments > 1:
-        _reduce_segments_kernel[(num_seqs, num_q_heads)](
-            out, part_out, part_max, part_sum, seq_lens, segment_len,
-            out.stride(0), out.stride(1),
-            *po_strides,
-            part_max.stride(0), part_max.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
-            NUM_SEGMENTS_P2=triton.next_power_of_2(num_segments),
-        )
-    return out
+        launches.append(Launch(
+            _reduce_segments_kernel, (num_seqs, num_q_heads),
+            (out, part_out, part_max, part_sum, seq_lens, segment_len, out.stride(0), out.stride(1),
+             *po_strides, part_max.stride(0), part_max.stride(1)),
+            dict(HEAD_DIM=head_dim, HEAD_DIM_P2=hd_p2, NUM_SEGMENTS_P2=triton.next_power_of_2(num_segments)),
+            REDUCE_CONFIG.num_warps, REDUCE_CONFIG.num_stages))
+    return launches
 
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                           num_splits: int | None = None, checked: bool = False) -> torch.Tensor:
+    """Triton twin of :func:`minipaged.kernels.reference.paged_decode_attention`.
+
+    ``num_splits`` (keyword only, like flash-attn's) caps the number of KV segments per
+    sequence; ``None`` picks one from the GPU's SM count. Segments are a whole number of
+    tiles, so fewer segments than asked may be used. ``checked=True`` skips the argument
+    checks: the engine validates a step's metadata once, not once per layer.
+    """
+    if not checked:
+        check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                           check_values=query.device.type == "cpu")
+        check_triton_runtime(query.dtype, query.device)
+        check_last_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    for launch in plan_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out,
+                                    num_splits=num_splits):
+        launch.run()
+    return out

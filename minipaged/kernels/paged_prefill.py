@@ -10,7 +10,7 @@ reads *every* key through the block table, old and new alike.
 
 This is FlashAttention over a paged K/V. One program owns a tile of ``BLOCK_M`` new
 tokens of one sequence and one query head, and walks over the sequence's keys in
-tiles of ``BLOCK_N``, keeping an online softmax (running max ``m``, running sum ``l``,
+tiles of ``TILE_N``, keeping an online softmax (running max ``m``, running sum ``l``,
 running output ``acc``) so no ``[q_len, seq_len]`` score matrix is ever stored::
 
     grid = (num_seqs, num_q_heads, cdiv(max q_len, BLOCK_M))
@@ -29,8 +29,9 @@ running output ``acc``) so no ``[q_len, seq_len]`` score matrix is ever stored::
 Causality in absolute positions: new token ``j`` sits at ``ctx_len + j`` and sees keys
 ``0..ctx_len + j``. A query tile therefore stops reading at the last key its last
 row may see, ``min(seq_len, ctx_len + (tile + 1) * BLOCK_M)``: the upper-right
-triangle of the picture is never loaded. As in the decode kernel, each key tile is
-gathered token by token through the block table (any block size works), and grouped-
+triangle of the picture is never loaded. As in the decode kernel, each key tile of
+``TILE_N`` tokens lies inside one block and costs one block-table lookup
+(``paged_tile.py``); the tile sizes and warps come from ``PREFILL_TABLE``. Grouped-
 query attention maps query head ``h`` to KV head ``h // (num_q_heads // num_kv_heads)``.
 Unlike decode, prefill does not pack a group's query heads into one program: ``BLOCK_M``
 new tokens already give ``tl.dot`` its 16+ rows, and prefill is limited by arithmetic,
@@ -42,15 +43,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, TileConfig, dot_precision, is_half, kv_tile_n
+from .paged_decode import head_dim_p2
 from .paged_tile import attend_tile
 from .validation import check_last_dim_contiguous, check_paged_prefill, check_triton_runtime
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 64           # keys per K/V tile
-MAX_BLOCK_M = 64       # new tokens per query tile (smaller when every sequence brings fewer)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
     scale_log2,                                            # scale * log2(e)
@@ -61,8 +62,8 @@ def _paged_prefill_kernel(
     stride_bt,                                             # block_tables [num_seqs, max_blocks]
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PER_TOKEN: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_head = tl.program_id(1)
@@ -84,54 +85,97 @@ def _paged_prefill_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head * stride_qh + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
+    # Loop invariants: this KV head's slice of each cache, the int32 offsets of a tile inside a block.
+    tok = tl.arange(0, TILE_N)
+    inner_k = tok[:, None] * stride_ko + dims[None, :]
+    inner_v = tok[:, None] * stride_vo + dims[None, :]
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     kv_end = tl.minimum(seq_len, ctx_len + (m_tile + 1) * BLOCK_M)   # causal: later keys are never needed
-    for start in range(0, kv_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        tok_mask = pos < kv_end
-        visible = tok_mask[None, :] & (pos[None, :] <= q_pos[:, None])            # causal by absolute position
-        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
-                                    pos, tok_mask, visible, kv_head, stride_kb, stride_ko, stride_kh,
-                                    stride_vb, stride_vo, stride_vh, dims, dim_mask, scale_log2,
-                                    BLOCK_SIZE, DOT_PRECISION)
+    for start in range(0, kv_end, TILE_N):
+        pos = start + tok
+        visible = (pos < kv_end)[None, :] & (pos[None, :] <= q_pos[:, None])       # causal by absolute position
+        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, table_ptr, start, kv_end, visible,
+                                    inner_k, inner_v, tok, dims, dim_mask, stride_kb, stride_ko, stride_vb, stride_vo,
+                                    scale_log2, TILE_N, BLOCK_SIZE, DOT_PRECISION, PER_TOKEN)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + q_head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
-def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """Triton twin of :func:`minipaged.kernels.reference.paged_prefill_attention`.
+# (half precision?, head_dim padded to a power of two) -> largest query tile, key tile cap, warps, stages.
+# Prefill is limited by arithmetic: big query tiles on the tensor cores in fp16/bf16; fp32 ("ieee",
+# no tensor cores) multiplies on the CUDA cores and needs smaller tiles to stay out of spills.
+PREFILL_TABLE: dict[tuple[bool, int], TileConfig] = {
+    (True, 64): TileConfig(block_m=64, tile_n=32, num_warps=4, num_stages=3),
+    (True, 128): TileConfig(block_m=64, tile_n=32, num_warps=8, num_stages=3),
+    (True, 256): TileConfig(block_m=32, tile_n=16, num_warps=4, num_stages=2),
+    (False, 64): TileConfig(block_m=32, tile_n=16, num_warps=4, num_stages=2),
+    (False, 128): TileConfig(block_m=32, tile_n=16, num_warps=4, num_stages=2),
+    (False, 256): TileConfig(block_m=16, tile_n=16, num_warps=4, num_stages=2),
+}
 
-    Reads ``cu_seqlens_q`` back to the host once, for the longest ``q_len`` (the grid's
-    third dimension); vLLM gets that number from its scheduler instead.
+
+def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int, max_q_len: int) -> TileConfig:
+    """The prefill kernel's tiles and warps (PREFILL_TABLE); the query tile shrinks to the longest new run."""
+    hd = head_dim_p2(head_dim)
+    if hd > 256:
+        raise ValueError(f"the Triton attention kernels support head_dim up to 256, got {head_dim}")
+    row = PREFILL_TABLE[(is_half(dtype), max(64, hd))]
+    block_m = min(row.block_m, max(16, triton.next_power_of_2(max_q_len)))
+    return TileConfig(kv_tile_n(block_size, row.tile_n), row.num_warps, row.num_stages, block_m)
+
+
+def plan_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                       out: torch.Tensor, max_query_len: int, *, per_token: bool = False) -> list[Launch]:
+    """The launch of one prefill call, writing into ``out``. Checks nothing: the wrapper has.
+
+    ``per_token=True`` plans the first version's addressing (a table lookup per token) for comparison.
     """
-    check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                        check_values=query.device.type == "cpu")
-    check_triton_runtime(query.dtype, query.device)
-    check_last_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache)
     total_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if total_tokens == 0:
-        return out
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(max_q_len)))
-    _paged_prefill_kernel[(num_seqs, num_q_heads, triton.cdiv(max_q_len, block_m))](
-        out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-        scale * LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        QUERIES_PER_KV=num_q_heads // num_kv_heads,
-        HEAD_DIM=head_dim, HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-    )
+        return []
+    cfg = prefill_config(query.dtype, head_dim, block_size, max_query_len)
+    return [Launch(
+        _paged_prefill_kernel, (cu_seqlens_q.shape[0] - 1, num_q_heads, triton.cdiv(max_query_len, cfg.block_m)),
+        (out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale * LOG2E,
+         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+         block_tables.stride(0)),
+        dict(QUERIES_PER_KV=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2(head_dim),
+             BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, DOT_PRECISION=dot_precision(query.dtype),
+             PER_TOKEN=per_token),
+        cfg.num_warps, cfg.num_stages)]
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, *, max_query_len: int | None = None, checked: bool = False
+                            ) -> torch.Tensor:
+    """Triton twin of :func:`minipaged.kernels.reference.paged_prefill_attention`.
+
+    The grid's third dimension needs the longest ``q_len``: the engine passes it
+    (``max_query_len``, known to the scheduler, as in vLLM); without it the wrapper reads
+    ``cu_seqlens_q`` back to the host once. ``checked=True`` skips the argument checks.
+    """
+    if not checked:
+        check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                            check_values=query.device.type == "cpu")
+        check_triton_runtime(query.dtype, query.device)
+        check_last_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if query.shape[0] else 0
+    for launch in plan_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                     out, max_query_len):
+        launch.run()
     return out

@@ -13,10 +13,13 @@ A step made only of decodes (every sequence brings one token) goes to the
 decode kernel; anything else to the prefill kernel, which handles a decode as a
 prefill of length one.
 
-With the ``torch`` backend the first layer of a step checks the metadata and builds
-an ``AttentionPlan`` (gather indices and masks, see ``kernels.reference``) that the
-other layers reuse: thirty layers read the same block tables, so validating and
-indexing them thirty times would be wasted work.
+Both backends check the metadata on the first layer of a step and plan once; the
+other layers reuse the plan: thirty layers read the same block tables, so validating
+and planning thirty times would be wasted work. The ``torch`` backend's plan is an
+``AttentionPlan`` (gather indices and masks, see ``kernels.reference``); the
+``triton`` backend's is a ``TritonPlan``: the decode split count (which asks the GPU
+for its SM count) and the longest query run, which the kernels then take as given
+(``checked=True``, no host read-back of ``cu_seqlens_q`` per layer).
 """
 from __future__ import annotations
 
@@ -32,11 +35,17 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_seqs]: every token of the sequence after this step
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]: where each sequence's new tokens start
     max_query_len: int
-    _plan: object = field(default=None, repr=False)  # the torch backend's AttentionPlan, built by the first layer
+    _plan: object = field(default=None, repr=False)  # the backend's plan of this step, built by the first layer
 
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    num_splits: int | None   # decode-only steps: KV segments per sequence
+    max_query_len: int
 
 
 class PagedAttention:
@@ -52,12 +61,33 @@ class PagedAttention:
                  value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self.backend == "torch":
             return self._torch(q, k, v, key_cache, value_cache, meta, scale)
-        self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if meta._plan is None:
+            meta._plan = self._plan_triton(q, k, v, key_cache, value_cache, meta, scale)
+        plan: TritonPlan = meta._plan
+        self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, checked=True)
         if meta.is_decode_only:
             return self.ops.paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                                   scale)
+                                                   scale, num_splits=plan.num_splits, checked=True)
         return self.ops.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
-                                                meta.seq_lens, scale)
+                                                meta.seq_lens, scale, max_query_len=plan.max_query_len, checked=True)
+
+    @staticmethod
+    def _plan_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> TritonPlan:
+        """First layer of a step: every check the kernels would make, once; then what they need to launch."""
+        from ..kernels import paged_decode, validation
+
+        on_cpu = q.device.type == "cpu"   # value checks read the tensors: free on a CPU, a sync on a GPU
+        validation.check_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, check_values=on_cpu)
+        validation.check_paged_prefill(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
+                                       meta.seq_lens, scale, check_values=on_cpu)
+        validation.check_triton_runtime(q.dtype, q.device)
+        validation.check_last_dim_contiguous(query=q, key=k, value=v, key_cache=key_cache, value_cache=value_cache)
+        num_splits = None
+        if meta.is_decode_only and q.shape[0]:
+            capacity = meta.block_tables.shape[1] * key_cache.shape[1]
+            num_splits = paged_decode.default_num_splits(q.shape[0], key_cache.shape[2], capacity, q.device)
+        return TritonPlan(num_splits, meta.max_query_len)
 
     def _torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -28,14 +28,34 @@ import plotly.graph_objects as go
 
 from .block_viz import FREE_COLOR, OWNER_COLORS
 
-# The kernels' tile sizes, repeated here so that this module does not import triton (importing
-# minipaged.kernels decides whether Triton runs compiled or interpreted; a picture should not).
-# tests/test_viz_kernels.py checks they equal the kernels' own constants.
-DECODE_BLOCK_N = 64       # minipaged.kernels.paged_decode.BLOCK_N: tokens per K/V tile
-DECODE_MAX_SPLITS = 64    # minipaged.kernels.paged_decode.MAX_SPLITS
-PREFILL_BLOCK_N = 64      # minipaged.kernels.paged_prefill.BLOCK_N
-PREFILL_MAX_BLOCK_M = 64  # minipaged.kernels.paged_prefill.MAX_BLOCK_M
 MIN_DOT_ROWS = 16         # tl.dot on an NVIDIA GPU wants every tile dimension >= 16
+# The pictures show the tiles the kernels pick for SmolLM2 as the GPU engine runs it (bfloat16, head_dim 64).
+PICTURE_DTYPE, PICTURE_HEAD_DIM = "bfloat16", 64
+
+
+def decode_tile(block_size: int) -> int:
+    """Tokens per K/V tile of the decode kernel at this block size (its own ``decode_config``)."""
+    import torch
+
+    from ..kernels.paged_decode import decode_config   # minipaged.kernels picks compiled vs interpreted first
+
+    return decode_config(getattr(torch, PICTURE_DTYPE), PICTURE_HEAD_DIM, block_size).tile_n
+
+
+def prefill_tiles(block_size: int, max_q_len: int) -> tuple[int, int]:
+    """``(block_m, tile_n)`` of the prefill kernel (its own ``prefill_config``)."""
+    import torch
+
+    from ..kernels.paged_prefill import prefill_config
+
+    cfg = prefill_config(getattr(torch, PICTURE_DTYPE), PICTURE_HEAD_DIM, block_size, max_q_len)
+    return cfg.block_m, cfg.tile_n
+
+
+def _max_splits() -> int:
+    from ..kernels.paged_decode import MAX_SPLITS
+
+    return MAX_SPLITS
 
 
 def _next_pow2(n: int) -> int:
@@ -106,21 +126,21 @@ def _reads(table: Sequence[int], first: int, end: int, block_size: int) -> tuple
     return tuple(out)
 
 
-def split_kv_segments(capacity: int, num_splits: int, tile: int = DECODE_BLOCK_N) -> tuple[int, int]:
+def split_kv_segments(capacity: int, num_splits: int, tile: int) -> tuple[int, int]:
     """``(segment_len, num_segments)`` as ``paged_decode_attention`` computes them.
 
     ``capacity`` is the block table's width times the block size (no sequence is longer). Segments are
-    a whole number of tiles, so fewer segments than asked may come out.
+    a whole number of tiles of ``tile`` tokens, so fewer segments than asked may come out.
     """
-    if not 1 <= num_splits <= DECODE_MAX_SPLITS:
-        raise ValueError(f"num_splits must be from 1 to {DECODE_MAX_SPLITS}, got {num_splits}")
+    if not 1 <= num_splits <= _max_splits():
+        raise ValueError(f"num_splits must be from 1 to {_max_splits()}, got {num_splits}")
     segment_len = -(-capacity // num_splits)
     segment_len = -(-segment_len // tile) * tile
     return segment_len, -(-capacity // segment_len)
 
 
 def decode_read_plan(block_tables: Any, seq_lens: Any, block_size: int, num_splits: int = 1,
-                     tile: int = DECODE_BLOCK_N) -> list[ProgramRead]:
+                     tile: int | None = None) -> list[ProgramRead]:
     """One ``ProgramRead`` per (sequence, KV segment) of the split-KV decode grid, for one KV head.
 
     Every KV head's program reads the same blocks (its own head's slice of them), so the grid is
@@ -130,6 +150,7 @@ def decode_read_plan(block_tables: Any, seq_lens: Any, block_size: int, num_spli
     if len(tables) != len(lens):
         raise ValueError(f"{len(tables)} block tables but {len(lens)} sequence lengths")
     capacity = max(len(t) for t in tables) * block_size
+    tile = tile or decode_tile(block_size)
     segment_len, num_segments = split_kv_segments(capacity, num_splits, tile)
     plan = []
     for seq, (table, n) in enumerate(zip(tables, lens)):
@@ -144,19 +165,20 @@ def decode_read_plan(block_tables: Any, seq_lens: Any, block_size: int, num_spli
 
 
 def prefill_read_plan(block_tables: Any, cu_seqlens_q: Any, seq_lens: Any, block_size: int,
-                      block_m: int | None = None, tile: int = PREFILL_BLOCK_N) -> list[ProgramRead]:
+                      block_m: int | None = None, tile: int | None = None) -> list[ProgramRead]:
     """One ``ProgramRead`` per (sequence, query tile of ``block_m`` new tokens), for one query head.
 
     Query tile ``m`` of a sequence with ``ctx_len`` cached tokens holds new tokens at positions
     ``ctx_len + m·block_m ...``; causality lets it stop at ``min(seq_len, ctx_len + (m + 1)·block_m)``.
-    ``block_m`` defaults to the wrapper's choice: ``min(64, max(16, next_pow2(longest q_len)))``.
+    ``block_m`` and ``tile`` default to the wrapper's choice (``prefill_config``): the query tile is
+    ``max(16, next_pow2(longest q_len))``, capped by the kernel's table (64 in bfloat16).
     """
     tables, cu, lens = _rows(block_tables), _ints(cu_seqlens_q), _ints(seq_lens)
     q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
     if len(q_lens) != len(lens) or len(tables) != len(lens):
         raise ValueError("block_tables, cu_seqlens_q and seq_lens disagree on the number of sequences")
-    if block_m is None:
-        block_m = min(PREFILL_MAX_BLOCK_M, max(MIN_DOT_ROWS, _next_pow2(max(q_lens))))
+    default_m, default_tile = prefill_tiles(block_size, max(q_lens))
+    block_m, tile = block_m or default_m, tile or default_tile
     num_tiles = -(-max(q_lens) // block_m)
     plan = []
     for seq, (table, q_len, n) in enumerate(zip(tables, q_lens, lens)):
@@ -260,14 +282,15 @@ class PagedReadView:
         block_size: tokens per block.
         num_blocks: blocks in the pool (columns); default: up to the largest id in the tables.
         num_splits: the initial ``num_splits`` of ``paged_decode_attention``.
-        tile: tokens per K/V tile (the kernel's ``BLOCK_N``); a smaller one makes small examples split.
+        tile: tokens per K/V tile (default: the kernel's ``TILE_N`` at this block size); a smaller one
+            makes small examples split.
     """
 
     def __init__(self, block_tables: Any, seq_lens: Any, block_size: int, num_blocks: int | None = None,
-                 num_splits: int = 1, tile: int = DECODE_BLOCK_N, title: str = "which blocks each program reads"
+                 num_splits: int = 1, tile: int | None = None, title: str = "which blocks each program reads"
                  ) -> None:
         self.tables, self.seq_lens = _rows(block_tables), _ints(seq_lens)
-        self.block_size, self.tile = block_size, tile
+        self.block_size, self.tile = block_size, tile or decode_tile(block_size)
         used = [b for t, n in zip(self.tables, self.seq_lens) for b in t[: -(-n // block_size)]]
         largest = max(used, default=0)
         self.num_blocks = largest + 1 if num_blocks is None else num_blocks
@@ -278,7 +301,7 @@ class PagedReadView:
             for logical in range(-(-n // block_size)):
                 self.owner[t[logical]] = (seq, logical, min(block_size, n - logical * block_size))
         capacity = max(len(t) for t in self.tables) * block_size
-        max_splits = min(DECODE_MAX_SPLITS, max(1, -(-capacity // tile)))
+        max_splits = min(_max_splits(), max(1, -(-capacity // self.tile)))
         self.splits = W.IntSlider(value=min(num_splits, max_splits), min=1, max=max_splits,
                                   description="num_splits", continuous_update=False)
         self.program = W.Dropdown(description="program")

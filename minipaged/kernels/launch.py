@@ -1,0 +1,72 @@
+"""What a Triton wrapper decides before it launches: tiles, warps, grid, arguments.
+
+Each wrapper (``reshape_and_cache``, ``paged_decode_attention``,
+``paged_prefill_attention``) is split in two: a *planner* that checks nothing and
+launches nothing but returns the list of ``Launch`` it would make, and the wrapper,
+which validates its arguments and runs that list. The compile report
+(``minipaged.kernels.report``) calls the same planners on example tensors and
+compiles each ``Launch`` for an NVIDIA GPU instead of running it, so what it reports
+is exactly what the wrapper launches: the same constexprs, the same ``num_warps``, the
+same argument specialisation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch options of one kernel configuration (one row of a kernel's table)."""
+    tile_n: int          # keys per K/V tile (attention), or 0 where the kernel has no key loop
+    num_warps: int
+    num_stages: int
+    block_m: int = 0     # prefill: new tokens per query tile
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, fully decided."""
+    kernel: Any                  # a triton JITFunction (or the interpreter's wrapper of one)
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps,
+                               num_stages=self.num_stages)
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+
+def is_half(dtype: torch.dtype) -> bool:
+    """fp16 and bf16 share a tile table: same bytes per element, same tensor-core path."""
+    return dtype in (torch.float16, torch.bfloat16)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs are multiplied in full fp32 ("ieee"): no silent TF32 rounding of the engine's default dtype."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def kv_tile_n(block_size: int, cap: int) -> int:
+    """Keys per tile: the largest power of two <= cap that divides the block (a tile never crosses a
+    block), and at least 16 (``tl.dot``'s minimum on a GPU); blocks under 16 tokens are tiled 16 at a time."""
+    if block_size < 16:
+        if 16 % block_size:
+            raise ValueError(f"the Triton attention kernels need a block_size that divides 16 or is a multiple "
+                             f"of 16, got {block_size}")
+        return 16
+    if block_size % 16:
+        raise ValueError(f"the Triton attention kernels need a block_size that divides 16 or is a multiple of 16, "
+                         f"got {block_size}")
+    tile = 16
+    while tile * 2 <= cap and block_size % (tile * 2) == 0:
+        tile *= 2
+    return tile

@@ -1,0 +1,370 @@
+"""Compile every Triton kernel for an NVIDIA GPU on a machine without one, and read the result.
+
+The interpreter runs a kernel's *semantics* on a CPU; it says nothing about what a GPU
+will make of it. Triton's compiler does not need a GPU to build a kernel, only a
+target: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` runs the
+bundled ``ptxas`` and returns a cubin, and the bundled ``cuobjdump
+--dump-resource-usage`` reads what a GPU would have to give each thread::
+
+    REG     registers per thread (at most 255; past that values spill)
+    STACK   bytes per thread spilled to local memory (slow, off-chip): must be 0
+    shared  bytes of shared memory per program (Triton's pipelining buffers)
+
+From those and ``num_warps`` the CUDA occupancy rules give how many warps an SM can
+keep resident, which is what hides memory latency in a bandwidth-bound kernel::
+
+    warps by registers = 65536 // (ceil(REG·32 / 256)·256)     rounded down to whole programs
+    programs by shared = shared memory per SM // (shared + 1 KiB reserved)
+    resident warps     = min(by registers, by shared, 64 warps, 32 programs) · num_warps
+
+**Exactly what the wrapper launches.** Each configuration is built by the wrapper's own
+planner (``plan_paged_decode``, ``plan_paged_prefill``, ``plan_reshape_and_cache``) on
+example tensors in the engine's layouts, and specialised by Triton's own binder the way
+a launch would be (pointer alignment, integers divisible by 16): the same constexprs,
+warps and stages the wrapper would use. Compiling without that specialisation reports
+worse code than a launch ever runs (unaligned, scalar loads).
+
+Compiling needs ``TRITON_INTERPRET=0`` before triton is imported, so the work runs in
+fresh worker processes; the caller may have the interpreter on.
+
+    python -m minipaged kernels --arch sm_80,sm_90 [--json]
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float16", "bfloat16", "float32")
+HEAD_DIMS = (64, 128)
+ARCHS = ("sm_80", "sm_90")
+KERNELS = ("reshape_and_cache", "paged_decode", "paged_prefill")
+DEFAULT_GROUP = 4           # GQA group of Llama-3-8B / -70B: 4 query heads per KV head
+SMOLLM2 = dict(head_dim=64, group=3, num_kv_heads=3)   # 9 query heads over 3 KV heads
+
+# Per-SM limits of the CUDA occupancy rules (CUDA C Programming Guide, "Compute capabilities").
+ARCH_LIMITS: dict[str, dict[str, int]] = {
+    "sm_80": dict(max_warps=64, max_programs=32, registers=65536, shared_per_sm=167936, shared_per_program=166912),
+    "sm_90": dict(max_warps=64, max_programs=32, registers=65536, shared_per_sm=233472, shared_per_program=232448),
+}
+REG_ALLOC_UNIT = 256        # registers are given to a warp in chunks of 256
+SHARED_RESERVED = 1024      # the system reserves 1 KiB of shared memory per program
+SHARED_ALLOC_UNIT = 128
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the matrix: a kernel family on one shape, dtype and GPU."""
+    kernel: str             # "reshape_and_cache" | "paged_decode" | "paged_prefill"
+    dtype: str              # torch name: "float16", "bfloat16", "float32"
+    head_dim: int
+    block_size: int
+    group: int              # query heads per KV head
+    num_kv_heads: int
+    arch: str               # "sm_80", "sm_90"
+    addressing: str = "block"   # "block": one table lookup per tile (the kernels'); "token": the first version's
+
+
+@dataclass
+class Row:
+    """One compiled kernel (a family may launch several: decode, its split variant and the reduce)."""
+    kernel: str
+    dtype: str
+    head_dim: int
+    block_size: int
+    group: int
+    arch: str
+    addressing: str = "block"
+    tiles: str = ""
+    num_warps: int = 0
+    num_stages: int = 0
+    registers: int | None = None
+    spill_bytes: int | None = None
+    shared_bytes: int | None = None
+    occupancy: int | None = None      # resident warps per SM
+    occupancy_pct: float | None = None
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        if d["error"] is None:
+            d.pop("error")
+        return d
+
+
+def occupancy(arch: str, registers: int, shared_bytes: int, num_warps: int) -> int:
+    """Resident warps per SM for a kernel with these resources (the CUDA occupancy calculator's rules)."""
+    lim = ARCH_LIMITS[arch]
+    regs_per_warp = -(-max(registers, 1) * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    by_regs = (lim["registers"] // regs_per_warp) // num_warps
+    shared = -(-(shared_bytes + SHARED_RESERVED) // SHARED_ALLOC_UNIT) * SHARED_ALLOC_UNIT
+    by_shared = lim["shared_per_sm"] // shared
+    by_warps = lim["max_warps"] // num_warps
+    return min(by_regs, by_shared, by_warps, lim["max_programs"]) * num_warps
+
+
+def default_configs(archs: Sequence[str] = ARCHS, block_sizes: Sequence[int] = (16,),
+                    groups: Sequence[int] = (DEFAULT_GROUP,), dtypes: Sequence[str] = DTYPES,
+                    head_dims: Sequence[int] = HEAD_DIMS, kernels: Sequence[str] = KERNELS,
+                    addressing: str = "block") -> list[Config]:
+    """The matrix: kernels × dtypes × head_dims × block sizes × groups × archs (2 KV heads), plus
+    SmolLM2's own shape (head_dim 64, 3 query heads on each of 3 KV heads) at every block size."""
+    if addressing not in ("block", "token"):
+        raise ValueError(f"addressing must be 'block' or 'token', got {addressing!r}")
+    for k in kernels:
+        if k not in KERNELS:
+            raise ValueError(f"unknown kernel {k!r}; choose from {', '.join(KERNELS)}")
+    for dt in dtypes:
+        if dt not in DTYPES:
+            raise ValueError(f"unknown dtype {dt!r}; choose from {', '.join(DTYPES)}")
+    for a in archs:
+        if a not in ARCH_LIMITS:
+            raise ValueError(f"unknown arch {a!r}; choose from {', '.join(ARCH_LIMITS)}")
+    out = [Config(k, dt, hd, bs, g, 2, a, addressing)
+           for k, dt, hd, bs, g, a in itertools.product(kernels, dtypes, head_dims, block_sizes, groups, archs)]
+    out += [Config(k, dt, SMOLLM2["head_dim"], bs, SMOLLM2["group"], SMOLLM2["num_kv_heads"], a, addressing)
+            for k, dt, bs, a in itertools.product(kernels, dtypes, block_sizes, archs)]
+    seen: set[Config] = set()
+    return [c for c in out if not (c in seen or seen.add(c))]
+
+
+# ---- what runs in a worker (TRITON_INTERPRET=0) -----------------------------------------------------
+
+def example_launches(cfg: Config) -> list[tuple[str, Any]]:
+    """(name, Launch) for every kernel the wrapper would launch for ``cfg``, from its own planner.
+
+    The tensors are empty CPU tensors in the engine's layouts (only shapes, dtypes, strides and
+    alignment matter to the compiler). Decode is planned twice, with one segment (writes the
+    output) and with several (writes fp32 partials, then the reduce kernel); prefill once per
+    query-tile height its planner can pick.
+    """
+    import torch
+
+    from .paged_decode import plan_paged_decode
+    from .paged_prefill import PREFILL_TABLE, plan_paged_prefill, prefill_config
+    from .reshape_and_cache import plan_reshape_and_cache
+
+    dtype = getattr(torch, cfg.dtype)
+    kvh, hd, bs = cfg.num_kv_heads, cfg.head_dim, cfg.block_size
+    per_token = cfg.addressing == "token"
+    num_q_heads = kvh * cfg.group
+    num_blocks, num_seqs, max_blocks = 64, 4, 16
+    key_cache = torch.empty(num_blocks, bs, kvh, hd, dtype=dtype)
+    value_cache = torch.empty_like(key_cache)
+    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    seq_lens = torch.ones(num_seqs, dtype=torch.int32)
+    scale = hd ** -0.5
+    if cfg.kernel == "reshape_and_cache":
+        k = torch.empty(num_seqs, kvh, hd, dtype=dtype)
+        return [("reshape_and_cache", launch) for launch in
+                plan_reshape_and_cache(k, torch.empty_like(k), key_cache, value_cache,
+                                       torch.zeros(num_seqs, dtype=torch.int64))]
+    if cfg.kernel == "paged_decode":
+        q = torch.empty(num_seqs, num_q_heads, hd, dtype=dtype)
+        one = plan_paged_decode(q, key_cache, value_cache, tables, seq_lens, scale, torch.empty_like(q),
+                                num_splits=1, per_token=per_token)
+        split = plan_paged_decode(q, key_cache, value_cache, tables, seq_lens, scale, torch.empty_like(q),
+                                  num_splits=4, per_token=per_token)
+        return [("paged_decode", one[0]), ("paged_decode_split", split[0]), ("reduce_segments", split[1])]
+    if cfg.kernel == "paged_prefill":
+        largest = PREFILL_TABLE[(dtype != torch.float32, max(64, hd))].block_m
+        out, seen = [], set()
+        for q_len in (16, 32, 64, 128):
+            if q_len > largest or prefill_config(dtype, hd, bs, q_len).block_m in seen:
+                continue
+            seen.add(prefill_config(dtype, hd, bs, q_len).block_m)
+            q = torch.empty(num_seqs * q_len, num_q_heads, hd, dtype=dtype)
+            cu = torch.arange(0, num_seqs + 1, dtype=torch.int32) * q_len
+            out += [("paged_prefill", launch) for launch in
+                    plan_paged_prefill(q, key_cache, value_cache, tables, cu, seq_lens, scale, torch.empty_like(q),
+                                       q_len, per_token=per_token)]
+        return out
+    raise ValueError(f"unknown kernel {cfg.kernel!r}; choose from {', '.join(KERNELS)}")
+
+
+def _tiles(launch: Any) -> str:
+    keys = ("BLOCK_M", "TILE_N", "GROUP_P2", "HEAD_DIM_P2", "HEADS_P2", "NUM_SEGMENTS_P2")
+    return " ".join(f"{k}={launch.constexprs[k]}" for k in keys if k in launch.constexprs)
+
+
+def _tool(name: str) -> Path:
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL of the one kernel in a cubin, read by cuobjdump."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        text = subprocess.run([str(_tool("cuobjdump")), "--dump-resource-usage", str(path)], capture_output=True,
+                              text=True, check=True).stdout
+    usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    if "REG" not in usage:
+        raise RuntimeError(f"cuobjdump printed no resource usage:\n{text}")
+    return {k: int(v) for k, v in usage.items()}
+
+
+def compile_launch(launch: Any, arch: str) -> Any:
+    """Compile one planned launch for ``arch`` ("sm_90"), specialised as Triton's launcher would."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    kernel = launch.kernel
+    if not isinstance(kernel, JITFunction):
+        raise RuntimeError("kernels are interpreted in this process (TRITON_INTERPRET=1): compile in a fresh "
+                           "process with TRITON_INTERPRET=0, as compile_report() does")
+    target = GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
+    backend = make_backend(target)
+    kwargs = dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, opts = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, opts)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def compile_config(cfg: Config) -> list[Row]:
+    """Every kernel of one configuration, compiled and measured (errors become rows with ``error``)."""
+    base = dict(dtype=cfg.dtype, head_dim=cfg.head_dim, block_size=cfg.block_size, group=cfg.group, arch=cfg.arch,
+                addressing=cfg.addressing)
+    try:
+        launches = example_launches(cfg)
+    except Exception as e:  # a configuration the planner refuses is a finding, not a crash of the report
+        return [Row(cfg.kernel, **base, error=f"{type(e).__name__}: {e}")]
+    rows = []
+    for name, launch in launches:
+        row = Row(name, **base, tiles=_tiles(launch), num_warps=launch.num_warps, num_stages=launch.num_stages)
+        try:
+            compiled = compile_launch(launch, cfg.arch)
+            usage = resource_usage(compiled.asm["cubin"])
+            row.registers = usage["REG"]
+            row.spill_bytes = usage.get("STACK", 0) + usage.get("LOCAL", 0)
+            row.shared_bytes = max(int(compiled.metadata.shared), usage.get("SHARED", 0))
+            limit = ARCH_LIMITS[cfg.arch]["shared_per_program"]
+            if row.shared_bytes > limit:
+                row.error = f"needs {row.shared_bytes} B of shared memory, more than the {limit} B a program may use"
+            else:
+                row.occupancy = occupancy(cfg.arch, row.registers, row.shared_bytes, launch.num_warps)
+                row.occupancy_pct = round(100 * row.occupancy / ARCH_LIMITS[cfg.arch]["max_warps"], 1)
+        except Exception as e:
+            row.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        rows.append(row)
+    return rows
+
+
+def _worker_main() -> None:
+    """``python -m minipaged.kernels.report --worker``: configs as JSON on stdin, rows as JSON lines out."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for cfg in json.load(sys.stdin):
+        for row in compile_config(Config(**cfg)):
+            print(json.dumps(asdict(row)), flush=True)
+
+
+# ---- the caller's side ------------------------------------------------------------------------------
+
+def compile_report(configs: Iterable[Config] | None = None, *, processes: int | None = None) -> list[Row]:
+    """Compile ``configs`` (default: :func:`default_configs`) in fresh worker processes; rows in order.
+
+    Workers are plain subprocesses (``python -m minipaged.kernels.report --worker``) started with
+    ``TRITON_INTERPRET=0``, so this works from a notebook or a script that has the interpreter on.
+    """
+    configs = list(default_configs() if configs is None else configs)
+    for c in configs:
+        if c.arch not in ARCH_LIMITS:
+            raise ValueError(f"unknown arch {c.arch!r}; choose from {', '.join(ARCH_LIMITS)}")
+    if not configs:
+        return []
+    if not _tool("ptxas").exists():
+        raise RuntimeError(f"Triton's bundled ptxas is missing ({_tool('ptxas')}): this triton build cannot "
+                           "compile for NVIDIA GPUs")
+    processes = max(1, min(len(configs), processes or os.cpu_count() or 1))
+    # Each worker imports triton with the interpreter off, and fuses multiply-adds as a launch would.
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    chunks = [configs[i::processes] for i in range(processes)]
+    workers = [subprocess.Popen([sys.executable, "-m", "minipaged.kernels.report", "--worker"], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in chunks]
+    try:
+        outputs = [w.communicate(json.dumps([asdict(c) for c in chunk])) for w, chunk in zip(workers, chunks)]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    by_config: dict[tuple, list[Row]] = {}
+    for w, (out, err) in zip(workers, outputs):
+        if w.returncode != 0:
+            raise RuntimeError(f"a compile worker failed (exit {w.returncode}):\n{err[-3000:]}")
+        for line in out.splitlines():
+            row = Row(**json.loads(line))
+            by_config.setdefault((row.dtype, row.head_dim, row.block_size, row.group, row.arch, row.addressing),
+                                 []).append(row)
+    rows = []
+    for c in configs:   # back in the caller's order, each config's kernels together
+        mine = [r for r in by_config.get((c.dtype, c.head_dim, c.block_size, c.group, c.arch, c.addressing), [])
+                if _family(r.kernel) == c.kernel]
+        rows += mine
+    return rows
+
+
+def _family(kernel: str) -> str:
+    return "paged_decode" if kernel in ("paged_decode_split", "reduce_segments") else kernel
+
+
+COLUMNS = (("kernel", 18), ("dtype", 8), ("head_dim", 8), ("block_size", 10), ("group", 5), ("arch", 5),
+           ("tiles", 30), ("num_warps", 5), ("num_stages", 6), ("registers", 4), ("spill_bytes", 5),
+           ("shared_bytes", 6), ("occupancy", 9))
+HEADERS = dict(head_dim="head_dim", block_size="block", num_warps="warps", num_stages="stages", registers="regs",
+               spill_bytes="spill", shared_bytes="shared", occupancy="warps/SM")
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The report as an aligned text table, one compiled kernel a line."""
+    def cell(row: Row, key: str) -> str:
+        if key == "occupancy":
+            return "-" if row.occupancy is None else f"{row.occupancy} ({row.occupancy_pct:.0f}%)"
+        v = getattr(row, key)
+        return "-" if v is None else str(v)
+
+    table = [[HEADERS.get(k, k) for k, _ in COLUMNS]] + [[cell(r, k) for k, _ in COLUMNS] for r in rows]
+    widths = [max(w, *(len(t[i]) for t in table)) for i, (_, w) in enumerate(COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for r in rows:
+        if r.error:
+            lines.append(f"error: {r.kernel} {r.dtype} head_dim {r.head_dim} block {r.block_size} group {r.group} "
+                         f"{r.arch}: {r.error}")
+    return "\n".join(lines)
+
+
+def summary(rows: Sequence[Row]) -> str:
+    """One line: how many compiled, how many spill, the lowest occupancy."""
+    ok = [r for r in rows if r.error is None]
+    spilling = [r for r in ok if r.spill_bytes]
+    worst = min(ok, key=lambda r: r.occupancy or 0, default=None)
+    text = (f"{len(ok)} of {len(rows)} kernels compiled; {len(spilling)} spill registers; "
+            f"most registers {max((r.registers for r in ok), default=0)}")
+    if worst is not None:
+        text += f"; lowest occupancy {worst.occupancy} warps/SM ({worst.kernel} {worst.dtype} d{worst.head_dim} " \
+                f"{worst.arch})"
+    return text
+
+
+def rows_to_json_lines(rows: Sequence[Row]) -> str:
+    return "\n".join(json.dumps(r.as_json()) for r in rows)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker_main()
