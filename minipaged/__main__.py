@@ -197,7 +197,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
     configs = report.default_configs(archs=args.arch, block_sizes=args.block_sizes, groups=args.groups,
                                      dtypes=args.dtypes, head_dims=args.head_dims, kernels=args.kernels,
-                                     addressing=args.addressing)
+                                     addressing=args.addressing, tile_n=args.tile_n)
     t0 = time.perf_counter()
     rows = report.compile_report(configs, processes=args.jobs)
     if args.json:
@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                          default=["reshape_and_cache", "paged_decode", "paged_prefill"])
     kernels.add_argument("--addressing", choices=["block", "token"], default="block",
                          help="token: the first version's per-token table lookups, for comparison")
+    kernels.add_argument("--tile-n", type=int, default=None,
+                         help="keys per K/V tile instead of the kernels' table (e.g. 64: the first version's)")
     kernels.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per core)")
     kernels.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)

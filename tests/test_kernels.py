@@ -482,6 +482,16 @@ def test_triton_refuses_block_sizes_it_cannot_tile(block_size):
         K.paged_decode_attention(q, kc, vc, tables, lens, 0.25)
 
 
+def test_an_explicit_tile_must_fit_the_blocks():
+    from minipaged.kernels.launch import check_tile_n, kv_tile_n
+
+    assert check_tile_n(64, 16) == 64 and check_tile_n(16, 32) == 16
+    for tile, bs in ((8, 16), (48, 16), (32, 48), (True, 16)):
+        with pytest.raises(ValueError, match="tile_n"):
+            check_tile_n(tile, bs)
+    assert [kv_tile_n(bs, 32) for bs in (1, 4, 16, 32, 48, 64, 128)] == [16, 16, 16, 32, 16, 32, 32]
+
+
 def test_occupancy_follows_the_cuda_rules():
     from minipaged.kernels.report import occupancy
 

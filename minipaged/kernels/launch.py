@@ -55,6 +55,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def check_tile_n(tile_n: int, block_size: int) -> int:
+    """An explicit key tile (experiments, chapter 05): a power of two >= 16 that divides the block or is a
+    whole number of blocks."""
+    if isinstance(tile_n, bool) or not isinstance(tile_n, int) or tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n!r}")
+    if block_size % tile_n and tile_n % block_size:
+        raise ValueError(f"tile_n={tile_n} must divide block_size={block_size} or be a multiple of it")
+    return tile_n
+
+
 def kv_tile_n(block_size: int, cap: int) -> int:
     """Keys per tile: the largest power of two <= cap that divides the block (a tile never crosses a
     block), and at least 16 (``tl.dot``'s minimum on a GPU); blocks under 16 tokens are tiled 16 at a time."""

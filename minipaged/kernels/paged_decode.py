@@ -61,8 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch, TileConfig, dot_precision, is_half, kv_tile_n
-from .paged_tile import attend_tile
+from .launch import Launch, TileConfig, check_tile_n, dot_precision, is_half, kv_tile_n
+from .paged_tile import attend_tile, tile_offsets
 from .validation import check_last_dim_contiguous, check_paged_decode, check_triton_runtime
 
 LOG2E = 1.4426950408889634
@@ -106,9 +106,7 @@ def _paged_decode_kernel(
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
     # Loop invariants: this KV head's slice of each cache, the int32 offsets of a tile inside a block.
-    tok = tl.arange(0, TILE_N)
-    inner_k = tok[:, None] * stride_ko + dims[None, :]
-    inner_v = tok[:, None] * stride_vo + dims[None, :]
+    tok, inner_k, inner_v = tile_offsets(dims, stride_ko, stride_vo, TILE_N)
     k_head_ptr = k_cache_ptr + kv_head * stride_kh
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -168,7 +166,7 @@ DECODE_TABLE: dict[tuple[bool, int], TileConfig] = {
     (True, 128): TileConfig(tile_n=32, num_warps=4, num_stages=3),
     (True, 256): TileConfig(tile_n=16, num_warps=4, num_stages=3),
     (False, 64): TileConfig(tile_n=32, num_warps=4, num_stages=3),
-    (False, 128): TileConfig(tile_n=16, num_warps=4, num_stages=3),
+    (False, 128): TileConfig(tile_n=16, num_warps=4, num_stages=2),
     (False, 256): TileConfig(tile_n=16, num_warps=8, num_stages=2),
 }
 REDUCE_CONFIG = TileConfig(tile_n=0, num_warps=4, num_stages=1)
@@ -199,11 +197,13 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, capacity: int, device: 
 
 def plan_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor, *,
-                      num_splits: int | None = None, per_token: bool = False) -> list[Launch]:
+                      num_splits: int | None = None, per_token: bool = False, tile_n: int | None = None
+                      ) -> list[Launch]:
     """The launches of one decode call (the attention kernel, then the reduce kernel when a sequence
     has several segments), writing into ``out``. Checks nothing: the wrapper has.
 
-    ``per_token=True`` plans the first version's addressing (a table lookup per token) for comparison.
+    For comparisons (chapter 05, ``python -m minipaged kernels``): ``per_token=True`` plans the first
+    version's addressing (a table lookup per token), ``tile_n`` another key tile than the table's.
     """
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -211,6 +211,8 @@ def plan_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         return []
     group = num_q_heads // num_kv_heads
     cfg = decode_config(query.dtype, head_dim, block_size)
+    if tile_n is not None:
+        cfg = TileConfig(check_tile_n(tile_n, block_size), cfg.num_warps, cfg.num_stages)
     capacity = block_tables.shape[1] * block_size            # no sequence is longer: no need to read seq_lens
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, capacity, query.device)

@@ -43,9 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch, TileConfig, dot_precision, is_half, kv_tile_n
+from .launch import Launch, TileConfig, check_tile_n, dot_precision, is_half, kv_tile_n
 from .paged_decode import head_dim_p2
-from .paged_tile import attend_tile
+from .paged_tile import attend_tile, tile_offsets
 from .validation import check_last_dim_contiguous, check_paged_prefill, check_triton_runtime
 
 LOG2E = 1.4426950408889634
@@ -86,9 +86,7 @@ def _paged_prefill_kernel(
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
     # Loop invariants: this KV head's slice of each cache, the int32 offsets of a tile inside a block.
-    tok = tl.arange(0, TILE_N)
-    inner_k = tok[:, None] * stride_ko + dims[None, :]
-    inner_v = tok[:, None] * stride_vo + dims[None, :]
+    tok, inner_k, inner_v = tile_offsets(dims, stride_ko, stride_vo, TILE_N)
     k_head_ptr = k_cache_ptr + kv_head * stride_kh
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -134,16 +132,20 @@ def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int, max_q_len
 
 def plan_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                       out: torch.Tensor, max_query_len: int, *, per_token: bool = False) -> list[Launch]:
+                       out: torch.Tensor, max_query_len: int, *, per_token: bool = False,
+                       tile_n: int | None = None) -> list[Launch]:
     """The launch of one prefill call, writing into ``out``. Checks nothing: the wrapper has.
 
-    ``per_token=True`` plans the first version's addressing (a table lookup per token) for comparison.
+    For comparisons: ``per_token=True`` plans the first version's addressing (a table lookup per
+    token), ``tile_n`` another key tile than the table's.
     """
     total_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if total_tokens == 0:
         return []
     cfg = prefill_config(query.dtype, head_dim, block_size, max_query_len)
+    if tile_n is not None:
+        cfg = TileConfig(check_tile_n(tile_n, block_size), cfg.num_warps, cfg.num_stages, cfg.block_m)
     return [Launch(
         _paged_prefill_kernel, (cu_seqlens_q.shape[0] - 1, num_q_heads, triton.cdiv(max_query_len, cfg.block_m)),
         (out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale * LOG2E,

@@ -49,6 +49,13 @@ import triton.language as tl
 
 
 @triton.jit
+def tile_offsets(dims, stride_ko, stride_vo, TILE_N: tl.constexpr):
+    """The loop invariants of a kernel's key loop: ``tok`` and the int32 ``tok·stride_o + dim`` tiles of K and V."""
+    tok = tl.arange(0, TILE_N)
+    return tok, tok[:, None] * stride_ko + dims[None, :], tok[:, None] * stride_vo + dims[None, :]
+
+
+@triton.jit
 def load_kv_tile(head_ptr, table_ptr, start, end, inner, tok, dims, dim_mask, stride_b, stride_o,
                  TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PER_TOKEN: tl.constexpr):
     """Tokens ``start .. start+TILE_N-1`` (those ``< end``) of one KV head: ``[TILE_N, HEAD_DIM_P2]``.

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ class Config:
     num_kv_heads: int
     arch: str               # "sm_80", "sm_90"
     addressing: str = "block"   # "block": one table lookup per tile (the kernels'); "token": the first version's
+    tile_n: int | None = None   # a key tile other than the kernel's table gives (experiments)
 
 
 @dataclass
@@ -114,7 +116,7 @@ def occupancy(arch: str, registers: int, shared_bytes: int, num_warps: int) -> i
 def default_configs(archs: Sequence[str] = ARCHS, block_sizes: Sequence[int] = (16,),
                     groups: Sequence[int] = (DEFAULT_GROUP,), dtypes: Sequence[str] = DTYPES,
                     head_dims: Sequence[int] = HEAD_DIMS, kernels: Sequence[str] = KERNELS,
-                    addressing: str = "block") -> list[Config]:
+                    addressing: str = "block", tile_n: int | None = None) -> list[Config]:
     """The matrix: kernels × dtypes × head_dims × block sizes × groups × archs (2 KV heads), plus
     SmolLM2's own shape (head_dim 64, 3 query heads on each of 3 KV heads) at every block size."""
     if addressing not in ("block", "token"):
@@ -128,9 +130,9 @@ def default_configs(archs: Sequence[str] = ARCHS, block_sizes: Sequence[int] = (
     for a in archs:
         if a not in ARCH_LIMITS:
             raise ValueError(f"unknown arch {a!r}; choose from {', '.join(ARCH_LIMITS)}")
-    out = [Config(k, dt, hd, bs, g, 2, a, addressing)
+    out = [Config(k, dt, hd, bs, g, 2, a, addressing, tile_n)
            for k, dt, hd, bs, g, a in itertools.product(kernels, dtypes, head_dims, block_sizes, groups, archs)]
-    out += [Config(k, dt, SMOLLM2["head_dim"], bs, SMOLLM2["group"], SMOLLM2["num_kv_heads"], a, addressing)
+    out += [Config(k, dt, SMOLLM2["head_dim"], bs, SMOLLM2["group"], SMOLLM2["num_kv_heads"], a, addressing, tile_n)
             for k, dt, bs, a in itertools.product(kernels, dtypes, block_sizes, archs)]
     seen: set[Config] = set()
     return [c for c in out if not (c in seen or seen.add(c))]
@@ -170,9 +172,9 @@ def example_launches(cfg: Config) -> list[tuple[str, Any]]:
     if cfg.kernel == "paged_decode":
         q = torch.empty(num_seqs, num_q_heads, hd, dtype=dtype)
         one = plan_paged_decode(q, key_cache, value_cache, tables, seq_lens, scale, torch.empty_like(q),
-                                num_splits=1, per_token=per_token)
+                                num_splits=1, per_token=per_token, tile_n=cfg.tile_n)
         split = plan_paged_decode(q, key_cache, value_cache, tables, seq_lens, scale, torch.empty_like(q),
-                                  num_splits=4, per_token=per_token)
+                                  num_splits=4, per_token=per_token, tile_n=cfg.tile_n)
         return [("paged_decode", one[0]), ("paged_decode_split", split[0]), ("reduce_segments", split[1])]
     if cfg.kernel == "paged_prefill":
         largest = PREFILL_TABLE[(dtype != torch.float32, max(64, hd))].block_m
@@ -185,7 +187,7 @@ def example_launches(cfg: Config) -> list[tuple[str, Any]]:
             cu = torch.arange(0, num_seqs + 1, dtype=torch.int32) * q_len
             out += [("paged_prefill", launch) for launch in
                     plan_paged_prefill(q, key_cache, value_cache, tables, cu, seq_lens, scale, torch.empty_like(q),
-                                       q_len, per_token=per_token)]
+                                       q_len, per_token=per_token, tile_n=cfg.tile_n)]
         return out
     raise ValueError(f"unknown kernel {cfg.kernel!r}; choose from {', '.join(KERNELS)}")
 
@@ -268,9 +270,9 @@ def _worker_main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    for cfg in json.load(sys.stdin):
+    for index, cfg in json.load(sys.stdin):
         for row in compile_config(Config(**cfg)):
-            print(json.dumps(asdict(row)), flush=True)
+            print(json.dumps(dict(index=index, row=asdict(row))), flush=True)
 
 
 # ---- the caller's side ------------------------------------------------------------------------------
@@ -293,40 +295,33 @@ def compile_report(configs: Iterable[Config] | None = None, *, processes: int | 
     processes = max(1, min(len(configs), processes or os.cpu_count() or 1))
     # Each worker imports triton with the interpreter off, and fuses multiply-adds as a launch would.
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    chunks = [configs[i::processes] for i in range(processes)]
+    numbered = list(enumerate(asdict(c) for c in configs))
+    chunks = [numbered[i::processes] for i in range(processes)]
     workers = [subprocess.Popen([sys.executable, "-m", "minipaged.kernels.report", "--worker"], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for _ in chunks]
     try:
-        outputs = [w.communicate(json.dumps([asdict(c) for c in chunk])) for w, chunk in zip(workers, chunks)]
+        with ThreadPoolExecutor(len(workers)) as pool:   # feed and drain every worker at once
+            outputs = list(pool.map(lambda wc: wc[0].communicate(json.dumps(wc[1])), zip(workers, chunks)))
     finally:
         for w in workers:
             if w.poll() is None:
                 w.kill()
-    by_config: dict[tuple, list[Row]] = {}
+    by_config: dict[int, list[Row]] = {}
     for w, (out, err) in zip(workers, outputs):
         if w.returncode != 0:
             raise RuntimeError(f"a compile worker failed (exit {w.returncode}):\n{err[-3000:]}")
         for line in out.splitlines():
-            row = Row(**json.loads(line))
-            by_config.setdefault((row.dtype, row.head_dim, row.block_size, row.group, row.arch, row.addressing),
-                                 []).append(row)
-    rows = []
-    for c in configs:   # back in the caller's order, each config's kernels together
-        mine = [r for r in by_config.get((c.dtype, c.head_dim, c.block_size, c.group, c.arch, c.addressing), [])
-                if _family(r.kernel) == c.kernel]
-        rows += mine
-    return rows
-
-
-def _family(kernel: str) -> str:
-    return "paged_decode" if kernel in ("paged_decode_split", "reduce_segments") else kernel
+            item = json.loads(line)
+            by_config.setdefault(item["index"], []).append(Row(**item["row"]))
+    return [row for i in range(len(configs)) for row in by_config.get(i, [])]   # the caller's order
 
 
 COLUMNS = (("kernel", 18), ("dtype", 8), ("head_dim", 8), ("block_size", 10), ("group", 5), ("arch", 5),
+           ("addressing", 5),
            ("tiles", 30), ("num_warps", 5), ("num_stages", 6), ("registers", 4), ("spill_bytes", 5),
            ("shared_bytes", 6), ("occupancy", 9))
-HEADERS = dict(head_dim="head_dim", block_size="block", num_warps="warps", num_stages="stages", registers="regs",
+HEADERS = dict(head_dim="head_dim", block_size="block", addressing="addr", num_warps="warps", num_stages="stages", registers="regs",
                spill_bytes="spill", shared_bytes="shared", occupancy="warps/SM")
 
 
