@@ -105,17 +105,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = _params(args)   # bad sampling flags fail before the model loads
     llm = _engine(args)
     prompts = args.prompts if args.raw else [[{"role": "user", "content": p}] for p in args.prompts]
     if args.stream and len(prompts) == 1:
         printed = 0
-        for out in llm.stream(prompts, _params(args)):
+        for out in llm.stream(prompts, params):
             text = out.outputs[0].text
             print(text[printed:], end="", flush=True)
             printed = len(text)
         print()
         return 0
-    for prompt, out in zip(args.prompts, llm.generate(prompts, _params(args))):
+    for prompt, out in zip(args.prompts, llm.generate(prompts, params)):
         if out.error:
             print(f"[{prompt!r}] error: {out.error}")
             continue
@@ -128,6 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    params = _params(args)
     llm = _engine(args)
     messages: list[dict[str, str]] = []
     print("Chat with SmolLM2 (empty line or Ctrl-D to quit).")
@@ -141,7 +143,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         print("smollm2> ", end="", flush=True)
         printed, text = 0, ""
-        for out in llm.stream([messages], _params(args)):
+        for out in llm.stream([messages], params):
             text = out.outputs[0].text
             print(text[printed:], end="", flush=True)
             printed = len(text)
@@ -182,6 +184,16 @@ def cmd_grade(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def _csv(kind: type, name: str):
     def parse(text: str) -> list:
         try:
@@ -214,19 +226,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="convert the SmolLM2 GGUF into the local cache once")
     engine = argparse.ArgumentParser(add_help=False)
-    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--block-size", type=_positive, default=16)
     engine.add_argument("--kv-cache-memory", default=None, help='KV pool budget, e.g. "512MiB" (CPU default 1GiB)')
     engine.add_argument("--prefix-caching", action="store_true")
-    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-seqs", type=_positive, default=256)
     sampling = argparse.ArgumentParser(add_help=False)
-    sampling.add_argument("--max-tokens", type=int, default=64)
+    sampling.add_argument("--max-tokens", type=_positive, default=64)
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--top-k", type=int, default=-1)
     sampling.add_argument("--seed", type=int, default=None)
-    sampling.add_argument("-n", type=int, default=1, help="samples per prompt")
+    sampling.add_argument("-n", type=_positive, default=1, help="samples per prompt")
     demo = sub.add_parser("demo", parents=[engine], help="the engine answers a batch of prompts; pool figures")
-    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--max-tokens", type=_positive, default=48)
     gen = sub.add_parser("generate", parents=[engine, sampling], help="answer one or more prompts")
     gen.add_argument("prompts", nargs="+")
     gen.add_argument("--raw", action="store_true", help="no chat template: continue the text as it is")
@@ -234,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("-v", "--verbose", action="store_true", help="print block-pool figures")
     sub.add_parser("chat", parents=[engine, sampling], help="an interactive chat, streamed")
     bench = sub.add_parser("bench", parents=[engine], help="throughput on a seeded mixed-length batch")
-    bench.add_argument("--num-prompts", type=int, default=32)
+    bench.add_argument("--num-prompts", type=_positive, default=32)
     bench.add_argument("--seed", type=int, default=0)
     grade = sub.add_parser("grade", help="grade a folder of exercise notebooks")
     grade.add_argument("folder", nargs="?", default="exercises")

@@ -308,6 +308,11 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
+    def evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop ``block``'s hash from the cache map: it is about to hold new tokens, or its contents
+        were never written (a failed step). Returns whether it had a hash."""
+        return self._maybe_evict_cached_block(block)
+
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drop ``block``'s hash from the cache map (it is about to hold new tokens)."""
         block_hash = block.block_hash
@@ -351,16 +356,20 @@ class BlockPool:
         to the *front*, since no request can ever hit it. We keep the plain rule.)
         """
         blocks = [b for b in ordered_blocks if not b.is_null]  # the null block is never freed
+        # Check the whole list before touching anything: a bad call changes nothing.
+        drops: dict[int, int] = {}
         for block in blocks:
-            if block.ref_cnt <= 0:
-                raise ValueError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt} (double free?)")
+            if not (0 <= block.block_id < len(self.blocks)) or self.blocks[block.block_id] is not block:
+                raise ValueError(f"block {block.block_id} does not belong to this pool")
+            drops[block.block_id] = drops.get(block.block_id, 0) + 1
+            if drops[block.block_id] > block.ref_cnt:
+                raise ValueError(f"block {block.block_id} freed {drops[block.block_id]} time(s) with ref_cnt "
+                                 f"{block.ref_cnt} (double free?)")
         released: list[KVCacheBlock] = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 released.append(block)
-            elif block.ref_cnt < 0:
-                raise ValueError(f"block {block.block_id} freed more times than it was referenced")
         self.free_block_queue.append_n(released)
 
     # ---- prefix cache ------------------------------------------------------------------

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +31,9 @@ from .model_runner import ModelRunner
 from .request import Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import PREEMPTION_MODES, Scheduler, SchedulerConfig
 
+STEP_STATS_KEPT = 100_000
 DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
@@ -108,16 +111,50 @@ def _has_tokenizer(path: str | os.PathLike) -> bool:
     return any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
 
-def _parse_memory(value: int | float | str) -> int:
-    """Bytes from 1073741824, 1.5e9, "2GiB", "512MiB"."""
+MEMORY_UNITS = {"tib": 2**40, "tb": 10**12, "t": 2**40, "gib": GiB, "gb": 10**9, "g": GiB, "mib": 2**20, "mb": 10**6,
+                "m": 2**20, "kib": 1024, "kb": 1000, "k": 1024, "b": 1, "": 1}
+
+
+def _parse_memory(value: int | float | str, name: str = "memory size") -> int:
+    """Bytes from 1073741824, 1.5e9, "1073741824", "2GiB", "512MiB", "1.5 GB", "64K" (bare K/M/G/T: binary)."""
+    import math
+    import re
+
     if isinstance(value, str):
-        units = {"gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "kib": 1024, "b": 1}
-        v = value.strip().lower().replace(" ", "")
-        for unit, scale in units.items():
-            if v.endswith(unit):
-                return int(float(v[: -len(unit)]) * scale)
-        raise ValueError(f"cannot read a memory size from {value!r}; write e.g. '2GiB' or a number of bytes")
-    return int(value)
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+        if m is None or m.group(2) not in MEMORY_UNITS:
+            raise ValueError(f"cannot read a {name} from {value!r}: write a number of bytes or e.g. '2GiB', "
+                             "'512MiB', '1.5GB', '64KiB', '1TB'")
+        num = float(m.group(1)) * MEMORY_UNITS[m.group(2)]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        num = float(value)
+    else:
+        raise ValueError(f"{name} must be a number of bytes or a string such as '2GiB', got {value!r}")
+    if not math.isfinite(num) or num < 0:
+        raise ValueError(f"{name} must be a non-negative number of bytes, got {value!r}")
+    return int(num)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    """The device asked for, or a clear error when it cannot be used here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for, but this torch ({torch.__version__}) sees no CUDA GPU; "
+                         "use device='cpu', or leave device unset to pick CUDA only when it is there")
+    return dev
 
 
 class LLM:
@@ -132,7 +169,9 @@ class LLM:
         kv_cache_memory: the pool's byte budget (CPU default 1 GiB), e.g. "512MiB".
         gpu_memory_utilization: on a GPU without kv_cache_memory, the share of the card to use.
         num_gpu_blocks_override: an exact pool size in blocks (tests use tiny pools to force preemption).
-        max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
+        max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits. ``max_model_len`` may not
+            exceed the model's ``max_position_embeddings`` unless ``allow_long_max_model_len=True``; left unset,
+            it is the model's (at most 8192), lowered with a warning to what the KV pool can hold.
         enable_prefix_caching, preemption_mode ("recompute" | "swap"), swap_space (CPU bytes or "1GiB").
         attention_backend: "auto" (Triton on CUDA, PyTorch on CPU), "torch" or "triton".
     """
@@ -142,15 +181,31 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = False, preemption_mode: str = "recompute",
-                 swap_space: int | float | str = 0, attention_backend: str = "auto", watermark: float = 0.01) -> None:
+                 swap_space: int | float | str = 0, attention_backend: str = "auto", watermark: float = 0.01,
+                 allow_long_max_model_len: bool = False) -> None:
         from .kernels import get_attention_backend
         from .model_loader import ensure_converted, load_tokenizer, quiet_transformers
 
+        # Everything that can be checked without the model, checked before it loads.
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        _positive_int("block_size", block_size)
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            _positive_int(name, v)
+        if max_model_len is not None:
+            _positive_int("max_model_len", max_model_len)
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        swap_bytes = _parse_memory(swap_space, "swap_space")
+        if preemption_mode == "swap" and not swap_bytes:
+            raise ValueError("preemption_mode='swap' needs swap space on the CPU: pass swap_space, e.g. "
+                             "swap_space='1GiB'")
+        if kv_cache_memory is not None:
+            _parse_memory(kv_cache_memory, "kv_cache_memory")
+        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
+                or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        self.device = _device(device)
         path = ensure_converted(progress=True) if model is None else model
         t0 = time.perf_counter()
         torch_dtype = resolve_dtype(dtype, _config_dtype(path), self.device)
@@ -165,22 +220,34 @@ class LLM:
         self.tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None  # a bare test model has none
         self.load_seconds = time.perf_counter() - t0
         config = self.model.config
-        self.max_model_len = max_model_len or min(getattr(config, "max_position_embeddings", 8192), 8192)
+        max_pos = getattr(config, "max_position_embeddings", None)
+        if max_model_len is not None and max_pos is not None and max_model_len > max_pos \
+                and not allow_long_max_model_len:
+            raise ValueError(f"max_model_len={max_model_len} is longer than the model's max_position_embeddings="
+                             f"{max_pos}: positions past it were never trained. Lower it, or pass "
+                             "allow_long_max_model_len=True if you know the model extrapolates")
+        self.max_model_len = max_model_len or min(max_pos or 8192, 8192)
         self.spec = KVSpec(config.num_hidden_layers, config.num_key_value_heads, self.model.head_dim,
                            dtype_bytes=torch_dtype.itemsize, num_attention_heads=config.num_attention_heads,
                            name=getattr(config, "name_or_path", "") or "model")
         num_blocks = self._size_pool(block_size, kv_cache_memory, gpu_memory_utilization, num_gpu_blocks_override,
                                      max_num_batched_tokens)
         usable = num_blocks - 1
-        if max_model_len is None:
+        if max_model_len is None and self.max_model_len > usable * block_size:
             # Not asked for: fit the longest sequence the pool can hold (a small CPU budget is a fine choice).
-            self.max_model_len = min(self.max_model_len, usable * block_size)
+            warnings.warn(f"max_model_len lowered from {self.max_model_len} to {usable * block_size} tokens: the KV "
+                          f"pool holds {usable} blocks of {block_size}. Give the cache more memory for longer "
+                          "sequences", stacklevel=2)
+            self.max_model_len = usable * block_size
         if cdiv(self.max_model_len, block_size) > usable:
             raise ValueError(f"max_model_len={self.max_model_len} needs {cdiv(self.max_model_len, block_size)} "
                              f"blocks of {block_size} tokens but the KV pool has only {usable}: lower "
                              "max_model_len or give the cache more memory")
         bytes_per_block = self.spec.bytes_per_block(block_size)
-        num_cpu_blocks = _parse_memory(swap_space) // bytes_per_block + 1 if swap_space else 0
+        num_cpu_blocks = swap_bytes // bytes_per_block + 1 if swap_bytes else 0
+        if preemption_mode == "swap" and num_cpu_blocks < 2:
+            raise ValueError(f"swap_space={swap_space!r} holds no block of {bytes_per_block:,} bytes: give it at "
+                             f"least {bytes_per_block:,} bytes")
         self.cache = CacheEngine(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
                                  self.model.head_dim, torch_dtype, self.device, num_cpu_blocks=num_cpu_blocks)
         self.kv_cache_manager = KVCacheManager(block_size, num_blocks, enable_caching=enable_prefix_caching,
@@ -195,7 +262,10 @@ class LLM:
         eos = getattr(config, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.step_stats: list[dict[str, Any]] = []  # one row per step: what the widgets and benchmarks plot
+        # One row per step, what the widgets and benchmarks plot: the latest STEP_STATS_KEPT steps only.
+        self.step_stats: deque[dict[str, Any]] = deque(maxlen=STEP_STATS_KEPT)
+        # The requests added and not yet handed back (the scheduler forgets a request when it finishes).
+        self._requests: dict[str, Request] = {}
         self._counter = 0
         self._t0 = time.perf_counter()
 
@@ -207,7 +277,7 @@ class LLM:
                 raise ValueError(f"num_gpu_blocks_override must be an integer >= 2, got {override!r}")
             return override
         if kv_cache_memory is not None or self.device.type != "cuda":
-            budget = _parse_memory(kv_cache_memory if kv_cache_memory is not None else GiB)
+            budget = _parse_memory(kv_cache_memory if kv_cache_memory is not None else GiB, "kv_cache_memory")
             return self.spec.capacity(budget, block_size).num_blocks  # raises if < one block
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         activation_peak = self._profile_activation_peak(max_num_batched_tokens, block_size)
@@ -246,47 +316,111 @@ class LLM:
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """A string is tokenized as it is; a list of ints is used as it is; chat messages get the template."""
+        """A string is tokenized as it is; token ids (a list, or a 1-D integer tensor or numpy array, as
+        vLLM's ``TokensPrompt``) are used as they are; chat messages get the template."""
+        import numpy as np
+
         from .model_loader import chat_prompt_ids
 
-        prompt = prompt if isinstance(prompt, str) else list(prompt)
-        is_chat = bool(prompt) and not isinstance(prompt, str) and all(isinstance(m, dict) for m in prompt)
-        if (isinstance(prompt, str) or is_chat) and self.tokenizer is None:
-            raise ValueError("this model folder has no tokenizer: pass prompts as lists of token ids")
+        if prompt is None:
+            raise ValueError("a prompt is None: pass a string, a list of token ids, or a list of chat messages")
+        if isinstance(prompt, (torch.Tensor, np.ndarray)):
+            if prompt.ndim != 1 or not (prompt.dtype in (torch.int32, torch.int64, torch.int16, torch.uint8)
+                                        or (isinstance(prompt, np.ndarray) and prompt.dtype.kind in "iu")):
+                raise ValueError(f"a {type(prompt).__name__} prompt must be 1-D integer token ids, got shape "
+                                 f"{tuple(prompt.shape)} and dtype {prompt.dtype}")
+            prompt = [int(t) for t in prompt.tolist()]
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: pass prompts as lists of token ids")
             return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        if is_chat:
-            return chat_prompt_ids(self.tokenizer, prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, dict):
+            raise ValueError("a chat prompt is a *list* of messages: [{'role': 'user', 'content': ...}]")
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt is a string, a list of token ids, or a list of chat messages; got "
+                             f"{type(prompt).__name__}")
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            for i, m in enumerate(prompt):
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ValueError(f"chat message {i} must have a 'role' and a 'content', both strings; got "
+                                     f"{sorted(m)}")
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: pass prompts as lists of token ids")
+            return chat_prompt_ids(self.tokenizer, list(prompt))
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
             raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages "
-                             "({'role': ..., 'content': ...})")
-        return prompt
+                             "({'role': ..., 'content': ...}); this one mixes other things: "
+                             f"{sorted({type(t).__name__ for t in prompt})}")
+        return [int(t) for t in prompt]
+
+    def _checked_ids(self, prompt: Prompt, request_id: str) -> list[int]:
+        ids = self.tokenize(prompt)
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if not ids or bad:
+            raise ValueError(f"request {request_id!r}: " + ("empty prompt" if not ids else f"token ids {bad[:5]} are "
+                             f"outside the vocabulary (0..{vocab - 1})"))
+        return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        """Queue one request (checked first: a bad one raises and queues nothing); returns its id."""
         params = params or SamplingParams()
-        request_id = request_id or str(self._counter)
-        self._counter += 1
-        ids = self.tokenize(prompt)
-        bad = [t for t in ids if t >= self.model.config.vocab_size]
-        if not ids or bad:
-            raise ValueError(f"request {request_id!r}: " + ("empty prompt" if not ids else f"token ids {bad[:5]} are "
-                             f"outside the vocabulary of {self.model.config.vocab_size}"))
-        self.scheduler.add_request(Request(request_id, ids, sampling_params=params, eos_token_id=self.eos_token_id,
-                                           arrival_time=self._now()))
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = str(self._counter)
+            self._counter += 1
+        elif not isinstance(request_id, str) or not request_id or "#" in request_id:
+            raise ValueError(f"request_id must be a non-empty string without '#', got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self._checked_ids(prompt, request_id)
+        req = Request(request_id, ids, sampling_params=params, eos_token_id=self.eos_token_id,
+                      arrival_time=self._now())
+        self.scheduler.add_request(req)
+        self._requests[request_id] = req
         return request_id
+
+    def abort(self, request_ids: str | Sequence[str]) -> None:
+        """Stop requests wherever they are (waiting, running, swapped) and give back their blocks.
+
+        Unknown or already finished ids are ignored, as in vLLM. Their outputs so far are dropped.
+        """
+        for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            if rid not in self._requests:
+                continue
+            for req in reversed(self._samples(rid)):   # forked samples first, then the request itself
+                self.scheduler.abort(req.request_id)
+                self.sampler.forget(req.request_id)
+            del self._requests[rid]
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[str]:
-        """One scheduling step; returns the ids of the requests that finished in it."""
+        """One scheduling step; returns the ids of the requests that finished in it.
+
+        A request whose logits or sampling fail (NaN logits, say) finishes with an ``error``;
+        the rest of the step goes on. Any other exception leaves the step undone: the scheduler
+        applies a step's results only once they are all in (see ``update_from_output``).
+        """
+        try:
+            finished = self._step()
+        except BaseException:   # the step did not happen: no block hashed for it stays findable
+            self.kv_cache_manager.rollback_step()
+            raise
+        self.kv_cache_manager.commit_step()
+        return finished
+
+    def _step(self) -> list[str]:
         timers = self.runner.timers
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         timers["schedule"] += time.perf_counter() - t0
         sampled: dict[str, list[int]] = {}
+        failed: list[str] = []
         if out.scheduled:
             logits = self.runner.execute(out)
             t1 = time.perf_counter()
@@ -295,12 +429,19 @@ class LLM:
                 for j in range(s.num_samples):
                     ids.append(s.request_id if j == 0 else f"{s.request_id}#{j}")
                     params.append(s.request.sampling_params)
-            tokens = self.sampler(logits, ids, params)
+            tokens, errors = self.sampler.sample(logits, ids, params)
             pos = 0
             for s in out.scheduled:
                 if s.num_samples:
-                    sampled[s.request_id] = tokens[pos:pos + s.num_samples]
+                    rows = range(pos, pos + s.num_samples)
                     pos += s.num_samples
+                    bad = [errors[i] for i in rows if i in errors]
+                    if bad:
+                        self.scheduler.finish_with_error(s.request_id, f"request {s.request_id!r}: {bad[0]}")
+                        self.sampler.forget(s.request_id)
+                        failed.append(s.request_id)
+                    else:
+                        sampled[s.request_id] = [tokens[i] for i in rows]
             timers["sample"] += time.perf_counter() - t1
         t2 = time.perf_counter()
         finished = self.scheduler.update_from_output(out, sampled, now=self._now())
@@ -311,19 +452,30 @@ class LLM:
             time=self._now(), running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             blocks_used=self.num_blocks - 1 - self.kv_cache_manager.get_num_free_blocks(),
             tokens=out.total_num_scheduled_tokens, preempted=len(out.preempted)))
-        return [r.request_id for r in finished]
+        return failed + [r.request_id for r in finished]
 
     def _samples(self, request_id: str) -> list[Request]:
-        """The request and the extra samples forked from it so far ("id#1", "id#2", ...)."""
-        main = self.scheduler.requests[request_id]
-        forks = (self.scheduler.requests.get(f"{request_id}#{j}") for j in range(1, main.sampling_params.n))
-        return [main] + [r for r in forks if r is not None]
+        """The request and the extra samples forked from it so far (an ``n > 1`` request forks at its first token)."""
+        main = self._requests[request_id]
+        return [main, *main.children]
 
     def _finished(self, request_id: str) -> bool:
         reqs = self._samples(request_id)
         main = reqs[0]
-        return main.finish_reason == "rejected" or (len(reqs) == main.sampling_params.n
-                                                    and all(r.is_finished for r in reqs))
+        # Every sample done; an n > 1 request that ended before its first token (rejected, aborted,
+        # failed) never forks.
+        return all(r.is_finished for r in reqs) and (len(reqs) == main.sampling_params.n
+                                                     or main.num_output_tokens == 0)
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        """The request's output so far (for ``add_request`` + ``step`` users). A finished request is
+        handed back once and then forgotten, so a long-running engine keeps no finished state."""
+        if request_id not in self._requests:
+            raise ValueError(f"unknown request id {request_id!r} (never added, aborted, or already handed back)")
+        out = self._output(request_id)
+        if out.finished:
+            del self._requests[request_id]
+        return out
 
     def _output(self, request_id: str) -> RequestOutput:
         reqs = self._samples(request_id)
@@ -343,22 +495,25 @@ class LLM:
                ) -> Iterator[RequestOutput]:
         """Yield a ``RequestOutput`` snapshot every time a request gains tokens or finishes."""
         ids = self._add_all(prompts, sampling_params)
-        lengths = {rid: -1 for rid in ids}
-        pending = set(ids)
-        for rid in ids:  # rejected at once: report them first
-            if self._finished(rid):
-                pending.discard(rid)
-                yield self._output(rid)
-        while pending:
-            self.step()
-            for rid in sorted(pending, key=ids.index):
-                n = sum(r.num_output_tokens for r in self._samples(rid))
-                done = self._finished(rid)
-                if n != lengths[rid] or done:
-                    lengths[rid] = n
-                    if done:
-                        pending.discard(rid)
-                    yield self._output(rid)
+        try:
+            lengths = {rid: -1 for rid in ids}
+            pending = set(ids)
+            for rid in ids:  # rejected at once: report them first
+                if self._finished(rid):
+                    pending.discard(rid)
+                    yield self.get_output(rid)
+            while pending:
+                self.step()
+                for rid in sorted(pending, key=ids.index):
+                    n = sum(r.num_output_tokens for r in self._samples(rid))
+                    done = self._finished(rid)
+                    if n != lengths[rid] or done:
+                        lengths[rid] = n
+                        if done:
+                            pending.discard(rid)
+                        yield self.get_output(rid) if done else self._output(rid)
+        finally:   # closed early, interrupted or failed: this call's requests leave nothing behind
+            self.abort([rid for rid in ids if rid in self._requests])
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -367,17 +522,19 @@ class LLM:
         from tqdm.auto import tqdm
 
         ids = self._add_all(prompts, sampling_params)
-        show = len(ids) >= 16 if use_tqdm is None else use_tqdm
-        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not show)
-        done = sum(self._finished(r) for r in ids)
-        bar.update(done)
-        while done < len(ids):
-            self.step()
-            now_done = sum(self._finished(r) for r in ids)
-            bar.update(now_done - done)
-            done = now_done
-        bar.close()
-        return [self._output(r) for r in ids]
+        try:
+            show = len(ids) >= 16 if use_tqdm is None else use_tqdm
+            with tqdm(total=len(ids), desc="generating", unit="req", disable=not show) as bar:
+                done = sum(self._finished(r) for r in ids)
+                bar.update(done)
+                while done < len(ids):
+                    self.step()
+                    now_done = sum(self._finished(r) for r in ids)
+                    bar.update(now_done - done)
+                    done = now_done
+            return [self.get_output(r) for r in ids]
+        finally:   # Ctrl-C or a failed step: abort this call's requests, free their blocks
+            self.abort([rid for rid in ids if rid in self._requests])
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -388,7 +545,14 @@ class LLM:
 
     def _add_all(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
-        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], (int, dict)))
+        """Check the whole batch, then queue it: a bad prompt anywhere queues nothing."""
+        import numpy as np
+
+        if prompts is None:
+            raise ValueError("prompts is None: pass a prompt or a list of prompts")
+        single = (isinstance(prompts, (str, dict)) or (isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim == 1)
+                  or (isinstance(prompts, (list, tuple)) and bool(prompts)
+                      and isinstance(prompts[0], (int, np.integer, dict))))
         batch = [prompts] if single else list(prompts)
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(batch):
@@ -396,10 +560,20 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(batch)
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling params must be SamplingParams, got {type(p).__name__}")
         ids = [str(self._counter + i) for i in range(len(batch))]
-        tokenized = [self.tokenize(p) for p in batch]  # fail before queueing anything
-        for rid, ids_, p in zip(ids, tokenized, params):
-            self.add_request(ids_, p, request_id=rid)
+        checked = [self._checked_ids(p, rid) for p, rid in zip(batch, ids)]   # all of them, before queueing any
+        self._counter += len(batch)
+        queued: list[str] = []
+        try:
+            for rid, ids_, p in zip(ids, checked, params):
+                self.add_request(ids_, p, request_id=rid)
+                queued.append(rid)
+        except BaseException:
+            self.abort(queued)
+            raise
         return ids
 
     def profile(self) -> dict[str, float]:

@@ -88,6 +88,7 @@ class KVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         # Copy-on-write copies (source block, destination block) for the cache engine to perform.
         self.pending_copies: list[tuple[int, int]] = []
+        self.uncommitted_blocks: list[KVCacheBlock] = []  # hashed while scheduling the step not yet run
 
     # ---- prefix cache lookup -----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -193,6 +194,7 @@ class KVCacheManager:
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             num_full_blocks = num_tokens_to_cache // self.block_size
             self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full_blocks, self.block_size)
+            self.uncommitted_blocks.extend(blocks[num_cached:num_full_blocks])   # their K/V come in this step
             self.num_cached_block[request.request_id] = max(num_cached, num_full_blocks)
         return new_blocks
 
@@ -228,9 +230,22 @@ class KVCacheManager:
         evicted before its *first* ones (shared prefixes live at the front).
         """
         request_id = request if isinstance(request, str) else request.request_id
-        blocks = self.req_to_blocks.pop(request_id, [])
+        blocks = self.req_to_blocks.get(request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))   # checks first: raises with nothing changed
+        self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+
+    # ---- a step's hashes: kept once the step ran, dropped if it failed ----------------------
+    def commit_step(self) -> None:
+        """The step ran: the blocks hashed while scheduling it now hold what their hashes say."""
+        self.uncommitted_blocks.clear()
+
+    def rollback_step(self) -> None:
+        """The step failed before its K/V were written: no block hashed for it may be found by a
+        prefix lookup (it would hand garbage to the next request with that prefix)."""
+        for block in self.uncommitted_blocks:
+            self.block_pool.evict_cached_block(block)
+        self.uncommitted_blocks.clear()
 
     # ---- queries -----------------------------------------------------------------------
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:

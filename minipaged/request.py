@@ -63,10 +63,11 @@ class Request:
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop", "length" or "rejected"
-    error: str | None = None  # why a request was rejected
+    finish_reason: str | None = None  # "stop", "length", "rejected", "abort" or "error"
+    error: str | None = None  # why a request was rejected or failed
     num_preemptions: int = 0
     parent_id: str | None = None  # set on the extra samples of an n > 1 request
+    children: list["Request"] = field(default_factory=list, repr=False)  # those extra samples, on the parent
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list, repr=False)  # one per output token
     finish_time: float | None = None

@@ -47,13 +47,33 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        tokens, errors = self.sample(logits, request_ids, params)
+        if errors:
+            row, why = next(iter(errors.items()))
+            raise ValueError(f"request {request_ids[row]!r}: {why}")
+        return tokens  # type: ignore[return-value]
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+               ) -> tuple[list[int | None], dict[int, str]]:
+        """One token per row, and ``{row: why}`` for the rows that cannot be sampled (their token is None).
+
+        A row with NaN or +inf logits has no meaningful answer, greedy or not (argmax of NaN is
+        the NaN): it is reported, not sampled, so the engine can finish that request alone.
+        """
         if logits.shape[0] != len(params) or len(params) != len(request_ids):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
-        tokens = logits.argmax(-1).tolist()  # greedy rows are done
+        tokens: list[int | None] = logits.argmax(-1).tolist()  # greedy rows are done
+        errors: dict[int, str] = {}
+        bad_rows = (torch.isnan(logits) | (logits == float("inf"))).any(-1) | torch.isneginf(logits).all(-1)
+        for i in bad_rows.nonzero().flatten().tolist():
+            errors[i], tokens[i] = "the model produced NaN or infinite logits", None
         for i, (rid, p) in enumerate(zip(request_ids, params)):
-            if p.greedy:
+            if p.greedy or i in errors:
                 continue
             row = apply_top_k_top_p(logits[i].float() / p.temperature, p.top_k, p.top_p)
             probs = row.softmax(-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=self.generator(rid, p, logits.device)))
-        return tokens
+            try:
+                tokens[i] = int(torch.multinomial(probs, 1, generator=self.generator(rid, p, logits.device)))
+            except RuntimeError as e:   # e.g. an all-zero distribution after an extreme temperature
+                errors[i], tokens[i] = f"sampling failed: {e}", None
+        return tokens, errors

@@ -4,7 +4,20 @@ Named and shaped like vLLM's, so code written against minipaged reads the same t
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+
+def _int(name: str, value: object, minimum: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (minimum is not None and value < minimum):
+        want = "an integer" if minimum is None else "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+
+
+def _real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -28,17 +41,30 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        # Refuse bad values here, by name: a NaN temperature or a float seed would otherwise fail
+        # deep inside the sampler, in the middle of a step, with the request still scheduled.
+        _int("max_tokens", self.max_tokens, minimum=1)
+        _real("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or (self.top_k < -1):
-            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        _int("top_k", self.top_k, minimum=-1)
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)      # 0 means "off", as -1 does
+        _real("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be a positive integer, got {self.n!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.seed is not None:
+            _int("seed", self.seed, minimum=None)
+        _int("n", self.n, minimum=1)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {stops!r}")
+        stops = tuple(stops)
+        for t in stops:
+            _int("stop_token_ids entry", t, minimum=0)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
     @property
     def greedy(self) -> bool:

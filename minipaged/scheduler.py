@@ -25,7 +25,8 @@ One ``schedule()`` call, in vLLM v1's order:
 
 ``update_from_output`` then appends each sampled token, finishes requests
 (EOS unless ignored, a stop token, ``max_tokens``, ``max_model_len``), frees
-their blocks, and forks the extra samples of an ``n > 1`` request, which share
+their blocks, forgets them (it returns them; the scheduler keeps only unfinished
+requests, so its state stays bounded however long it runs), and forks the extra samples of an ``n > 1`` request, which share
 the prompt's blocks until they write (copy-on-write).
 """
 from __future__ import annotations
@@ -118,8 +119,9 @@ class Scheduler:
         self.block_size = kv_cache_manager.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Unfinished requests only: a request is forgotten the moment it finishes (its id may be used
+        # again); whoever added it keeps the Request object, which holds its tokens and finish reason.
         self.requests: dict[str, Request] = {}
-        self.finished: list[Request] = []  # in the order they finished; the driver drains it
         # Swap space: CPU blocks of each swapped-out request, in logical order.
         self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_caching=False) if config.num_cpu_blocks >= 2 else None
         self.swapped_blocks: dict[str, list[int]] = {}
@@ -136,7 +138,6 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
         max_len = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
         capacity = self.kv.num_blocks - 1 - self.kv.reserved_blocks - self.kv.watermark_blocks
         if request.sampling_params.n > self.config.max_num_seqs:
@@ -150,19 +151,22 @@ class Scheduler:
                                   f"KV pool can give one request at most {capacity}")
         else:
             request.status = RequestStatus.WAITING
+            self.requests[request.request_id] = request
             self.waiting.append(request)
 
     def _reject(self, request: Request, why: str) -> None:
         request.status, request.finish_reason = RequestStatus.FINISHED, "rejected"
         request.error = f"request {request.request_id!r} rejected: {why}"
         request.finish_time = request.arrival_time
-        self.finished.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        # A new step: the blocks hashed for the last one hold their K/V now (a driver whose step
+        # failed has rolled them back already, see LLM.step), so the manager stops tracking them.
+        self.kv.commit_step()
         out = SchedulerOutput(block_size=self.block_size)
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
@@ -217,6 +221,9 @@ class Scheduler:
         return req.sampling_params.n if req.num_output_tokens == 0 and req.parent_id is None else 1
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        if num_new < 1:   # a row with no token would sample another request's logits
+            raise RuntimeError(f"request {req.request_id!r} scheduled with {num_new} new tokens "
+                               f"({req.num_computed_tokens} of {req.num_tokens} computed): scheduler state is broken")
         samples = req.num_computed_tokens + num_new == req.num_tokens  # every known token computed
         first = req.num_output_tokens == 0 and req.parent_id is None
         out.scheduled.append(ScheduledRequest(
@@ -269,23 +276,28 @@ class Scheduler:
         an ``n > 1`` request, which gets ``n``: one for itself and one for each
         sibling forked from it here. Returns the requests that finished this step.
         """
+        # Check everything first, change nothing until it all holds: a step happens or it does not.
+        live = [s for s in out.scheduled if not s.request.is_finished]   # finished with an error mid-step: skip
+        for s in live:
+            req = s.request
+            tokens = sampled.get(req.request_id)
+            if not s.samples:
+                if tokens is not None:
+                    raise ValueError(f"request {req.request_id!r} got a token in a step that does not sample")
+            elif tokens is None or len(tokens) != s.num_samples:
+                raise ValueError(f"request {req.request_id!r} needs {s.num_samples} sampled token(s), "
+                                 f"got {tokens!r}")
         finished: list[Request] = []
-        for s in out.scheduled:
+        for s in live:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             if not s.samples:
-                if req.request_id in sampled:
-                    raise ValueError(f"request {req.request_id!r} got a token in a step that does not sample")
                 continue
-            tokens = sampled.get(req.request_id)
-            if tokens is None or len(tokens) != s.num_samples:
-                raise ValueError(f"request {req.request_id!r} needs {s.num_samples} sampled token(s), "
-                                 f"got {tokens!r}")
+            tokens = sampled[req.request_id]
             if s.num_samples > 1:
                 for j, token in enumerate(tokens[1:], start=1):
                     finished += self._fork(req, j, token, now)
             finished += self._append_token(req, tokens[0], now)
-        self.finished += finished
         return finished
 
     def _fork(self, parent: Request, index: int, token: int, now: float) -> list[Request]:
@@ -295,6 +307,7 @@ class Scheduler:
                         arrival_time=parent.arrival_time, parent_id=parent.request_id,
                         status=RequestStatus.RUNNING)
         self.requests[child.request_id] = child
+        parent.children.append(child)
         self.kv.fork(parent, child)
         self.running.append(child)
         return self._append_token(child, token, now)
@@ -315,13 +328,15 @@ class Scheduler:
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, now
         self.running.remove(req)
         self.kv.free(req)
+        del self.requests[req.request_id]
         return [req]
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is and give back its blocks."""
-        req = self.requests[request_id]
-        if req.is_finished:
-            return
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> Request | None:
+        """Stop a request wherever it is and give back its blocks (device and CPU); None if it is unknown
+        (finished requests are forgotten)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -330,5 +345,10 @@ class Scheduler:
         cpu_blocks = self.swapped_blocks.pop(request_id, None)
         if cpu_blocks and self.cpu_pool is not None:
             self.cpu_pool.free_blocks(self.cpu_pool.blocks[b] for b in reversed(cpu_blocks))
-        req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
-        self.finished.append(req)
+        req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+        del self.requests[request_id]
+        return req
+
+    def finish_with_error(self, request_id: str, error: str) -> None:
+        """A request that cannot go on (its sampling failed) finishes alone, with ``error`` set."""
+        self.abort(request_id, reason="error", error=error)

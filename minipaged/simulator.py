@@ -334,13 +334,16 @@ def _make_request(i: int, r: SimRequest) -> Request:
 
 def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config: SimConfig = SimConfig(),
                         record_events: bool = True, check: bool = False, max_steps: int = 10_000_000,
-                        on_step: Callable[[Scheduler, SchedulerOutput, float], None] | None = None) -> SimResult:
+                        on_step: Callable[[Scheduler, SchedulerOutput, float, list[Request]], None] | None = None
+                        ) -> SimResult:
     """Serve ``requests`` with the real ``Scheduler``; the clock advances by ``cost.step_time`` per step.
 
     A request is added to the scheduler once the clock reaches its arrival. With
     ``check=True`` the block-pool invariants (``minipaged.testing.check_invariants``)
     are asserted after every step (slower: for tests). ``on_step(scheduler, output,
-    now)`` is called after each step, e.g. to take snapshots for a widget.
+    now, finished)`` is called after each step, e.g. to take snapshots for a widget;
+    ``finished`` lists the requests that finished in that step, and those rejected on
+    arrival since the step before (the scheduler itself forgets finished requests).
     """
     sched = config.make_scheduler()
     kv = sched.kv
@@ -357,10 +360,16 @@ def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config:
     bytes_per_block = cost.kv_bytes_per_token * config.block_size
     hit_tokens = query_tokens = 0
     now, nxt, n = 0.0, 0, len(order)
+    added: dict[str, Request] = {}   # the scheduler forgets finished requests; the driver keeps its own
+    rejected: list[Request] = []
     while nxt < n or sched.has_unfinished():
         while nxt < n and requests[order[nxt]].arrival <= now:
             i = order[nxt]
-            sched.add_request(_make_request(i, requests[i]))
+            req = _make_request(i, requests[i])
+            added[req.request_id] = req
+            sched.add_request(req)
+            if req.is_finished:
+                rejected.append(req)
             nxt += 1
         if not sched.has_unfinished():
             now = max(now, requests[order[nxt]].arrival)
@@ -410,10 +419,11 @@ def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config:
         if checker is not None:
             checker(sched)
         if on_step is not None:
-            on_step(sched, out, now)
+            on_step(sched, out, now, rejected + finished)
+        rejected = []
         if len(cols["time"]) >= max_steps:
             raise RuntimeError(f"more than {max_steps} steps")
-    for rid, req in sched.requests.items():
+    for rid, req in added.items():
         m = metrics[rid]
         m.num_preemptions = req.num_preemptions
         if req.finish_reason == "rejected":

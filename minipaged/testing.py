@@ -82,10 +82,17 @@ class Driver:
         self.rng = random.Random(seed)
         self.block_size = block_size
         self.steps = 0
+        # The scheduler forgets a request when it finishes: the driver keeps every request it saw
+        # (forks included) and every finish it was told of, to check each finishes exactly once.
+        self.requests: dict[str, Request] = {}
+        self.finished: list[Request] = []
 
     def add(self, rid, prompt, **params):
         req = Request(rid, prompt, sampling_params=SamplingParams(**params), eos_token_id=EOS)
         self.sched.add_request(req)
+        self.requests[rid] = req
+        if req.is_finished:   # rejected on arrival
+            self.finished.append(req)
         return req
 
     def sample(self, req: Request) -> int:
@@ -117,7 +124,13 @@ class Driver:
         sampled = fake_samples(out, self.sample)
         for rid, tokens in sampled.items():
             tokens[1:] = [self.rng.randrange(0, 40) for _ in tokens[1:]]
-        self.sched.update_from_output(out, sampled, now=float(self.steps))
+        finished = self.sched.update_from_output(out, sampled, now=float(self.steps))
+        self.finished += finished
+        for r in finished:
+            self.requests.setdefault(r.request_id, r)
+        for s in out.scheduled:
+            for child in s.request.children:
+                self.requests.setdefault(child.request_id, child)
         self.check_invariants()
         return out
 
@@ -169,7 +182,8 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
             seen["cow_copies"] += len(out.copy_blocks)
             seen["prefix_hit_tokens"] += sum(s.start for s in out.scheduled if s.request.num_output_tokens == 0)
         assert d.kv.block_pool.get_num_free_blocks() == d.kv.num_blocks - 1  # nothing leaked
-        for rid, req in d.sched.requests.items():
+        assert not d.sched.requests   # the scheduler forgot every finished request
+        for rid, req in d.requests.items():
             assert req.is_finished, rid
             if req.finish_reason == "rejected":
                 continue
@@ -179,12 +193,12 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
                 assert req.num_output_tokens == p["max_tokens"]
             if req.finish_reason == "stop":
                 assert req.output_token_ids[-1] == EOS and not p["ignore_eos"]
-        finished_ids = [r.request_id for r in d.sched.finished]
-        assert len(finished_ids) == len(set(finished_ids)) == len(d.sched.requests)  # each exactly once
+        finished_ids = [r.request_id for r in d.finished]
+        assert len(finished_ids) == len(set(finished_ids)) == len(d.requests)  # each exactly once
         seen["steps"] += d.steps
         seen["rounds"] += 1
-        seen["requests"] += len(d.sched.requests)
+        seen["requests"] += len(d.requests)
         seen["preemptions"] += d.sched.num_preemptions
-        seen["rejected"] += sum(r.finish_reason == "rejected" for r in d.sched.requests.values())
-        seen["forks"] += sum(r.parent_id is not None for r in d.sched.requests.values())
+        seen["rejected"] += sum(r.finish_reason == "rejected" for r in d.requests.values())
+        seen["forks"] += sum(r.parent_id is not None for r in d.requests.values())
     return seen

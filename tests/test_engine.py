@@ -153,6 +153,7 @@ def test_inputs_rejections_and_streaming(prompt_ids):
         LLM(dtype="int8")
     with pytest.raises(ValueError, match="max_model_len=8192 needs 512 blocks"):
         LLM(num_gpu_blocks_override=10, max_model_len=8192)
-    assert LLM(num_gpu_blocks_override=10).max_model_len == 9 * 16   # unasked, it fits the pool (null block aside)
+    with pytest.warns(UserWarning, match="max_model_len lowered from 8192 to 144"):   # unasked: it fits the pool
+        assert LLM(num_gpu_blocks_override=10).max_model_len == 9 * 16                  # (null block aside)
     with pytest.raises(ValueError, match="too small for one KV block"):
         LLM(kv_cache_memory="100KiB")

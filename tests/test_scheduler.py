@@ -27,7 +27,7 @@ def test_requests_finish_with_their_lengths_and_free_everything():
     d.run()
     assert [r.num_output_tokens for r in reqs] == [5, 6, 7, 8, 9]
     assert all(r.finish_reason == "length" for r in reqs)
-    assert len(d.sched.finished) == 5
+    assert len(d.finished) == 5 and not d.sched.requests   # finished requests are forgotten
 
 
 def test_chunked_prefill_mixes_with_decodes():
@@ -65,7 +65,7 @@ def test_max_num_seqs_and_arrival_order():
     out = d.step()
     assert [s.request_id for s in out.scheduled] == ["r0", "r1"]
     d.run()
-    assert [r.request_id for r in d.sched.finished] == ["r0", "r1", "r2", "r3"]
+    assert [r.request_id for r in d.finished] == ["r0", "r1", "r2", "r3"]
     assert all(r.num_output_tokens == 3 for r in reqs)
 
 
@@ -152,8 +152,12 @@ def test_rejected_requests_leave_the_others_alone():
     assert fine.num_output_tokens == 2
     d.run()
     assert ok.num_output_tokens == 3 and too_big.is_finished and huge.is_finished
-    with pytest.raises(ValueError, match="already in use"):
-        d.add("ok", [1], max_tokens=1)
+    d.add("live", [1, 2], max_tokens=2)
+    with pytest.raises(ValueError, match="already in use"):   # an id is taken while its request lives
+        d.add("live", [1], max_tokens=1)
+    again = d.add("ok", [1], max_tokens=1, ignore_eos=True)   # and free again once it finished
+    d.run()
+    assert again.num_output_tokens == 1 and not d.sched.requests
 
 
 def test_bad_config():
@@ -199,21 +203,22 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 50))
     def abort(self, i):
-        ids = [r for r, q in self.d.sched.requests.items() if not q.is_finished]
+        ids = list(self.d.sched.requests)   # the unfinished ones: finished requests are forgotten
         if ids:
-            self.d.sched.abort(ids[i % len(ids)])
+            self.d.finished.append(self.d.sched.abort(ids[i % len(ids)]))
+            assert ids[i % len(ids)] not in self.d.sched.requests
             self.d.check_invariants()
 
     @invariant()
     def finished_once(self):
         if hasattr(self, "d"):
-            ids = [r.request_id for r in self.d.sched.finished]
+            ids = [r.request_id for r in self.d.finished]
             assert len(ids) == len(set(ids))
 
     def teardown(self):
         if hasattr(self, "d"):
             self.d.run(max_steps=self.d.steps + 20_000)
-            assert all(r.is_finished for r in self.d.sched.requests.values())
+            assert not self.d.sched.requests and all(r.is_finished for r in self.d.requests.values())
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

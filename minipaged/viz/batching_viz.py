@@ -66,6 +66,7 @@ class BatchingPlayer:
         for r in self.requests:
             self.colors(r.req_id)
         self.history: list[dict[str, Any]] = []
+        self._finished: list[Request] = []
         self.result = simulate_continuous(self.requests, STEP_CLOCK, config, on_step=self._record)
         if self.history:  # the scene before the first step: everything that arrived at t=0 waits
             first = self.history[0]
@@ -106,8 +107,9 @@ class BatchingPlayer:
         self._draw()
 
     # -- recording ---------------------------------------------------------------------------
-    def _record(self, sched: Scheduler, out: SchedulerOutput, now: float) -> None:
+    def _record(self, sched: Scheduler, out: SchedulerOutput, now: float, finished: list[Request]) -> None:
         kv = sched.kv
+        self._finished += finished
         owners: dict[int, list[str]] = {}
         for rid, blocks in kv.req_to_blocks.items():
             for b in blocks:
@@ -126,14 +128,14 @@ class BatchingPlayer:
         scheduled = {s.request_id: s.num_new_tokens for s in out.scheduled}
         prev_running = {r["id"] for r in self.history[-1]["running"]} if self.history else set()
         admitted = [rid for rid in scheduled if rid not in prev_running]
-        finished_now = [r.request_id for r in sched.finished if r.finish_time == now and r.finish_reason != "rejected"]
+        finished_now = [r.request_id for r in finished if r.finish_reason != "rejected"]
         running = [dict(id=r.request_id, prompt=r.num_prompt_tokens, outputs=r.num_output_tokens,
                         max_tokens=r.sampling_params.max_tokens, computed=r.num_computed_tokens,
                         blocks=kv.get_block_ids(r.request_id), new_tokens=scheduled.get(r.request_id, 0))
                    for r in sched.running]
         waiting = [dict(id=r.request_id, status=r.status.value, tokens=r.num_tokens, computed=r.num_computed_tokens)
                    for r in sched.waiting]
-        arrived = set(sched.requests)
+        arrived = set(sched.requests) | {r.request_id for r in self._finished}
         usable = kv.num_blocks - 1
         free = kv.get_num_free_blocks()
         k = len(self.history) + 1  # the scene before step 1 is added once the run is over
@@ -147,7 +149,7 @@ class BatchingPlayer:
             log += " · admitted " + ", ".join(admitted)
         self.history.append(dict(
             step=k, time=now, waiting=waiting, running=running,
-            finished=[r.request_id for r in sched.finished if r.finish_reason != "rejected"],
+            finished=[r.request_id for r in self._finished if r.finish_reason != "rejected"],
             not_arrived=[r.req_id for r in self.requests if r.req_id not in arrived], cells=cells, free=free,
             used=usable - free, usage=(usable - free) / usable, scheduled=scheduled, tokens=sum(scheduled.values()),
             admitted=admitted, preempted=list(out.preempted), finished_now=finished_now, log=log))

@@ -1,0 +1,341 @@
+"""The engine under faults and bad input: every public call completes, or raises and leaves nothing behind.
+
+A tiny random Llama (no tokenizer: prompts are token ids) keeps this fast. After any failure the
+engine must hold no request, every block must be free, and what it produces next must be token for
+token what a fresh engine produces.
+"""
+from __future__ import annotations
+
+import gc
+import random
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+from minipaged.block_pool import BlockPool
+from minipaged.engine import LLM, _parse_memory
+from minipaged.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 17, 3, 9, 40, 2, 8, 61, 33, 12, 7, 1, 90, 4, 4, 22, 13, 50, 5, 17], [7, 7, 30], [5, 17, 3, 9, 40, 2],
+           [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27], [3]]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def engine(tiny_model, **kw) -> LLM:
+    """Small pool and budget, so that steps chunk prompts and preempt; prefix caching on."""
+    args = dict(model=tiny_model, block_size=4, num_gpu_blocks_override=14, max_model_len=48,
+                max_num_batched_tokens=16, enable_prefix_caching=True)
+    args.update(kw)
+    return LLM(**args)
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    return token_ids(engine(tiny_model).generate(PROMPTS, GREEDY))
+
+
+def assert_clean(llm: LLM) -> None:
+    """No request anywhere, every block back in the pool (CPU swap space too), nothing kept per request."""
+    s = llm.scheduler
+    assert not s.requests and not s.waiting and not s.running and not s.swapped_blocks
+    assert not llm.kv_cache_manager.req_to_blocks and not llm._requests and not llm.sampler._generators
+    assert llm.kv_cache_manager.get_num_free_blocks() == llm.num_blocks - 1
+    if s.cpu_pool is not None:
+        assert s.cpu_pool.get_num_free_blocks() == s.config.num_cpu_blocks - 1
+
+
+class Fault(Exception):
+    pass
+
+
+def fail_on_call(obj, name: str, n: int, exc: type[BaseException] = Fault):
+    """Make ``obj.name`` raise on its n-th call (1-based); every other call goes through."""
+    real = getattr(obj, name)
+    calls = [0]
+
+    def wrapper(*a, **k):
+        calls[0] += 1
+        if calls[0] == n:
+            raise exc(f"injected into {name}, call {n}")
+        return real(*a, **k)
+    setattr(obj, name, wrapper)
+    return calls
+
+
+# ---- phases of a step ---------------------------------------------------------------------------
+PHASES = {
+    "schedule": lambda llm: (llm.scheduler, "schedule"),
+    "cache copies": lambda llm: (llm.cache, "swap_out"),
+    "forward": lambda llm: (llm.model, "forward"),
+    "sample": lambda llm: (llm.sampler, "sample"),
+    "update": lambda llm: (llm.scheduler, "update_from_output"),
+}
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_a_fault_in_any_phase_leaves_nothing_behind(tiny_model, expected, phase, mode):
+    kw = dict(preemption_mode=mode, swap_space=4096 if mode == "swap" else 0)
+    llm = engine(tiny_model, **kw)
+    obj, name = PHASES[phase](llm)
+    fail_on_call(obj, name, 3)                       # the third step: mid-prefill, blocks hashed
+    with pytest.raises(Fault, match=f"injected into {name}"):
+        llm.generate(PROMPTS, GREEDY)
+    assert_clean(llm)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected   # the same engine, unpoisoned
+    assert_clean(llm)
+
+
+def test_random_interrupts_of_generate_and_stream(tiny_model, expected):
+    """Ctrl-C at a random step of generate, a stream closed after a random number of outputs: each time the
+    engine is clean, and the next full run equals a fresh engine's."""
+    rng = random.Random(0)
+    llm = engine(tiny_model, preemption_mode="swap", swap_space=4096)
+    for trial in range(6):
+        fail_on_call(llm, "step", rng.randint(1, 12), KeyboardInterrupt)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, GREEDY)
+        del llm.step                                  # back to the class's method
+        assert_clean(llm)
+        stream = llm.stream(PROMPTS, GREEDY)
+        for _ in range(rng.randint(1, 8)):
+            next(stream)
+        stream.close()                                # the caller stops reading
+        assert_clean(llm)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+
+
+def test_abort_stops_requests_wherever_they_are(tiny_model):
+    llm = engine(tiny_model)
+    ids = [llm.add_request(p, GREEDY) for p in PROMPTS]
+    llm.step()
+    llm.step()
+    assert llm.scheduler.running and llm.scheduler.waiting
+    llm.abort(ids[:2])
+    llm.abort(["never-added"])                        # unknown ids are ignored, as in vLLM
+    assert all(i not in llm.scheduler.requests for i in ids[:2])
+    llm.abort(ids[2:])
+    assert_clean(llm)
+
+
+def test_a_request_id_can_be_used_again_once_it_finished(tiny_model):
+    llm = engine(tiny_model)
+    llm.add_request([1, 2, 3], GREEDY, request_id="chat-turn")
+    with pytest.raises(ValueError, match="already in use"):
+        llm.add_request([4], GREEDY, request_id="chat-turn")
+    while not llm.get_output("chat-turn").finished:
+        llm.step()
+    with pytest.raises(ValueError, match="unknown request id"):   # handed back once, then forgotten
+        llm.get_output("chat-turn")
+    llm.add_request([4, 5], GREEDY, request_id="chat-turn")
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    assert llm.get_output("chat-turn").outputs[0].token_ids
+    assert_clean(llm)
+
+
+def test_a_long_lived_engine_keeps_bounded_state(tiny_model):
+    """Thousands of requests through one LLM: its containers stay empty between calls and its memory flat."""
+    llm = engine(tiny_model, num_gpu_blocks_override=64, max_num_batched_tokens=256, max_num_seqs=64)
+    params = [SamplingParams(max_tokens=2, temperature=0.8, seed=i, ignore_eos=True) for i in range(64)]
+    rng = random.Random(1)
+
+    def batch() -> None:
+        prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 6))] for _ in range(64)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
+        assert_clean(llm)
+
+    for _ in range(5):                               # warm-up: allocator pools, caches
+        batch()
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for _ in range(30):                              # 1,920 more requests
+        batch()
+    gc.collect()
+    grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    tracemalloc.stop()
+    assert grown < 2_000_000, f"{grown:,} bytes kept after 1,920 requests"   # the step log (bounded) aside
+    assert len(llm.step_stats) <= llm.step_stats.maxlen
+
+
+# ---- poisoned engine ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(top_p=float("nan")), "top_p must be a finite number"),
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(seed="7"), "seed must be an integer"),
+    (dict(max_tokens=2.0), "max_tokens must be a positive integer"),
+    (dict(n=True), "n must be a positive integer"),
+    (dict(top_k=1.5), "top_k must be"),
+    (dict(stop_token_ids=[1.5]), "stop_token_ids entry must be"),
+    (dict(stop_token_ids="12"), "stop_token_ids must be a sequence"),
+    (dict(ignore_eos="yes"), "ignore_eos must be True or False"),
+])
+def test_bad_sampling_params_are_refused_when_built(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_a_request_whose_logits_are_nan_finishes_with_an_error_alone(tiny_model, expected):
+    llm = engine(tiny_model)
+    real = llm.model.compute_logits
+    poisoned = {"step": 0}
+
+    def compute_logits(hidden):
+        logits = real(hidden)
+        poisoned["step"] += 1
+        if poisoned["step"] == 4:
+            logits[0] = float("nan")              # the first sampling row of this step
+        return logits
+    llm.model.compute_logits = compute_logits
+    outs = llm.generate(PROMPTS, GREEDY)
+    bad = [o for o in outs if o.error]
+    assert len(bad) == 1 and "NaN or infinite logits" in bad[0].error and bad[0].finished
+    assert bad[0].outputs[0].finish_reason == "error"
+    good = [o for o in outs if not o.error]
+    assert all(len(o.outputs[0].token_ids) == 6 for o in good)
+    assert_clean(llm)
+    llm.model.compute_logits = real
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+
+
+# ---- the batch is checked before anything is queued -------------------------------------------
+@pytest.mark.parametrize("bad,match", [
+    ([], "empty prompt"),
+    ([5, 200], "outside the vocabulary"),
+    (None, "a prompt is None"),
+    ([5, "x"], "mixes other things"),
+    ([{"role": "user"}], "must have a 'role' and a 'content'"),
+    ({"role": "user", "content": "hi"}, "a chat prompt is a \\*list\\* of messages"),
+    (np.zeros((2, 3), dtype=np.int64), "must be 1-D integer token ids"),
+    (torch.tensor([1.0, 2.0]), "must be 1-D integer token ids"),
+    (3.5, "got float"),
+])
+def test_a_bad_prompt_anywhere_queues_nothing(tiny_model, bad, match):
+    llm = engine(tiny_model)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[5, 6, 7], bad], GREEDY)
+    assert_clean(llm)
+    assert not llm.scheduler.has_unfinished()
+
+
+def test_token_ids_as_numpy_or_torch(tiny_model, expected):
+    llm = engine(tiny_model)
+    as_lists = token_ids(llm.generate(PROMPTS[:2], GREEDY))
+    assert as_lists == expected[:2]
+    assert token_ids(llm.generate([np.array(PROMPTS[0]), torch.tensor(PROMPTS[1], dtype=torch.int32)],
+                                  GREEDY)) == as_lists
+    assert token_ids(llm.generate(np.array(PROMPTS[0], dtype=np.int64), GREEDY)) == as_lists[:1]   # one prompt
+
+
+# ---- a step happens, or it does not -----------------------------------------------------------
+def test_update_from_output_changes_nothing_when_a_token_is_missing(tiny_model):
+    llm = engine(tiny_model)
+    for p in PROMPTS[1:4]:
+        llm.add_request(p, GREEDY)
+    out = llm.scheduler.schedule()
+    before = [(s.request.num_computed_tokens, s.request.num_output_tokens) for s in out.scheduled]
+    sampled = {s.request_id: [1] for s in out.scheduled if s.samples}
+    assert len(sampled) == 2
+    sampled.pop(list(sampled)[-1])              # the last sampling request got nothing; the first was fine
+    with pytest.raises(ValueError, match="needs 1 sampled token"):
+        llm.scheduler.update_from_output(out, sampled)
+    assert [(s.request.num_computed_tokens, s.request.num_output_tokens) for s in out.scheduled] == before
+
+
+def test_a_request_with_nothing_to_compute_is_never_scheduled(tiny_model):
+    """A zero-token row would sample another request's logits: the scheduler refuses to build one."""
+    llm = engine(tiny_model)
+    rid = llm.add_request([1, 2, 3], GREEDY)
+    llm.step()
+    req = llm.scheduler.requests[rid]
+    req.num_computed_tokens = req.num_tokens                         # a corrupted request
+    with pytest.raises(RuntimeError, match="scheduled with 0 new tokens"):
+        llm.step()
+
+
+# ---- the block pool checks a whole free before touching anything -------------------------------
+def test_free_blocks_checks_the_whole_list_first():
+    pool, other = BlockPool(6, enable_caching=False), BlockPool(6, enable_caching=False)
+    a, b = pool.get_new_blocks(2)
+    free_before = pool.get_num_free_blocks()
+    with pytest.raises(ValueError, match="double free"):
+        pool.free_blocks([a, b, b])
+    assert (a.ref_cnt, b.ref_cnt, pool.get_num_free_blocks()) == (1, 1, free_before)   # nothing changed
+    with pytest.raises(ValueError, match="does not belong to this pool"):
+        pool.free_blocks([a, other.blocks[3]])
+    assert a.ref_cnt == 1 and pool.get_num_free_blocks() == free_before
+    pool.free_blocks([a, b])
+    assert pool.get_num_free_blocks() == free_before + 2
+
+
+# ---- errors that say what went wrong ------------------------------------------------------------
+@pytest.mark.parametrize("text,value", [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+                                        ("64KiB", 65536), ("64KB", 64000), ("1TB", 10**12), ("1TiB", 2**40),
+                                        ("1073741824", 2**30), (" 8 mib ", 8 * 2**20), (1e9, 10**9), (4096, 4096)])
+def test_memory_sizes(text, value):
+    assert _parse_memory(text) == value
+
+
+@pytest.mark.parametrize("bad", ["lots", "2 parsecs", "-1GiB", -5, float("nan"), True, None])
+def test_bad_memory_sizes_name_the_problem(bad):
+    with pytest.raises(ValueError, match="swap_space"):
+        _parse_memory(bad, "swap_space")
+
+
+def test_engine_arguments_are_checked_and_explained(tiny_model):
+    with pytest.raises(ValueError, match="longer than the model's max_position_embeddings=128"):
+        engine(tiny_model, max_model_len=256, num_gpu_blocks_override=80)
+    assert engine(tiny_model, max_model_len=256, num_gpu_blocks_override=80,
+                  allow_long_max_model_len=True).max_model_len == 256
+    with pytest.warns(UserWarning, match="max_model_len lowered from 128 to 44 tokens"):
+        llm = LLM(model=tiny_model, block_size=4, num_gpu_blocks_override=12)
+    assert llm.max_model_len == 44
+    with pytest.raises(ValueError, match="needs swap space on the CPU: pass swap_space"):
+        engine(tiny_model, preemption_mode="swap")
+    with pytest.raises(ValueError, match="holds no block"):
+        engine(tiny_model, preemption_mode="swap", swap_space=10)
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
+        engine(tiny_model, max_num_seqs=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            engine(tiny_model, device="cuda")
+    with pytest.raises(ValueError, match="device must be"):
+        engine(tiny_model, device="tpu")
+
+
+def test_cli_checks_its_arguments_before_loading_the_model(monkeypatch, capsys):
+    from minipaged import __main__ as cli, engine as engine_module
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+    monkeypatch.setattr(engine_module.LLM, "__init__", no_model)
+    assert cli.main(["generate", "hello", "--temperature", "nan"]) == 2
+    assert "temperature must be a finite number" in capsys.readouterr().err
+    for argv, match in ((["bench", "--num-prompts", "0"], "must be a positive integer, got 0"),
+                        (["generate", "x", "--max-tokens", "-3"], "must be a positive integer")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2 and match in capsys.readouterr().err
