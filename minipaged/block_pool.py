@@ -44,6 +44,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
 
+from .utils import check_int
+
 if TYPE_CHECKING:  # only for type hints: request.py imports this module
     from .request import Request
 
@@ -88,9 +90,7 @@ class RequestBlockHasher:
     """
 
     def __init__(self, block_size: int) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        self.block_size = block_size
+        self.block_size = check_int("block_size", block_size, 1)
 
     def __call__(self, request: Request) -> list[BlockHash]:
         bs = self.block_size
@@ -269,9 +269,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        self.num_blocks = check_int("num_blocks (block 0 is the null block)", num_blocks, 2)
         self.enable_caching = enable_caching
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
@@ -295,8 +293,7 @@ class BlockPool:
         check ``get_num_free_blocks()`` first and turn a shortage into ``None``.
         A cached block handed out here loses its hash: this is the eviction.
         """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, 0)
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} blocks: only "
                              f"{self.free_block_queue.num_free_blocks} are free")

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+from .utils import check_int
 
 # vLLM's name for "this token is padding, write it nowhere".
 PAD_SLOT_ID = -1
@@ -32,9 +33,7 @@ NULL_BLOCK_ID = 0
 
 
 def _check_block_size(block_size: int) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    return block_size
+    return check_int("block_size", block_size, 1)
 
 
 class BlockTable:
@@ -57,8 +56,7 @@ class BlockTable:
         """Add blocks at the end (a request only ever grows its table at the end)."""
         ids = [block_ids] if isinstance(block_ids, int) else list(block_ids)
         for b in ids:
-            if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-                raise ValueError(f"block ids must be non-negative integers, got {b!r}")
+            check_int("a block id", b, 0)
         self.block_ids.extend(ids)
 
     @property

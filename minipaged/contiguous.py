@@ -30,15 +30,13 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from .block_pool import BlockPool, KVCacheBlock
+from .utils import cdiv, check_int
 from .workloads import SEED_002_BYTES_PER_TOKEN, Trace, TraceRequest, sharegpt_like_trace
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class ContiguousAllocator:
@@ -53,16 +51,13 @@ class ContiguousAllocator:
     """
 
     def __init__(self, num_slots: int) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
-            raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
-        self.num_slots = num_slots
+        self.num_slots = check_int("num_slots", num_slots, 1)
         self.free_extents: list[tuple[int, int]] = [(0, num_slots)]
         self.reservations: dict[str, tuple[int, int]] = {}  # request id -> (start, length)
 
     def allocate(self, request_id: str, size: int) -> int | None:
         """Reserve ``size`` contiguous slots; return the start, or ``None`` if no hole is big enough."""
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"size must be a positive integer, got {size!r}")
+        check_int("size", size, 1)
         if request_id in self.reservations:
             raise ValueError(f"request {request_id!r} already holds a reservation")
         for i, (start, length) in enumerate(self.free_extents):
@@ -254,8 +249,7 @@ def simulate_trace(trace: Trace, num_slots: int, allocator: str = "contiguous", 
         backend: _Contiguous | _Paged = _Contiguous(num_slots, policy, max_model_len)
         biggest = max((backend.size(r) for r in trace), default=0)
     elif allocator == "paged":
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        check_int("block_size", block_size, 1)
         backend = _Paged(num_slots, block_size, watermark)
         biggest = cdiv(trace.max_total_len, block_size) * block_size
     else:
@@ -384,7 +378,7 @@ def memory_vs_generated_tokens(max_model_len: int = 8192, block_size: int = 16, 
     n = max_model_len - prompt_len
     gen = np.arange(1, n + 1) if num_points is None else np.unique(np.linspace(1, n, num_points).astype(np.int64))
     tokens = prompt_len + gen
-    paged_slots = -(-tokens // block_size) * block_size
+    paged_slots = cdiv(tokens, block_size) * block_size
     return {
         "generated_tokens": gen,
         "context_tokens": tokens,
@@ -412,9 +406,8 @@ def block_size_tradeoff(lengths: np.ndarray | list[int],
         raise ValueError("lengths must be a non-empty list of positive token counts")
     rows = []
     for bs in block_sizes:
-        if isinstance(bs, bool) or not isinstance(bs, (int, np.integer)) or bs <= 0:
-            raise ValueError(f"block sizes must be positive integers, got {bs!r}")
-        blocks = -(-x // bs)
+        check_int("block size", bs, 1)
+        blocks = -(-x // bs)  # x is a numpy array here: cdiv vectorised
         allocated = blocks * bs
         waste = allocated - x
         rows.append({
@@ -427,3 +420,43 @@ def block_size_tradeoff(lengths: np.ndarray | list[int],
             "mean_table_bytes": float(blocks.mean() * bytes_per_entry),
         })
     return rows
+
+
+def contiguous_layouts(trace: Trace, result: TraceResult, max_model_len: int,
+                       policy: str = "max") -> list[dict[str, Any]]:
+    """The arena after each measured step of ``result`` (a contiguous run of ``simulate_trace``).
+
+    ``simulate_trace`` records totals only; this replays its admissions and
+    departures on a fresh ``ContiguousAllocator``: at step ``t`` the requests
+    finished earlier are freed, then those admitted at ``t`` allocate in FCFS
+    (trace) order. First fit is deterministic, so the replay lands every
+    reservation where the simulation put it. One dict per row of ``result``::
+
+        {"step": t, "reservations": [(req_id, start, length, live_tokens), ...],
+         "free_extents": [(start, length), ...], "waiting_head": req_id or None}
+    """
+    if result.allocator != "contiguous":
+        raise ValueError("contiguous_layouts replays a contiguous run, not a paged one")
+    by_id = {r.req_id: r for r in trace.requests}
+    order = {r.req_id: i for i, r in enumerate(trace.requests)}
+    admits: dict[int, list[str]] = {}
+    for rid, t in result.admit_step.items():
+        admits.setdefault(t, []).append(rid)
+    alloc = ContiguousAllocator(result.num_slots)
+    held: dict[str, int] = {}  # request id -> admission step
+    out = []
+    for t in (int(x) for x in result.step):
+        for rid in [rid for rid in held if result.finish_step.get(rid, t + 1) <= t]:
+            alloc.free(rid)
+            del held[rid]
+        for rid in sorted(admits.get(t, []), key=order.__getitem__):
+            if alloc.allocate(rid, reservation_size(by_id[rid], policy, max_model_len)) is None:
+                raise RuntimeError(f"replay diverged from the simulation at step {t}: {rid} does not fit")
+            held[rid] = t
+        reservations = sorted(((rid, *alloc.reservations[rid], by_id[rid].context_len(t - a + 1))
+                               for rid, a in held.items()), key=lambda x: x[1])
+        head = next((r.req_id for r in trace.requests
+                     if r.arrival <= t and result.admit_step.get(r.req_id, t + 1) > t), None)
+        out.append(dict(step=t, reservations=reservations, free_extents=list(alloc.free_extents),
+                        waiting_head=head))
+    return out

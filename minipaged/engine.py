@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from .cache_engine import CacheEngine
-from .kv_cache_manager import KVCacheManager, cdiv
+from .kv_cache_manager import KVCacheManager
+from .utils import cdiv, check_int
 from .kv_math import GiB, KVSpec, format_bytes, num_blocks_at_startup
 from .model import LlamaForCausalLM
 from .model_runner import ModelRunner
@@ -135,12 +136,6 @@ def _parse_memory(value: int | float | str, name: str = "memory size") -> int:
     return int(num)
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def _device(device: str | torch.device | None) -> torch.device:
     """The device asked for, or a clear error when it cannot be used here."""
     if device is None:
@@ -189,11 +184,11 @@ class LLM:
         # Everything that can be checked without the model, checked before it loads.
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        _positive_int("block_size", block_size)
+        check_int("block_size", block_size, 1)
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            _positive_int(name, v)
+            check_int(name, v, 1)
         if max_model_len is not None:
-            _positive_int("max_model_len", max_model_len)
+            check_int("max_model_len", max_model_len, 1)
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         swap_bytes = _parse_memory(swap_space, "swap_space")
@@ -207,7 +202,6 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         self.device = _device(device)
         path = ensure_converted(progress=True) if model is None else model
-        t0 = time.perf_counter()
         torch_dtype = resolve_dtype(dtype, _config_dtype(path), self.device)
         self.dtype = torch_dtype
         backend = get_attention_backend(attention_backend).name
@@ -218,7 +212,6 @@ class LLM:
             self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch_dtype, device=self.device,
                                                           backend=backend)
         self.tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None  # a bare test model has none
-        self.load_seconds = time.perf_counter() - t0
         config = self.model.config
         max_pos = getattr(config, "max_position_embeddings", None)
         if max_model_len is not None and max_pos is not None and max_model_len > max_pos \

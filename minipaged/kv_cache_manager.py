@@ -32,10 +32,7 @@ from collections.abc import Sequence
 
 from .block_pool import BlockPool, KVCacheBlock, get_request_block_hasher
 from .request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from .utils import cdiv, check_int  # noqa: F401  (chapters import cdiv from here)
 
 
 class KVCacheManager:
@@ -60,10 +57,8 @@ class KVCacheManager:
 
     def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True, watermark: float = 0.01,
                  watermark_blocks: int | None = None, reserved_blocks: int = 0) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
+        check_int("block_size", block_size, 1)
+        check_int("num_blocks (block 0 is the null block)", num_blocks, 2)
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
         if watermark_blocks is None:
@@ -136,8 +131,7 @@ class KVCacheManager:
         """
         for name, v in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
                         ("num_lookahead_tokens", num_lookahead_tokens)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+            check_int(name, v, 0)
         new_computed = list(new_computed_blocks or [])
         if num_new_computed_tokens != len(new_computed) * self.block_size:
             raise ValueError(f"num_new_computed_tokens={num_new_computed_tokens} must equal "

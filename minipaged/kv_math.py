@@ -34,6 +34,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from .utils import cdiv, check_int
+
 GiB = 1024**3
 MiB = 1024**2
 KiB = 1024
@@ -68,18 +70,6 @@ def dtype_bytes(dtype: str | int | Any) -> int:
         known = ", ".join(sorted({"fp32", "fp16", "bf16", "fp8"}))
         raise ValueError(f"unknown KV-cache dtype {dtype!r}; use one of {known}")
     return DTYPE_BYTES[name]
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return value
 
 
 def format_bytes(n: float, unit: str | None = None, digits: int = 2) -> str:
@@ -133,12 +123,12 @@ class KVSpec:
     num_params: int | None = None  # weights, for "KV vs weights"
 
     def __post_init__(self) -> None:
-        _positive_int("num_layers", self.num_layers)
-        _positive_int("num_kv_heads", self.num_kv_heads)
-        _positive_int("head_dim", self.head_dim)
+        check_int("num_layers", self.num_layers, 1)
+        check_int("num_kv_heads", self.num_kv_heads, 1)
+        check_int("head_dim", self.head_dim, 1)
         object.__setattr__(self, "dtype_bytes", dtype_bytes(self.dtype_bytes))
         if self.num_attention_heads is not None:
-            _positive_int("num_attention_heads", self.num_attention_heads)
+            check_int("num_attention_heads", self.num_attention_heads, 1)
             if self.num_attention_heads % self.num_kv_heads:
                 raise ValueError(
                     f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -151,15 +141,15 @@ class KVSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     def bytes_per_block(self, block_size: int = 16) -> int:
-        return _positive_int("block_size", block_size) * self.bytes_per_token
+        return check_int("block_size", block_size, 1) * self.bytes_per_token
 
     def bytes_for_tokens(self, num_tokens: int) -> int:
         """Exact bytes for ``num_tokens`` tokens, no paging."""
-        return _non_negative_int("num_tokens", num_tokens) * self.bytes_per_token
+        return check_int("num_tokens", num_tokens, 0) * self.bytes_per_token
 
     def blocks_for_tokens(self, num_tokens: int, block_size: int = 16) -> int:
-        _non_negative_int("num_tokens", num_tokens)
-        return -(-num_tokens // _positive_int("block_size", block_size))
+        check_int("num_tokens", num_tokens, 0)
+        return cdiv(num_tokens, check_int("block_size", block_size, 1))
 
     def paged_bytes_for_tokens(self, num_tokens: int, block_size: int = 16) -> int:
         """Bytes a paged cache holds for ``num_tokens``: whole blocks, tail included."""
@@ -191,7 +181,7 @@ class KVSpec:
         * neither: there is no clean split, so budget the whole cache on every
           rank (the conservative, replicated budget).
         """
-        _positive_int("tp_size", tp_size)
+        check_int("tp_size", tp_size, 1)
         n = self.num_kv_heads
         if n % tp_size == 0:
             return n // tp_size, "evenly sharded"
@@ -227,7 +217,7 @@ class KVSpec:
         cap = Capacity(budget, block_size, per_block, num_blocks, num_blocks * block_size)
         if request_tokens is None:
             return cap
-        _positive_int("request_tokens", request_tokens)
+        check_int("request_tokens", request_tokens, 1)
         per_request = self.blocks_for_tokens(request_tokens, block_size)
         waste = per_request * block_size - request_tokens
         return replace(cap, request_tokens=request_tokens, blocks_per_request=per_request,
@@ -375,9 +365,9 @@ class MLASpec:
     name: str = ""
 
     def __post_init__(self) -> None:
-        _positive_int("num_layers", self.num_layers)
-        _positive_int("kv_lora_rank", self.kv_lora_rank)
-        _non_negative_int("qk_rope_head_dim", self.qk_rope_head_dim)
+        check_int("num_layers", self.num_layers, 1)
+        check_int("kv_lora_rank", self.kv_lora_rank, 1)
+        check_int("qk_rope_head_dim", self.qk_rope_head_dim, 0)
         object.__setattr__(self, "dtype_bytes", dtype_bytes(self.dtype_bytes))
 
     @property
@@ -385,7 +375,7 @@ class MLASpec:
         return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * self.dtype_bytes
 
     def bytes_for_tokens(self, num_tokens: int) -> int:
-        return _non_negative_int("num_tokens", num_tokens) * self.bytes_per_token
+        return check_int("num_tokens", num_tokens, 0) * self.bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -406,9 +396,9 @@ class RecurrentStateSpec:
     bytes_per_token: int = field(default=0, init=False)  # the point: nothing grows per token
 
     def __post_init__(self) -> None:
-        _positive_int("num_layers", self.num_layers)
-        _non_negative_int("conv_state_elements", self.conv_state_elements)
-        _positive_int("ssm_state_elements", self.ssm_state_elements)
+        check_int("num_layers", self.num_layers, 1)
+        check_int("conv_state_elements", self.conv_state_elements, 0)
+        check_int("ssm_state_elements", self.ssm_state_elements, 1)
         object.__setattr__(self, "dtype_bytes", dtype_bytes(self.dtype_bytes))
 
     @classmethod
@@ -426,7 +416,7 @@ class RecurrentStateSpec:
         return self.num_layers * (self.conv_state_elements + self.ssm_state_elements) * self.dtype_bytes
 
     def bytes_for_tokens(self, num_tokens: int) -> int:
-        _non_negative_int("num_tokens", num_tokens)
+        check_int("num_tokens", num_tokens, 0)
         return self.bytes_per_request if num_tokens else 0
 
 

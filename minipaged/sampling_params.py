@@ -8,11 +8,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-
-def _int(name: str, value: object, minimum: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (minimum is not None and value < minimum):
-        want = "an integer" if minimum is None else "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {want}, got {value!r}")
+from .utils import check_int
 
 
 def _real(name: str, value: object) -> None:
@@ -43,19 +39,19 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Refuse bad values here, by name: a NaN temperature or a float seed would otherwise fail
         # deep inside the sampler, in the middle of a step, with the request still scheduled.
-        _int("max_tokens", self.max_tokens, minimum=1)
+        check_int("max_tokens", self.max_tokens, 1)
         _real("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        _int("top_k", self.top_k, minimum=-1)
+        check_int("top_k", self.top_k, -1)
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)      # 0 means "off", as -1 does
         _real("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
-            _int("seed", self.seed, minimum=None)
-        _int("n", self.n, minimum=1)
+            check_int("seed", self.seed)
+        check_int("n", self.n, 1)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         stops = self.stop_token_ids
@@ -63,7 +59,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a sequence of token ids, got {stops!r}")
         stops = tuple(stops)
         for t in stops:
-            _int("stop_token_ids entry", t, minimum=0)
+            check_int("stop_token_ids entry", t, 0)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
     @property

@@ -38,7 +38,8 @@ import torch
 
 from .block_pool import BlockPool
 from .block_table import slot_mapping as build_slot_mapping
-from .kv_cache_manager import KVCacheManager, cdiv
+from .kv_cache_manager import KVCacheManager
+from .utils import cdiv, check_int
 from .request import Request, RequestStatus
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -54,9 +55,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            check_int(name, getattr(self, name), 1)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
@@ -98,10 +97,6 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if s.request.num_prompt_tokens > s.start)
-
     def positions(self) -> list[list[int]]:
         return [list(range(s.start, s.start + s.num_new_tokens)) for s in self.scheduled]
 
@@ -126,7 +121,6 @@ class Scheduler:
         self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_caching=False) if config.num_cpu_blocks >= 2 else None
         self.swapped_blocks: dict[str, list[int]] = {}
         self.num_preemptions = 0
-        self.step_count = 0
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -178,7 +172,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
-                self._preempt(victim, out)
+                self.preempt(victim, out)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
@@ -212,7 +206,6 @@ class Scheduler:
             budget -= num_new
 
         out.copy_blocks = self.kv.take_pending_copies()
-        self.step_count += 1
         return out
 
     @staticmethod
@@ -232,7 +225,7 @@ class Scheduler:
             num_samples=(req.sampling_params.n if first else 1) if samples else 0))
 
     # ---- preemption --------------------------------------------------------------------------
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Take ``req`` off the device: swap its blocks to CPU if there is room, else recompute later."""
         self.num_preemptions += 1
         req.num_preemptions += 1

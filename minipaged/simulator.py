@@ -53,6 +53,7 @@ from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .workloads import Trace
+from .utils import cdiv
 
 FAKE_TOKEN = 1  # what the fake model "samples": any id will do, nobody reads it
 
@@ -472,7 +473,7 @@ def simulate_static(requests: Sequence[SimRequest], cost: CostModel, config: Sim
     out_len = {i: max(1, min(requests[i].output_len, config.max_model_len - requests[i].prompt_len)) for i in ok}
     parts: dict[str, list[np.ndarray]] = {k: [] for k in STEP_FIELDS}
     events: list[tuple[float, str, str]] = []
-    reserved_blocks = -(-config.max_model_len // config.block_size)
+    reserved_blocks = cdiv(config.max_model_len, config.block_size)
     now, k, batches = 0.0, 0, 0
     arrivals = np.array([requests[i].arrival for i in ok], dtype=float)
     while k < len(ok):

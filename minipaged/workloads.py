@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .utils import check_int
+
 # ---- the seed-002 experiment (static vs paged for 100 lognormal requests) -----------------
 # The seed prints the totals but not the model constants; they follow from its own output:
 #   used   2.53 GB  / 19269 tokens        = 131 072 B/token = 2 x 32 layers x 8 KV heads x 128 x 2 B
@@ -79,9 +81,7 @@ def _rng(seed: int | np.random.Generator) -> np.random.Generator:
 
 
 def _check_n(n: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise ValueError(f"n must be a non-negative integer, got {n!r}")
-    return int(n)
+    return check_int("n", n, 0)
 
 
 def lognormal_lengths(n: int, *, mean: float | None = None, median: float | None = None, sigma: float = 0.55,
@@ -283,7 +283,7 @@ def seed_table_100_lognormal(seed: int = SEED_002_RNG_SEED, max_context: int = S
     lengths = np.minimum(lengths, max_context)
     total = int(lengths.sum())
     static_slots = len(lengths) * max_context
-    blocks = int(np.sum(-(-lengths // block_size)))
+    blocks = int(np.sum(-(-lengths // block_size)))  # numpy array: cdiv vectorised
     paged_slots = blocks * block_size
     gb = bytes_per_token / 1e9
     return {

@@ -6,7 +6,8 @@ from minipaged.block_table import BlockTable
 from minipaged.contiguous import reservation_size
 from minipaged.kv_cache_manager import KVCacheManager
 from minipaged.request import Request
-from minipaged.viz import BlockPoolGrid, BlockTableView, ContiguousVsPaged, contiguous_layouts
+from minipaged.contiguous import contiguous_layouts
+from minipaged.viz import BlockPoolGrid, BlockTableView, ContiguousVsPaged
 from minipaged.viz.block_viz import CACHED_FREE_COLOR, FREE_COLOR, HOLE_COLOR, NULL_COLOR, SHARED_COLOR
 from minipaged.workloads import Trace, TraceRequest, sharegpt_like_trace
 

@@ -105,7 +105,7 @@ def _expected(arena: ContiguousAllocator, live: dict[str, int], next_size: int) 
 def _trace_cases() -> list[tuple[str, int, Reservations, dict[str, int], int, dict[str, float]]]:
     """Three steps of a simulated trace, the expected numbers taken from the simulation itself."""
     from ..contiguous import reservation_size
-    from ..viz.block_viz import contiguous_layouts
+    from ..contiguous import contiguous_layouts
 
     trace = sharegpt_like_trace(60, seed=4, arrival_rate=0.5, max_model_len=1024)
     num_slots = 8 * 1024

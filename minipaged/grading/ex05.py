@@ -25,6 +25,7 @@ import torch
 from ..block_table import slot_mapping as reference_slot_mapping
 from ..kernels import reference
 from .core import Check, report
+from ..utils import cdiv
 
 ReshapeAndCache = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -235,7 +236,7 @@ def _shuffled_slots(num_blocks: int, block_size: int, lens: list[int], seed: int
     free = (torch.randperm(num_blocks - skip_blocks, generator=g) + skip_blocks).tolist()
     tables = []
     for n in lens:
-        need = -(-n // block_size)
+        need = cdiv(n, block_size)
         tables.append(free[:need])
         free = free[need:]
     slots = reference_slot_mapping(tables, [list(range(n)) for n in lens], block_size).tolist()

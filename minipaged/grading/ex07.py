@@ -1,12 +1,12 @@
 """Checks for exercise 07: preemption by recompute — undoing a victim's allocation, and choosing victims.
 
-Part 1, ``preempt_recompute(victim, kv, waiting)``: what ``Scheduler._preempt``
+Part 1, ``preempt_recompute(victim, kv, waiting)``: what ``Scheduler.preempt``
 does in recompute mode. Part 2, ``schedule_running(running, waiting, kv,
 token_budget, preempt)``: step 1 of ``Scheduler.schedule()``, which serves the
 running requests oldest first and preempts the newest when the pool runs dry.
 
 Each scenario is built twice: once for the learner's function, once for the
-real scheduler (``_preempt`` for part 1; ``schedule()`` for part 2, with
+real scheduler (``preempt`` for part 1; ``schedule()`` for part 2, with
 ``max_num_seqs`` equal to the running count so that step 2 admits nobody), and
 the two end states are compared.
 """
@@ -96,7 +96,7 @@ def expected_preempt(s: Scenario) -> dict[str, Any]:
     sched = build(s)
     reqs = list(sched.requests.values())
     victim = sched.running.pop()
-    sched._preempt(victim, SchedulerOutput())
+    sched.preempt(victim, SchedulerOutput())
     return _state(sched, reqs)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from ..kernels import reference
 from .core import Check, report
+from ..utils import cdiv
 
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
@@ -67,11 +68,11 @@ class _Case:
 
     @property
     def num_blocks(self) -> int:
-        return 1 + sum(-(-n // self.block_size) for n in self.seq_lens) + self.free_blocks
+        return 1 + sum(cdiv(n, self.block_size) for n in self.seq_lens) + self.free_blocks
 
     @property
     def max_blocks(self) -> int:
-        return max((-(-n // self.block_size) for n in self.seq_lens), default=0) + self.extra_cols
+        return max((cdiv(n, self.block_size) for n in self.seq_lens), default=0) + self.extra_cols
 
     def describe(self, tables: torch.Tensor | None = None) -> str:
         dt = _DTYPE_NAMES[self.dtype]
@@ -89,7 +90,7 @@ class _Case:
         tables = torch.zeros(len(self.seq_lens), self.max_blocks, dtype=torch.int32)
         owned = torch.zeros(nb, bs, dtype=torch.bool)
         for i, n in enumerate(self.seq_lens):
-            need = -(-n // bs)
+            need = cdiv(n, bs)
             ids, free = free[:need], free[need:]
             tables[i, :need] = torch.tensor(ids, dtype=torch.int32)
             for p in range(n):

@@ -63,6 +63,7 @@ import triton.language as tl
 
 from .launch import Launch, TileConfig, check_tile_n, dot_precision, is_half, kv_tile_n
 from .paged_tile import attend_tile, tile_offsets
+from ..utils import check_int
 from .validation import check_last_dim_contiguous, check_paged_decode, check_triton_runtime
 
 LOG2E = 1.4426950408889634
@@ -216,8 +217,7 @@ def plan_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     capacity = block_tables.shape[1] * block_size            # no sequence is longer: no need to read seq_lens
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, capacity, query.device)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be an integer from 1 to {MAX_SPLITS}, got {num_splits!r}")
+    check_int("num_splits", num_splits, 1, MAX_SPLITS)
     segment_len = triton.cdiv(triton.cdiv(capacity, num_splits), cfg.tile_n) * cfg.tile_n   # whole tiles
     num_segments = triton.cdiv(capacity, segment_len)
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .validation import check_paged_decode, check_paged_prefill, check_reshape_and_cache
+from ..utils import cdiv
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -73,7 +74,7 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: t
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's K and V, ``[seq_len, num_kv_heads, head_dim]`` each, gathered through its block table."""
     block_size = key_cache.shape[1]
-    blocks = block_table[: -(-seq_len // block_size)].long()
+    blocks = block_table[: cdiv(seq_len, block_size)].long()
     k = key_cache[blocks].flatten(0, 1)[:seq_len]
     v = value_cache[blocks].flatten(0, 1)[:seq_len]
     return k, v

@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..utils import cdiv
+
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128)
 ARCHS = ("sm_80", "sm_90")
@@ -105,9 +107,9 @@ class Row:
 def occupancy(arch: str, registers: int, shared_bytes: int, num_warps: int) -> int:
     """Resident warps per SM for a kernel with these resources (the CUDA occupancy calculator's rules)."""
     lim = ARCH_LIMITS[arch]
-    regs_per_warp = -(-max(registers, 1) * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    regs_per_warp = cdiv(max(registers, 1) * 32, REG_ALLOC_UNIT) * REG_ALLOC_UNIT
     by_regs = (lim["registers"] // regs_per_warp) // num_warps
-    shared = -(-(shared_bytes + SHARED_RESERVED) // SHARED_ALLOC_UNIT) * SHARED_ALLOC_UNIT
+    shared = cdiv(shared_bytes + SHARED_RESERVED, SHARED_ALLOC_UNIT) * SHARED_ALLOC_UNIT
     by_shared = lim["shared_per_sm"] // shared
     by_warps = lim["max_warps"] // num_warps
     return min(by_regs, by_shared, by_warps, lim["max_programs"]) * num_warps

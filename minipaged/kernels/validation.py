@@ -28,6 +28,8 @@ import numbers
 
 import torch
 
+from ..utils import cdiv
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -148,7 +150,7 @@ def _check_table_values(block_tables, seq_lens, block_size: int, num_blocks: int
         if n > capacity:
             _fail(f"seq_lens[{i}] = {n} exceeds the block table's capacity: {tables.shape[1]} blocks x "
                   f"block_size {block_size} = {capacity} tokens")
-        used = tables[i, :-(-n // block_size)]
+        used = tables[i, :cdiv(n, block_size)]
         bad = (used < 0) | (used >= num_blocks)
         if bool(bad.any()):
             j = int(bad.nonzero()[0, 0])

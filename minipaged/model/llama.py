@@ -17,7 +17,6 @@ The module names mirror transformers' ``LlamaForCausalLM``, so its state dict
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -171,6 +170,15 @@ class LlamaModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config))
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Embed, run every decoder layer on its own layer of the paged cache, normalise: hidden states."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
 
 class LlamaForCausalLM(nn.Module):
     """Llama on a paged KV cache: ``forward`` returns hidden states, ``compute_logits`` the scores.
@@ -203,11 +211,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+        return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -239,9 +243,3 @@ class LlamaForCausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.model.rotary_emb = RotaryEmbedding(model.head_dim, _rope_theta(config))
         return model.to(device=device, dtype=dtype).eval()
-
-
-def config_summary(config: Any) -> str:
-    return json.dumps({k: getattr(config, k, None) for k in (
-        "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "intermediate_size", "vocab_size", "tie_word_embeddings")})

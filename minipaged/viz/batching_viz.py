@@ -26,7 +26,7 @@ from ..kv_cache_manager import KVCacheManager
 from ..request import Request, RequestStatus
 from ..scheduler import Scheduler, SchedulerOutput
 from ..simulator import CostModel, SimConfig, SimRequest, simulate_continuous, simulate_static
-from .block_viz import CACHED_FREE_COLOR, FREE_COLOR, SHARED_COLOR, _display, _OwnerColors
+from .block_viz import CACHED_FREE_COLOR, FREE_COLOR, SHARED_COLOR, OwnerColors, display_widget
 
 # One second per step: the player and small timelines count steps, not seconds.
 STEP_CLOCK = CostModel(weight_bytes=1.0, kv_bytes_per_token=0.0, flops_per_token=0.0, mem_bandwidth=1.0, flops=1.0,
@@ -62,7 +62,7 @@ class BatchingPlayer:
         if requests is None:
             requests = [SimRequest(rid, 0.0, p, o) for rid, p, o in SEVEN_REQUESTS]
         self.requests, self.config, self.columns, self.title = list(requests), config, columns, title
-        self.colors = _OwnerColors()
+        self.colors = OwnerColors()
         for r in self.requests:
             self.colors(r.req_id)
         self.history: list[dict[str, Any]] = []
@@ -218,7 +218,7 @@ class BatchingPlayer:
                        self.queues, self.grid, self.figure])
 
     def _ipython_display_(self) -> None:
-        _display(self.widget)
+        display_widget(self.widget)
 
 
 # ---- (b) a request timeline, static vs continuous ----------------------------------------------
@@ -363,7 +363,7 @@ class BatchingTimeline:
         return W.VBox([W.HBox([self.batch_size, self.num_blocks]), self.caption, self.figure])
 
     def _ipython_display_(self) -> None:
-        _display(self.widget)
+        display_widget(self.widget)
 
 
 # ---- (c) shared prefix blocks and their ref counts -----------------------------------------------
@@ -472,7 +472,7 @@ class PrefixSharingView:
         return W.VBox([self.slider, self.html])
 
     def _ipython_display_(self) -> None:
-        _display(self.widget)
+        display_widget(self.widget)
 
 
 __all__ = ["BatchingPlayer", "BatchingTimeline", "PrefixSharingView", "SEVEN_CONFIG", "SEVEN_REQUESTS",

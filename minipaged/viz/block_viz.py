@@ -24,10 +24,11 @@ import plotly.graph_objects as go
 
 from ..block_pool import BlockPool, KVCacheBlock
 from ..block_table import BlockTable
-from ..contiguous import ContiguousAllocator, TraceResult, reservation_size, simulate_trace
+from ..contiguous import TraceResult, contiguous_layouts, reservation_size, simulate_trace
 from ..kv_cache_manager import KVCacheManager
 from ..workloads import Trace
 from .kv_widgets import BLOCK_COLORS
+from ..utils import cdiv
 
 FREE_COLOR = "#e6e6e6"
 CACHED_FREE_COLOR = "#b9dcb4"  # free, but still holding a cached prefix block
@@ -40,7 +41,7 @@ OWNER_COLORS = BLOCK_COLORS + ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a
                                "#1f78b4", "#33a02c", "#fb9a99", "#6a3d9a", "#b15928"]
 
 
-class _OwnerColors:
+class OwnerColors:
     """A stable colour per request id, in order of first appearance."""
 
     def __init__(self) -> None:
@@ -57,7 +58,7 @@ def _token_count(value: Any) -> int:
     return int(value) if isinstance(value, (int, np.integer)) else int(value.num_computed_tokens)
 
 
-def _display(widget: W.Widget) -> None:
+def display_widget(widget: W.Widget) -> None:
     from IPython.display import display
 
     display(widget)
@@ -101,12 +102,12 @@ class BlockPoolGrid:
             raise ValueError(f"columns must be >= 1, got {columns}")
         self._tokens = tokens if tokens is not None else {}
         self.columns = columns
-        self.colors = _OwnerColors()
+        self.colors = OwnerColors()
         self.history: list[dict[str, Any]] = []
         self.cells: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}
         self.label = ""
-        rows = -(-self.pool.num_blocks // columns)
+        rows = cdiv(self.pool.num_blocks, columns)
         self.figure = go.FigureWidget(layout=dict(
             title=title, height=90 + 42 * rows, width=max(320, 46 * columns + 160),
             margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white", hovermode="closest",
@@ -219,50 +220,10 @@ class BlockPoolGrid:
         return W.VBox([self.step, self.caption, self.figure])
 
     def _ipython_display_(self) -> None:
-        _display(self.widget)
+        display_widget(self.widget)
 
 
 # ---- (b) contiguous vs paged on the same trace -----------------------------------------------
-def contiguous_layouts(trace: Trace, result: TraceResult, max_model_len: int,
-                       policy: str = "max") -> list[dict[str, Any]]:
-    """The arena after each measured step of ``result`` (a contiguous run of ``simulate_trace``).
-
-    ``simulate_trace`` records totals only; this replays its admissions and
-    departures on a fresh ``ContiguousAllocator``: at step ``t`` the requests
-    finished earlier are freed, then those admitted at ``t`` allocate in FCFS
-    (trace) order. First fit is deterministic, so the replay lands every
-    reservation where the simulation put it. One dict per row of ``result``::
-
-        {"step": t, "reservations": [(req_id, start, length, live_tokens), ...],
-         "free_extents": [(start, length), ...], "waiting_head": req_id or None}
-    """
-    if result.allocator != "contiguous":
-        raise ValueError("contiguous_layouts replays a contiguous run, not a paged one")
-    by_id = {r.req_id: r for r in trace.requests}
-    order = {r.req_id: i for i, r in enumerate(trace.requests)}
-    admits: dict[int, list[str]] = {}
-    for rid, t in result.admit_step.items():
-        admits.setdefault(t, []).append(rid)
-    alloc = ContiguousAllocator(result.num_slots)
-    held: dict[str, int] = {}  # request id -> admission step
-    out = []
-    for t in (int(x) for x in result.step):
-        for rid in [rid for rid in held if result.finish_step.get(rid, t + 1) <= t]:
-            alloc.free(rid)
-            del held[rid]
-        for rid in sorted(admits.get(t, []), key=order.__getitem__):
-            if alloc.allocate(rid, reservation_size(by_id[rid], policy, max_model_len)) is None:
-                raise RuntimeError(f"replay diverged from the simulation at step {t}: {rid} does not fit")
-            held[rid] = t
-        reservations = sorted(((rid, *alloc.reservations[rid], by_id[rid].context_len(t - a + 1))
-                               for rid, a in held.items()), key=lambda x: x[1])
-        head = next((r.req_id for r in trace.requests
-                     if r.arrival <= t and result.admit_step.get(r.req_id, t + 1) > t), None)
-        out.append(dict(step=t, reservations=reservations, free_extents=list(alloc.free_extents),
-                        waiting_head=head))
-    return out
-
-
 class ContiguousVsPaged:
     """One trace on a contiguous arena and on a paged pool of the same size, side by side.
 
@@ -395,7 +356,7 @@ class ContiguousVsPaged:
         return W.VBox([W.HBox([self.play, self.step, self.policy]), self.caption, self.memory, self.timeline])
 
     def _ipython_display_(self) -> None:
-        _display(self.widget)
+        display_widget(self.widget)
 
 
 # ---- (c) a block table as logical -> physical arrows -----------------------------------------
@@ -429,7 +390,7 @@ class BlockTableView:
         self.num_blocks = largest + 1 if num_blocks is None else num_blocks
         if largest >= self.num_blocks:
             raise ValueError(f"block id {largest} is outside a pool of {self.num_blocks} blocks")
-        self.colors = _OwnerColors()
+        self.colors = OwnerColors()
         for rid in self.tables:
             self.colors(rid)
         self.request = W.Dropdown(options=list(self.tables), value=request or next(iter(self.tables)),
@@ -538,7 +499,7 @@ class BlockTableView:
         return W.VBox([W.HBox([self.request, self.position]), self.caption, self.figure])
 
     def _ipython_display_(self) -> None:
-        _display(self.widget)
+        display_widget(self.widget)
 
 
-__all__ = ["BlockPoolGrid", "BlockTableView", "ContiguousVsPaged", "contiguous_layouts"]
+__all__ = ["BlockPoolGrid", "BlockTableView", "ContiguousVsPaged", "display_widget"]

@@ -27,6 +27,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from .block_viz import FREE_COLOR, OWNER_COLORS
+from ..utils import cdiv
 
 MIN_DOT_ROWS = 16         # tl.dot on an NVIDIA GPU wants every tile dimension >= 16
 # The pictures show the tiles the kernels pick for SmolLM2 as the GPU engine runs it (bfloat16, head_dim 64).
@@ -134,9 +135,8 @@ def split_kv_segments(capacity: int, num_splits: int, tile: int) -> tuple[int, i
     """
     if not 1 <= num_splits <= _max_splits():
         raise ValueError(f"num_splits must be from 1 to {_max_splits()}, got {num_splits}")
-    segment_len = -(-capacity // num_splits)
-    segment_len = -(-segment_len // tile) * tile
-    return segment_len, -(-capacity // segment_len)
+    segment_len = cdiv(cdiv(capacity, num_splits), tile) * tile
+    return segment_len, cdiv(capacity, segment_len)
 
 
 def decode_read_plan(block_tables: Any, seq_lens: Any, block_size: int, num_splits: int = 1,
@@ -160,7 +160,7 @@ def decode_read_plan(block_tables: Any, seq_lens: Any, block_size: int, num_spli
             first = min(seg * segment_len, n)
             end = min(first + segment_len, n) if seg * segment_len < n else first
             plan.append(ProgramRead("decode", seq, seg, first, end, _reads(table, first, end, block_size),
-                                    -(-(end - first) // tile)))
+                                    cdiv(end - first, tile)))
     return plan
 
 
@@ -179,14 +179,14 @@ def prefill_read_plan(block_tables: Any, cu_seqlens_q: Any, seq_lens: Any, block
         raise ValueError("block_tables, cu_seqlens_q and seq_lens disagree on the number of sequences")
     default_m, default_tile = prefill_tiles(block_size, max(q_lens))
     block_m, tile = block_m or default_m, tile or default_tile
-    num_tiles = -(-max(q_lens) // block_m)
+    num_tiles = cdiv(max(q_lens), block_m)
     plan = []
     for seq, (table, q_len, n) in enumerate(zip(tables, q_lens, lens)):
         ctx_len = n - q_len
         for m in range(num_tiles):
             end = min(n, ctx_len + (m + 1) * block_m) if m * block_m < q_len else 0
             plan.append(ProgramRead("prefill", seq, m, 0, end, _reads(table, 0, end, block_size),
-                                    -(-end // tile)))
+                                    cdiv(end, tile)))
     return plan
 
 
@@ -291,17 +291,17 @@ class PagedReadView:
                  ) -> None:
         self.tables, self.seq_lens = _rows(block_tables), _ints(seq_lens)
         self.block_size, self.tile = block_size, tile or decode_tile(block_size)
-        used = [b for t, n in zip(self.tables, self.seq_lens) for b in t[: -(-n // block_size)]]
+        used = [b for t, n in zip(self.tables, self.seq_lens) for b in t[: cdiv(n, block_size)]]
         largest = max(used, default=0)
         self.num_blocks = largest + 1 if num_blocks is None else num_blocks
         if largest >= self.num_blocks:
             raise ValueError(f"block id {largest} is outside a pool of {self.num_blocks} blocks")
         self.owner: dict[int, tuple[int, int, int]] = {}   # physical -> (seq, logical, tokens held)
         for seq, (t, n) in enumerate(zip(self.tables, self.seq_lens)):
-            for logical in range(-(-n // block_size)):
+            for logical in range(cdiv(n, block_size)):
                 self.owner[t[logical]] = (seq, logical, min(block_size, n - logical * block_size))
         capacity = max(len(t) for t in self.tables) * block_size
-        max_splits = min(_max_splits(), max(1, -(-capacity // self.tile)))
+        max_splits = min(_max_splits(), max(1, cdiv(capacity, self.tile)))
         self.splits = W.IntSlider(value=min(num_splits, max_splits), min=1, max=max_splits,
                                   description="num_splits", continuous_update=False)
         self.program = W.Dropdown(description="program")
@@ -369,7 +369,7 @@ class PagedReadView:
             seq, logical, held = self.owner.get(b, (None, None, 0))
             self.cells.append(dict(block=b, seq=seq, logical=logical, tokens_held=held,
                                    read=b in reads, tokens_read=reads.get(b, (None, 0))[1]))
-        segs = -(-max(len(t) for t in self.tables) * self.block_size // self.segment_len)
+        segs = cdiv(max(len(t) for t in self.tables) * self.block_size, self.segment_len)
         self.caption.value = (
             f"num_splits {self.splits.value} → segments of {self.segment_len} tokens ({segs} per sequence), "
             f"grid = ({len(self.tables)} seqs, num_kv_heads, {segs}).<br><b>{html.escape(p.describe())}</b>")
