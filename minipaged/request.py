@@ -67,6 +67,7 @@ class Request:
     error: str | None = None  # why a request was rejected or failed
     num_preemptions: int = 0
     parent_id: str | None = None  # set on the extra samples of an n > 1 request
+    sample_index: int = 0  # 0, or j for the j-th extra sample of an n > 1 request (its seed offset)
     children: list["Request"] = field(default_factory=list, repr=False)  # those extra samples, on the parent
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list, repr=False)  # one per output token
@@ -131,6 +132,11 @@ class Request:
             self.block_hashes.extend(self.block_hasher(self))
 
     # ---- life cycle (chapter 06) -------------------------------------------------------
+    @property
+    def sample_key(self) -> tuple[str, int]:
+        """The name of its random stream: (the request it samples for, which sample)."""
+        return (self.parent_id or self.request_id, self.sample_index)
+
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

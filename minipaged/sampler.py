@@ -7,6 +7,8 @@ its tokens do not depend on which other requests share the batch.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 
 from .sampling_params import SamplingParams
@@ -27,53 +29,59 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 
 class Sampler:
-    """Keeps one ``torch.Generator`` per seeded request, created on its first draw."""
+    """Keeps one ``torch.Generator`` per seeded sample stream, created on its first draw.
+
+    A stream is named by a key: ``Request.sample_key``, ``(request id, sample index)``. The j-th
+    sample of an ``n > 1`` request draws from ``seed + j``: its first token comes from the parent's
+    step (row j of its first sample), the rest from the forked request with the same key.
+    """
 
     def __init__(self) -> None:
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[Hashable, torch.Generator] = {}
 
-    def generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    def generator(self, key: Hashable, params: SamplingParams, device: torch.device,
+                  seed_offset: int = 0) -> torch.Generator | None:
         if params.seed is None:
             return None
-        g = self._generators.get(request_id)
+        g = self._generators.get(key)
         if g is None:
-            seed = params.seed
-            if "#" in request_id:  # the j-th extra sample of an n > 1 request ("id#j") draws its own stream
-                seed += int(request_id.rsplit("#", 1)[1])
-            g = self._generators[request_id] = torch.Generator(device=device).manual_seed(seed)
+            g = self._generators[key] = torch.Generator(device=device).manual_seed(params.seed + seed_offset)
         return g
 
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+    def forget(self, key: Hashable) -> None:
+        self._generators.pop(key, None)
 
-    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        tokens, errors = self.sample(logits, request_ids, params)
+    def __call__(self, logits: torch.Tensor, keys: Sequence[Hashable], params: Sequence[SamplingParams],
+                 seed_offsets: Sequence[int] | None = None) -> list[int]:
+        tokens, errors = self.sample(logits, keys, params, seed_offsets)
         if errors:
             row, why = next(iter(errors.items()))
-            raise ValueError(f"request {request_ids[row]!r}: {why}")
+            raise ValueError(f"sample stream {keys[row]!r}: {why}")
         return tokens  # type: ignore[return-value]
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
-               ) -> tuple[list[int | None], dict[int, str]]:
+    def sample(self, logits: torch.Tensor, keys: Sequence[Hashable], params: Sequence[SamplingParams],
+               seed_offsets: Sequence[int] | None = None) -> tuple[list[int | None], dict[int, str]]:
         """One token per row, and ``{row: why}`` for the rows that cannot be sampled (their token is None).
 
         A row with NaN or +inf logits has no meaningful answer, greedy or not (argmax of NaN is
         the NaN): it is reported, not sampled, so the engine can finish that request alone.
         """
-        if logits.shape[0] != len(params) or len(params) != len(request_ids):
+        if logits.shape[0] != len(params) or len(params) != len(keys):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
+        offsets = seed_offsets if seed_offsets is not None else [0] * len(keys)
         tokens: list[int | None] = logits.argmax(-1).tolist()  # greedy rows are done
         errors: dict[int, str] = {}
         bad_rows = (torch.isnan(logits) | (logits == float("inf"))).any(-1) | torch.isneginf(logits).all(-1)
         for i in bad_rows.nonzero().flatten().tolist():
             errors[i], tokens[i] = "the model produced NaN or infinite logits", None
-        for i, (rid, p) in enumerate(zip(request_ids, params)):
+        for i, (key, p) in enumerate(zip(keys, params)):
             if p.greedy or i in errors:
                 continue
             row = apply_top_k_top_p(logits[i].float() / p.temperature, p.top_k, p.top_p)
             probs = row.softmax(-1)
             try:
-                tokens[i] = int(torch.multinomial(probs, 1, generator=self.generator(rid, p, logits.device)))
+                g = self.generator(key, p, logits.device, offsets[i])
+                tokens[i] = int(torch.multinomial(probs, 1, generator=g))
             except RuntimeError as e:   # e.g. an all-zero distribution after an extreme temperature
                 errors[i], tokens[i] = f"sampling failed: {e}", None
         return tokens, errors

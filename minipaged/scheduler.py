@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_pool import BlockPool
+from .config import PREEMPTION_MODES
 from .block_table import slot_mapping as build_slot_mapping
 from .kv_cache_manager import KVCacheManager
 from .utils import cdiv, check_int
 from .request import Request, RequestStatus
 
-PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -297,7 +297,7 @@ class Scheduler:
         child = Request(request_id=f"{parent.request_id}#{index}", prompt_token_ids=parent.prompt_token_ids,
                         num_computed_tokens=parent.num_computed_tokens, cache_salt=parent.cache_salt,
                         sampling_params=parent.sampling_params, eos_token_id=parent.eos_token_id,
-                        arrival_time=parent.arrival_time, parent_id=parent.request_id,
+                        arrival_time=parent.arrival_time, parent_id=parent.request_id, sample_index=index,
                         status=RequestStatus.RUNNING)
         self.requests[child.request_id] = child
         parent.children.append(child)

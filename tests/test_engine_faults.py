@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from minipaged.block_pool import BlockPool
-from minipaged.engine import LLM, _parse_memory
+from minipaged.config import parse_memory as _parse_memory
+from minipaged.engine import LLM
 from minipaged.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -221,6 +222,19 @@ def test_a_request_whose_logits_are_nan_finishes_with_an_error_alone(tiny_model,
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
 
 
+def test_the_jth_sample_of_a_seeded_request_draws_from_seed_plus_j(tiny_model):
+    """Forked samples are named by (request, index), not by parsing "id#j": sample j of a request with
+    seed s is the request with seed s + j drawn alone."""
+    llm = engine(tiny_model, num_gpu_blocks_override=40)
+    prompt = [5, 17, 3, 9, 40, 2]
+    out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=11, n=3, ignore_eos=True))[0]
+    alone = [llm.generate([prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=11 + j, ignore_eos=True))[0]
+             for j in range(3)]
+    assert [o.token_ids for o in out.outputs] == [a.outputs[0].token_ids for a in alone]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert_clean(llm)
+
+
 # ---- the batch is checked before anything is queued -------------------------------------------
 @pytest.mark.parametrize("bad,match", [
     ([], "empty prompt"),
@@ -324,6 +338,10 @@ def test_engine_arguments_are_checked_and_explained(tiny_model):
             engine(tiny_model, device="cuda")
     with pytest.raises(ValueError, match="device must be"):
         engine(tiny_model, device="tpu")
+    with pytest.raises(ValueError, match="unknown engine argument\\(s\\) 'blocksize'"):
+        LLM(model=tiny_model, blocksize=16)
+    with pytest.raises(ValueError, match="watermark must be a fraction in \\[0, 1\\)"):
+        engine(tiny_model, watermark=1.5)
 
 
 def test_cli_checks_its_arguments_before_loading_the_model(monkeypatch, capsys):

@@ -74,17 +74,17 @@ def test_runner_reuses_its_input_buffers(tiny_model):
 
 
 def test_dtype_auto_follows_vllm(tiny_model, monkeypatch):
-    from minipaged import engine
+    from minipaged.config import resolve_dtype
 
     assert LLM(model=tiny_model, num_gpu_blocks_override=16).dtype == torch.float32      # CPU: float32
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert engine.resolve_dtype("auto", "float32", cuda) == torch.bfloat16   # fp32 checkpoint (our SmolLM2 cache)
-    assert engine.resolve_dtype("auto", "bfloat16", cuda) == torch.bfloat16
-    assert engine.resolve_dtype("auto", "float16", cuda) == torch.float16
-    assert engine.resolve_dtype("auto", None, cuda) == torch.bfloat16
-    assert engine.resolve_dtype("float32", "bfloat16", cuda) == torch.float32   # asked for explicitly
+    assert resolve_dtype("auto", "float32", cuda) == torch.bfloat16   # fp32 checkpoint (our SmolLM2 cache)
+    assert resolve_dtype("auto", "bfloat16", cuda) == torch.bfloat16
+    assert resolve_dtype("auto", "float16", cuda) == torch.float16
+    assert resolve_dtype("auto", None, cuda) == torch.bfloat16
+    assert resolve_dtype("float32", "bfloat16", cuda) == torch.float32   # asked for explicitly
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # e.g. a T4 / V100
-    assert engine.resolve_dtype("auto", "bfloat16", cuda) == torch.float16
+    assert resolve_dtype("auto", "bfloat16", cuda) == torch.float16
     with pytest.raises(ValueError, match="dtype must be one of"):
-        engine.resolve_dtype("int8", None, cuda)
+        resolve_dtype("int8", None, cuda)
