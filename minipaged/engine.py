@@ -119,12 +119,11 @@ class LLM:
         self.cache = CacheEngine(hf.num_hidden_layers, self.num_blocks, block_size, hf.num_key_value_heads,
                                  self.model.head_dim, self.dtype, self.device, num_cpu_blocks=num_cpu_blocks)
         self.kv_cache_manager = KVCacheManager(block_size, self.num_blocks, enable_caching=cfg.enable_prefix_caching,
-                                               watermark=cfg.watermark)
+                                               watermark=cfg.watermark, num_cpu_blocks=num_cpu_blocks)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                                    max_model_len=self.max_model_len,
-                                                   preemption_mode=cfg.preemption_mode,
-                                                   num_cpu_blocks=num_cpu_blocks), self.kv_cache_manager)
+                                                   preemption_mode=cfg.preemption_mode), self.kv_cache_manager)
         self.runner = ModelRunner(self.model, self.cache, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_num_seqs=cfg.max_num_seqs,
                                   max_blocks_per_seq=cdiv(self.max_model_len, block_size))

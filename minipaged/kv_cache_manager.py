@@ -56,7 +56,7 @@ class KVCacheManager:
     """
 
     def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True, watermark: float = 0.01,
-                 watermark_blocks: int | None = None, reserved_blocks: int = 0) -> None:
+                 watermark_blocks: int | None = None, reserved_blocks: int = 0, num_cpu_blocks: int = 0) -> None:
         check_int("block_size", block_size, 1)
         check_int("num_blocks (block 0 is the null block)", num_blocks, 2)
         if not 0.0 <= watermark < 1.0:
@@ -84,6 +84,10 @@ class KVCacheManager:
         # Copy-on-write copies (source block, destination block) for the cache engine to perform.
         self.pending_copies: list[tuple[int, int]] = []
         self.uncommitted_blocks: list[KVCacheBlock] = []  # hashed while scheduling the step not yet run
+        # Swap space (chapter 07): a second pool, on the CPU, whose block 0 is unused as on the device.
+        self.num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, 0)
+        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False) if num_cpu_blocks >= 2 else None
+        self.swapped_blocks: dict[str, list[int]] = {}   # request id -> its CPU blocks, in logical order
 
     # ---- prefix cache lookup -----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -228,6 +232,48 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks))   # checks first: raises with nothing changed
         self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
+
+    # ---- swap space ----------------------------------------------------------------------
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move a preempted request's computed blocks to CPU blocks: the (device, CPU) copies to make,
+        or None when the swap space cannot take them (then the caller recomputes instead).
+
+        Only blocks that hold computed K/V move; the device blocks are freed at once (their copy is
+        made before anything else runs in the step, see ``ModelRunner.execute``)::
+
+            device [b7 b2 b9]  (9 tokens computed, block_size 4)   ->   CPU [c3 c1 c4], device blocks freed
+        """
+        num = cdiv(request.num_computed_tokens, self.block_size)
+        if self.cpu_pool is None or num == 0 or self.cpu_pool.get_num_free_blocks() < num:
+            return None
+        cpu_blocks = [b.block_id for b in self.cpu_pool.get_new_blocks(num)]
+        device_blocks = self.get_block_ids(request.request_id)
+        self.free(request)
+        self.swapped_blocks[request.request_id] = cpu_blocks
+        return list(zip(device_blocks, cpu_blocks))
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Device blocks for a swapped request and this step's new tokens: the (CPU, device) copies to
+        make, or None when the pool cannot give them yet (the request keeps its CPU blocks)."""
+        computed = request.num_computed_tokens
+        request.num_computed_tokens = 0  # allocate as if new: every block, old and new, is fresh on the device
+        try:
+            blocks = self.allocate_slots(request, computed + num_new_tokens)
+        finally:
+            request.num_computed_tokens = computed
+        if blocks is None:
+            return None
+        cpu_blocks = self.swapped_blocks.pop(request.request_id)
+        self._free_cpu(cpu_blocks)
+        return list(zip(cpu_blocks, (b.block_id for b in blocks)))
+
+    def free_swapped(self, request_id: str) -> None:
+        """Give back a swapped request's CPU blocks (it was aborted before coming back)."""
+        self._free_cpu(self.swapped_blocks.pop(request_id, []))
+
+    def _free_cpu(self, cpu_blocks: list[int]) -> None:
+        if cpu_blocks and self.cpu_pool is not None:
+            self.cpu_pool.free_blocks(self.cpu_pool.blocks[b] for b in reversed(cpu_blocks))
 
     # ---- a step's hashes: kept once the step ran, dropped if it failed ----------------------
     def commit_step(self) -> None:

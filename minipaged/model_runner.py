@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_table import make_block_table_tensor
+from .block_table import make_block_table_tensor, slot_mapping
 from .cache_engine import CacheEngine
 from .model import AttentionMetadata, LlamaForCausalLM
 from .sampler import Sampler
@@ -94,7 +94,8 @@ class ModelRunner:
             sample_rows += [cu[-1] - 1] * s.num_samples
         buf = self.buffers
         meta = AttentionMetadata(
-            slot_mapping=buf.fill("slot_mapping", out.slot_mapping().long()),
+            slot_mapping=buf.fill("slot_mapping", slot_mapping([s.block_ids for s in out.scheduled], out.positions(),
+                                                               out.block_size)),
             block_tables=buf.fill("block_tables", make_block_table_tensor([s.block_ids for s in out.scheduled])),
             seq_lens=buf.fill("seq_lens", torch.tensor([s.start + s.num_new_tokens for s in out.scheduled],
                                                        dtype=torch.int32)),

@@ -34,11 +34,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
-from .block_pool import BlockPool
 from .config import PREEMPTION_MODES
-from .block_table import slot_mapping as build_slot_mapping
 from .kv_cache_manager import KVCacheManager
 from .utils import cdiv, check_int
 from .request import Request, RequestStatus
@@ -50,19 +46,13 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests in one step
     max_num_batched_tokens: int = 2048  # tokens in one step: the token budget
     max_model_len: int = 8192  # prompt + output, per request
-    preemption_mode: str = "recompute"
-    num_cpu_blocks: int = 0  # swap space, in blocks (block 0 included, unused, as on the device)
+    preemption_mode: str = "recompute"  # "swap" needs swap space: KVCacheManager(num_cpu_blocks=...)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             check_int(name, getattr(self, name), 1)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {self.num_cpu_blocks!r}")
-        if self.preemption_mode == "swap" and self.num_cpu_blocks < 2:
-            raise ValueError("preemption_mode='swap' needs swap space: set num_cpu_blocks >= 2 "
-                             "(block 0 is the null block, as on the device)")
 
 
 @dataclass
@@ -86,6 +76,9 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """What one step will do, as plain data (no tensors): the model runner turns it into tensors, its
+    slot mapping included (``block_table.slot_mapping``), as vLLM's runner-side ``BlockTable`` does."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, device block)
@@ -100,17 +93,16 @@ class SchedulerOutput:
     def positions(self) -> list[list[int]]:
         return [list(range(s.start, s.start + s.num_new_tokens)) for s in self.scheduled]
 
-    def slot_mapping(self) -> torch.Tensor:
-        """One slot per scheduled token, in order: block_table[pos // block_size]·block_size + pos % block_size."""
-        return build_slot_mapping([s.block_ids for s in self.scheduled], self.positions(), self.block_size)
-
 
 class Scheduler:
-    """Continuous batching over one ``KVCacheManager``; swap space is a second ``BlockPool`` on the CPU."""
+    """Continuous batching over one ``KVCacheManager`` (which also holds the CPU swap space)."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        if config.preemption_mode == "swap" and kv_cache_manager.cpu_pool is None:
+            raise ValueError("preemption_mode='swap' needs swap space: give the KVCacheManager num_cpu_blocks >= 2 "
+                             "(block 0 is unused, as on the device)")
         self.block_size = kv_cache_manager.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -118,8 +110,6 @@ class Scheduler:
         # again); whoever added it keeps the Request object, which holds its tokens and finish reason.
         self.requests: dict[str, Request] = {}
         # Swap space: CPU blocks of each swapped-out request, in logical order.
-        self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_caching=False) if config.num_cpu_blocks >= 2 else None
-        self.swapped_blocks: dict[str, list[int]] = {}
         self.num_preemptions = 0
 
     # ---- intake ----------------------------------------------------------------------------
@@ -230,34 +220,22 @@ class Scheduler:
         self.num_preemptions += 1
         req.num_preemptions += 1
         out.preempted.append(req.request_id)
-        device_blocks = self.kv.get_block_ids(req.request_id)
-        cpu_blocks = None
-        if self.config.preemption_mode == "swap" and req.num_computed_tokens > 0:
-            num = cdiv(req.num_computed_tokens, self.block_size)  # only blocks that hold computed K/V
-            if self.cpu_pool is not None and self.cpu_pool.get_num_free_blocks() >= num:
-                cpu_blocks = [b.block_id for b in self.cpu_pool.get_new_blocks(num)]
-        self.kv.free(req)
-        if cpu_blocks is not None:
-            out.swap_out.extend(zip(device_blocks, cpu_blocks))
-            self.swapped_blocks[req.request_id] = cpu_blocks
+        copies = self.kv.swap_out(req) if self.config.preemption_mode == "swap" else None
+        if copies is not None:
+            out.swap_out.extend(copies)
             req.status = RequestStatus.SWAPPED
         else:  # recompute: forget the KV, keep the tokens; the prompt + outputs so far are re-prefilled
+            self.kv.free(req)
             req.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
     def _swap_in(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate device blocks for a swapped request and schedule the CPU → device copies."""
-        computed = req.num_computed_tokens
-        req.num_computed_tokens = 0  # allocate as if new: every block, old and new, is fresh on the device
-        blocks = self.kv.allocate_slots(req, computed + num_new)
-        req.num_computed_tokens = computed
-        if blocks is None:
+        copies = self.kv.swap_in(req, num_new)
+        if copies is None:
             return False
-        cpu_blocks = self.swapped_blocks.pop(req.request_id)
-        out.swap_in.extend(zip(cpu_blocks, (b.block_id for b in blocks)))
-        assert self.cpu_pool is not None
-        self.cpu_pool.free_blocks(self.cpu_pool.blocks[b] for b in reversed(cpu_blocks))
+        out.swap_in.extend(copies)
         return True
 
     # ---- after the model ran -----------------------------------------------------------------
@@ -335,9 +313,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
-        cpu_blocks = self.swapped_blocks.pop(request_id, None)
-        if cpu_blocks and self.cpu_pool is not None:
-            self.cpu_pool.free_blocks(self.cpu_pool.blocks[b] for b in reversed(cpu_blocks))
+        self.kv.free_swapped(request_id)
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         del self.requests[request_id]
         return req

@@ -215,12 +215,11 @@ class SimConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=self.max_model_len, preemption_mode=self.preemption_mode,
-                               num_cpu_blocks=self.num_cpu_blocks)
+                               max_model_len=self.max_model_len, preemption_mode=self.preemption_mode)
 
     def make_scheduler(self) -> Scheduler:
         kv = KVCacheManager(self.block_size, self.num_blocks, enable_caching=self.enable_caching,
-                            watermark=self.watermark)
+                            watermark=self.watermark, num_cpu_blocks=self.num_cpu_blocks)
         return Scheduler(self.scheduler_config(), kv)
 
     def static_batch_cap(self) -> int:
@@ -376,7 +375,7 @@ def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config:
             now = max(now, requests[order[nxt]].arrival)
             continue
         before = {r.request_id for r in sched.running}
-        swapped_before = set(sched.swapped_blocks)
+        swapped_before = set(kv.swapped_blocks)
         out = sched.schedule()
         if not out.scheduled:
             raise RuntimeError(f"the scheduler made no progress at t={now:.3f}s "

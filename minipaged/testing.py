@@ -20,6 +20,7 @@ import random
 
 import torch
 
+from .block_table import slot_mapping
 from .cache_engine import CacheEngine
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
@@ -56,9 +57,9 @@ def check_invariants(sched: Scheduler) -> None:
     live = {r.request_id for r in sched.running}
     assert set(kv.req_to_blocks) <= live | {r.request_id for r in sched.waiting
                                             if r.status is RequestStatus.SWAPPED}
-    if sched.cpu_pool is not None:
-        in_cpu = sum(len(v) for v in sched.swapped_blocks.values())
-        assert in_cpu + sched.cpu_pool.get_num_free_blocks() == sched.config.num_cpu_blocks - 1
+    if kv.cpu_pool is not None:
+        in_cpu = sum(len(v) for v in kv.swapped_blocks.values())
+        assert in_cpu + kv.cpu_pool.get_num_free_blocks() == kv.num_cpu_blocks - 1
 
 
 def check_step_limits(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -74,10 +75,10 @@ class Driver:
 
     def __init__(self, block_size=4, num_blocks=32, caching=True, watermark_blocks=1, mode="recompute",
                  num_cpu_blocks=0, budget=64, max_num_seqs=8, max_model_len=256, seed=0):
-        self.kv = KVCacheManager(block_size, num_blocks, enable_caching=caching, watermark_blocks=watermark_blocks)
+        self.kv = KVCacheManager(block_size, num_blocks, enable_caching=caching, watermark_blocks=watermark_blocks,
+                                 num_cpu_blocks=num_cpu_blocks)
         self.sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                               max_model_len=max_model_len, preemption_mode=mode,
-                                               num_cpu_blocks=num_cpu_blocks), self.kv)
+                                               max_model_len=max_model_len, preemption_mode=mode), self.kv)
         self.cache = CacheEngine(1, num_blocks, block_size, 1, 1, num_cpu_blocks=num_cpu_blocks)
         self.rng = random.Random(seed)
         self.block_size = block_size
@@ -107,7 +108,7 @@ class Driver:
         self.cache.copy(out.copy_blocks)
         kcache = self.cache.gpu_cache[0][0].view(-1)
         bs = self.block_size
-        slots = out.slot_mapping()
+        slots = slot_mapping([s.block_ids for s in out.scheduled], out.positions(), bs)
         assert slots.numel() == out.total_num_scheduled_tokens and bool((slots >= 0).all())
         assert len(set(slots.tolist())) == slots.numel()  # no two tokens written to one slot
         values = [prefix_value(s.request.all_token_ids[: p + 1]) for s in out.scheduled

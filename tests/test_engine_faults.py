@@ -56,12 +56,12 @@ def expected(tiny_model):
 
 def assert_clean(llm: LLM) -> None:
     """No request anywhere, every block back in the pool (CPU swap space too), nothing kept per request."""
-    s = llm.scheduler
-    assert not s.requests and not s.waiting and not s.running and not s.swapped_blocks
-    assert not llm.kv_cache_manager.req_to_blocks and not llm._requests and not llm.sampler._generators
-    assert llm.kv_cache_manager.get_num_free_blocks() == llm.num_blocks - 1
-    if s.cpu_pool is not None:
-        assert s.cpu_pool.get_num_free_blocks() == s.config.num_cpu_blocks - 1
+    s, kv = llm.scheduler, llm.kv_cache_manager
+    assert not s.requests and not s.waiting and not s.running and not kv.swapped_blocks
+    assert not kv.req_to_blocks and not llm._requests and not llm.sampler._generators
+    assert kv.get_num_free_blocks() == llm.num_blocks - 1
+    if kv.cpu_pool is not None:
+        assert kv.cpu_pool.get_num_free_blocks() == kv.num_cpu_blocks - 1
 
 
 class Fault(Exception):

@@ -17,7 +17,8 @@ import pytest
 
 from minipaged.request import Request
 from minipaged.sampling_params import SamplingParams
-from minipaged.scheduler import SchedulerConfig
+from minipaged.kv_cache_manager import KVCacheManager
+from minipaged.scheduler import Scheduler, SchedulerConfig
 from minipaged.testing import EOS, Driver, fuzz, random_config
 
 
@@ -98,7 +99,7 @@ def test_swap_moves_blocks_and_falls_back_to_recompute():
         tiny.add(f"r{i}", list(range(1, 9)), max_tokens=12, ignore_eos=True)
     tiny.run()
     # one usable CPU block: no request fits in swap space, so every preemption recomputes
-    assert tiny.sched.num_preemptions > 0 and not tiny.sched.swapped_blocks
+    assert tiny.sched.num_preemptions > 0 and not tiny.kv.swapped_blocks
 
 
 def test_prefix_cache_hit_skips_the_shared_prompt():
@@ -162,7 +163,7 @@ def test_rejected_requests_leave_the_others_alone():
 
 def test_bad_config():
     with pytest.raises(ValueError, match="swap space"):
-        SchedulerConfig(preemption_mode="swap")
+        Scheduler(SchedulerConfig(preemption_mode="swap"), KVCacheManager(4, 8))
     with pytest.raises(ValueError, match="preemption_mode"):
         SchedulerConfig(preemption_mode="drop")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
