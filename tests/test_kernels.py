@@ -27,6 +27,7 @@ import triton
 
 import minipaged.kernels as K
 from minipaged.kernels import reference as R
+from minipaged.kernels import torch_backend as TB
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON = K.get_attention_backend("triton")
@@ -130,8 +131,9 @@ def test_reference_decode_matches_naive_attention(case):
 
 
 @pytest.mark.parametrize("with_prefill", [False, True], ids=["decode-only", "mixed"])
-def test_reference_groups_many_decodes_by_length(with_prefill):
-    """Enough one-token sequences that the plan cuts them into length groups; results stay per-sequence exact."""
+def test_torch_backend_groups_many_decodes_by_length(with_prefill):
+    """The engine's CPU path: enough one-token sequences that the plan cuts them into length groups; results
+    stay per-sequence exact, and equal to the one-sequence-at-a-time reference."""
     case = Case(torch.float32, 4, 3, 1, 8)
     g = torch.Generator().manual_seed(5)
     seq_lens = torch.randint(1, 60, (70,), generator=g).tolist()
@@ -141,12 +143,13 @@ def test_reference_groups_many_decodes_by_length(with_prefill):
         seq_lens[40], q_lens[40] = 8, 8
     kc, vc, tables, lens = paged_cache(case, seq_lens, seed=6)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    plan = R.plan_attention(tables, cu, lens, case.block_size)
-    assert len(plan.decode) == R.MAX_DECODE_GROUPS and len(plan.prefills) == (2 if with_prefill else 0)
+    plan = TB.plan_attention(tables, cu, lens, case.block_size)
+    assert len(plan.decode) == TB.MAX_DECODE_GROUPS and len(plan.prefills) == (2 if with_prefill else 0)
     q = torch.randn(int(cu[-1]), case.num_q_heads, case.head_dim, generator=g)
-    out = R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.4)
+    out = TB.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.4)
+    close(out, R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.4), case.dtype)
     if not with_prefill:
-        close(R.paged_decode_attention(q, kc, vc, tables, lens, 0.4), out, case.dtype)
+        close(TB.paged_decode_attention(q, kc, vc, tables, lens, 0.4), out, case.dtype)
     for i, (n, m) in enumerate(zip(seq_lens, q_lens)):
         rows = slice(int(cu[i]), int(cu[i + 1]))
         close(out[rows], naive_attention(q[rows], kc, vc, tables[i], n, list(range(n - m, n)), 0.4), case.dtype)
@@ -217,6 +220,20 @@ def test_reference_empty_decode_batch():
 
 def decode_lengths(bs: int) -> list[int]:
     return [1, 7, bs, bs + 1, 100, 257]                      # one token, partial, exact, one over, a few hundred
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=str)
+def test_torch_backend_matches_reference(case):
+    """The engine's CPU path computes what the reference says, decode and prefill alike."""
+    seq_lens, q_lens = prefill_lengths(case.block_size)
+    kc, vc, tables, lens = paged_cache(case, seq_lens, seed=10)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(int(cu[-1]), case.num_q_heads, case.head_dim).to(case.dtype).to(DEVICE)
+    close(TB.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.3),
+          R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.3), case.dtype)
+    qd = q[: len(seq_lens)].contiguous()
+    close(TB.paged_decode_attention(qd, kc, vc, tables, lens, 0.3),
+          R.paged_decode_attention(qd, kc, vc, tables, lens, 0.3), case.dtype)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -422,7 +439,7 @@ def test_num_splits_is_checked(num_splits):
 
 def test_backend_dispatch():
     assert K.triton_available()
-    assert K.get_attention_backend("torch").paged_decode_attention is R.paged_decode_attention
+    assert K.get_attention_backend("torch").paged_decode_attention is TB.paged_decode_attention
     assert K.get_attention_backend("triton").paged_prefill_attention is K.paged_prefill_attention
     assert K.get_attention_backend("auto").name == ("triton" if DEVICE.type == "cuda" else "torch")
     assert K.triton_interpreting() == (DEVICE.type == "cpu")

@@ -1,14 +1,15 @@
 """Paged-attention kernels (chapter 05): PyTorch references and their Triton twins.
 
-Three operations, each in two implementations with the same signature::
+Three operations, each in three implementations with the same signature::
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)                        # in place
     paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)        -> out
     paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale) -> out
 
-``reference`` defines what they compute in plain PyTorch; the modules ``reshape_and_cache``,
-``paged_decode`` and ``paged_prefill`` hold the Triton kernels, whose wrappers this package
-exports under the operations' names (so ``minipaged.kernels.reshape_and_cache`` is the
+``reference`` defines what they compute in plain PyTorch, one sequence at a time;
+``torch_backend`` computes the same, batched and planned once per step (the engine's CPU
+path); the modules ``reshape_and_cache``, ``paged_decode`` and ``paged_prefill`` hold the
+Triton kernels, whose wrappers this package exports under the operations' names (so ``minipaged.kernels.reshape_and_cache`` is the
 function; ``importlib.import_module`` reaches the module). Pick a family with
 :func:`get_attention_backend`.
 
@@ -33,7 +34,7 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from . import reference  # noqa: E402
+from . import reference, torch_backend  # noqa: E402
 from .paged_decode import paged_decode_attention  # noqa: E402
 from .paged_prefill import paged_prefill_attention  # noqa: E402
 from .reshape_and_cache import reshape_and_cache  # noqa: E402
@@ -57,7 +58,8 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """``"torch"`` (the references), ``"triton"`` (the kernels) or ``"auto"``: Triton on a CUDA GPU, else torch.
+    """``"torch"`` (``torch_backend``, the tuned PyTorch path), ``"triton"`` (the kernels) or ``"auto"``:
+    Triton on a CUDA GPU, else torch.
 
     The interpreter makes Triton correct but slow on a CPU (every program runs one
     after another in numpy), so ``"auto"`` only picks it where it is compiled.
@@ -71,11 +73,11 @@ def get_attention_backend(name: str = "auto") -> AttentionBackend:
             raise ValueError("the Triton backend needs a CUDA GPU, or the interpreter: TRITON_INTERPRET=1 set "
                              "before triton is first imported (importing minipaged.kernels first does it)")
         return AttentionBackend("triton", reshape_and_cache, paged_decode_attention, paged_prefill_attention)
-    return AttentionBackend("torch", reference.reshape_and_cache, reference.paged_decode_attention,
-                            reference.paged_prefill_attention)
+    return AttentionBackend("torch", torch_backend.reshape_and_cache, torch_backend.paged_decode_attention,
+                            torch_backend.paged_prefill_attention)
 
 
 __all__ = [
     "AttentionBackend", "BACKENDS", "get_attention_backend", "paged_decode_attention", "paged_prefill_attention",
-    "reference", "reshape_and_cache", "triton_available", "triton_interpreting",
+    "reference", "reshape_and_cache", "torch_backend", "triton_available", "triton_interpreting",
 ]

@@ -13,43 +13,57 @@ A step made only of decodes (every sequence brings one token) goes to the
 decode kernel; anything else to the prefill kernel, which handles a decode as a
 prefill of length one.
 
-Both backends check the metadata on the first layer of a step and plan once; the
-other layers reuse the plan: thirty layers read the same block tables, so validating
-and planning thirty times would be wasted work. The ``torch`` backend's plan is an
-``AttentionPlan`` (gather indices and masks, see ``kernels.reference``); the
-``triton`` backend's is a ``TritonPlan``: the decode split count (which asks the GPU
-for its SM count) and the longest query run, which the kernels then take as given
-(``checked=True``, no host read-back of ``cu_seqlens_q`` per layer).
+**Built once per step, per backend** (vLLM's attention-metadata builders). Thirty
+layers read the same block tables, so checking and planning them thirty times would
+be wasted work. ``PagedAttention.build_metadata`` runs once per forward pass (the
+model calls it before its first layer): it checks the step's index tensors against
+the cache and returns the backend's own metadata, which every layer then uses as is:
+
+    TorchAttentionMetadata    the rows to write and their slots, and an ``AttentionPlan``
+                              (gather indices and masks, ``kernels.torch_backend``)
+    TritonAttentionMetadata   the decode split count (it asks the GPU for its SM count);
+                              the kernels are then called with ``checked=True`` and read
+                              ``max_query_len`` from here, not back from the device
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 
 @dataclass
 class AttentionMetadata:
+    """What every backend needs of a step (the model runner fills it)."""
     slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = padding, write nothing
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
     seq_lens: torch.Tensor  # int32 [num_seqs]: every token of the sequence after this step
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]: where each sequence's new tokens start
     max_query_len: int
-    _plan: object = field(default=None, repr=False)  # the backend's plan of this step, built by the first layer
 
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 
+    def common(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(AttentionMetadata)}
 
-@dataclass(frozen=True)
-class TritonPlan:
-    num_splits: int | None   # decode-only steps: KV segments per sequence
-    max_query_len: int
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    write_rows: torch.Tensor | None = None   # the new K/V rows to write (None: all of them)
+    write_slots: torch.Tensor | None = None  # int64, their slots
+    plan: Any = None                          # kernels.torch_backend.AttentionPlan
+
+
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    num_splits: int | None = None   # decode-only steps: KV segments per sequence
 
 
 class PagedAttention:
-    """Picks the kernels of one backend: ``torch`` (reference, the CPU default) or ``triton``."""
+    """Picks the kernels of one backend: ``torch`` (``kernels.torch_backend``, the CPU default) or ``triton``."""
 
     def __init__(self, backend: str = "torch") -> None:
         from .. import kernels
@@ -57,53 +71,57 @@ class PagedAttention:
         self.ops = kernels.get_attention_backend(backend)
         self.backend = self.ops.name
 
+    def build_metadata(self, meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       num_q_heads: int, dtype: torch.dtype) -> AttentionMetadata:
+        """Check a step's metadata once against the cache, and plan it for this backend."""
+        from ..kernels import paged_decode, torch_backend, validation
+
+        if isinstance(meta, (TorchAttentionMetadata, TritonAttentionMetadata)):
+            return meta
+        num_tokens, num_kv_heads, head_dim = meta.slot_mapping.shape[0], key_cache.shape[2], key_cache.shape[3]
+        # Stand-ins with the shapes, dtype and device of this step's q and k/v: one element, expanded.
+        dev = key_cache.device
+        q = torch.empty((1, num_q_heads, head_dim), dtype=dtype, device=dev).expand(num_tokens, -1, -1)
+        kv = torch.empty((1, num_kv_heads, head_dim), dtype=dtype, device=dev).expand(num_tokens, -1, -1)
+        on_cpu = dev.type == "cpu"   # value checks read the tensors: free on a CPU, a sync on a GPU
+        validation.check_reshape_and_cache(kv, kv, key_cache, value_cache, meta.slot_mapping, check_values=on_cpu)
+        validation.check_paged_prefill(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
+                                       meta.seq_lens, 1.0, check_values=on_cpu)
+        if self.backend == "torch":
+            keep = meta.slot_mapping >= 0
+            rows = None if bool(keep.all()) else keep
+            slots = meta.slot_mapping.long() if rows is None else meta.slot_mapping[rows].long()
+            plan = torch_backend.plan_attention(meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+                                                key_cache.shape[1])
+            return TorchAttentionMetadata(**meta.common(), write_rows=rows, write_slots=slots, plan=plan)
+        validation.check_triton_runtime(dtype, key_cache.device)
+        validation.check_last_dim_contiguous(key_cache=key_cache, value_cache=value_cache)
+        num_splits = None
+        if meta.is_decode_only and meta.seq_lens.shape[0]:
+            capacity = meta.block_tables.shape[1] * key_cache.shape[1]
+            num_splits = paged_decode.default_num_splits(meta.seq_lens.shape[0], num_kv_heads, capacity,
+                                                          key_cache.device)
+        return TritonAttentionMetadata(**meta.common(), num_splits=num_splits)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.backend == "torch":
-            return self._torch(q, k, v, key_cache, value_cache, meta, scale)
-        if meta._plan is None:
-            meta._plan = self._plan_triton(q, k, v, key_cache, value_cache, meta, scale)
-        plan: TritonPlan = meta._plan
+        if not isinstance(meta, (TorchAttentionMetadata, TritonAttentionMetadata)):
+            # Called on its own (chapter 09 runs one layer by hand): plan for this call. Inside the model the
+            # metadata arrives built, once per step, from LlamaModel.forward.
+            meta = self.build_metadata(meta, key_cache, value_cache, q.shape[1], q.dtype)
+        if isinstance(meta, TorchAttentionMetadata):
+            from ..kernels import torch_backend
+
+            if meta.write_rows is None:
+                torch_backend.write_slots(k, v, key_cache, value_cache, meta.write_slots)
+            else:
+                torch_backend.write_slots(k[meta.write_rows], v[meta.write_rows], key_cache, value_cache,
+                                          meta.write_slots)
+            return torch_backend.attend(meta.plan, q, key_cache, value_cache, scale)
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, checked=True)
         if meta.is_decode_only:
             return self.ops.paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                                   scale, num_splits=plan.num_splits, checked=True)
+                                                   scale, num_splits=meta.num_splits, checked=True)
         return self.ops.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
-                                                meta.seq_lens, scale, max_query_len=plan.max_query_len, checked=True)
-
-    @staticmethod
-    def _plan_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                     value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> TritonPlan:
-        """First layer of a step: every check the kernels would make, once; then what they need to launch."""
-        from ..kernels import paged_decode, validation
-
-        on_cpu = q.device.type == "cpu"   # value checks read the tensors: free on a CPU, a sync on a GPU
-        validation.check_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, check_values=on_cpu)
-        validation.check_paged_prefill(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
-                                       meta.seq_lens, scale, check_values=on_cpu)
-        validation.check_triton_runtime(q.dtype, q.device)
-        validation.check_last_dim_contiguous(query=q, key=k, value=v, key_cache=key_cache, value_cache=value_cache)
-        num_splits = None
-        if meta.is_decode_only and q.shape[0]:
-            capacity = meta.block_tables.shape[1] * key_cache.shape[1]
-            num_splits = paged_decode.default_num_splits(q.shape[0], key_cache.shape[2], capacity, q.device)
-        return TritonPlan(num_splits, meta.max_query_len)
-
-    def _torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        from ..kernels import reference, validation
-
-        if meta._plan is None:  # first layer of the step: check everything once, then plan
-            validation.check_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-            validation.check_paged_prefill(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
-                                           meta.seq_lens, scale)
-            keep = meta.slot_mapping >= 0
-            write = None if bool(keep.all()) else keep
-            plan = reference.plan_attention(meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, key_cache.shape[1])
-            meta._plan = (write, meta.slot_mapping.long() if write is None else meta.slot_mapping[write].long(), plan)
-        write, slots, plan = meta._plan
-        if write is None:
-            reference.write_slots(k, v, key_cache, value_cache, slots)
-        else:
-            reference.write_slots(k[write], v[write], key_cache, value_cache, slots)
-        return reference.attend(plan, q, key_cache, value_cache, scale)
+                                                meta.seq_lens, scale, max_query_len=meta.max_query_len,
+                                                checked=True)

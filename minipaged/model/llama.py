@@ -165,6 +165,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, attention: PagedAttention) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.attention = attention
+        self.num_heads = config.num_attention_heads
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -172,8 +174,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """Embed, run every decoder layer on its own layer of the paged cache, normalise: hidden states."""
+        """Embed, run every decoder layer on its own layer of the paged cache, normalise: hidden states.
+
+        The step's attention metadata is checked and planned once, here, for every layer."""
         x = self.embed_tokens(input_ids)
+        meta = self.attention.build_metadata(meta, kv_caches[0][0], kv_caches[0][1], self.num_heads, x.dtype)
         cos, sin = self.rotary_emb(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)

@@ -1,0 +1,165 @@
+"""The engine's CPU attention: the reference's computation, batched and planned once per step.
+
+``reference.py`` says what paged attention computes, one sequence at a time. On a CPU
+the engine needs the same numbers faster, so this module batches the work: one-token
+sequences of similar length are attended together, their K/V gathered with
+``index_select`` (whole rows, memcpy speed), and the gather indices and masks are built
+once per step (``plan_attention``) and reused by every layer. ``tests/test_kernels.py``
+checks it against the reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .reference import reshape_and_cache, write_slots
+from .validation import check_paged_decode, check_paged_prefill
+
+
+def context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot of every context token of every sequence, padded to the longest: ``[num_seqs, max_len]``.
+
+    Position ``p`` of sequence ``i`` is in slot ``block_tables[i, p // block_size] * block_size
+    + p % block_size``. Padding positions (``p >= seq_lens[i]``) point at the sequence's own
+    position 0, a real value, and come back marked invalid: garbage in slots that belong to
+    nobody (even NaN) is never read, so masking the scores is enough::
+
+        block_size 4, seq_lens [6, 3], tables [[7, 2], [5, .]]
+        slots  [[28 29 30 31  8  9],      valid [[1 1 1 1 1 1],
+                [20 21 22 20 20 20]]             [1 1 1 0 0 0]]
+    """
+    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    pos = torch.arange(max_len, device=block_tables.device)
+    valid = pos[None, :] < seq_lens[:, None].to(pos.device)
+    pos = torch.where(valid, pos[None, :], 0)
+    blocks = torch.gather(block_tables.long(), 1, pos // block_size)
+    return blocks * block_size + pos % block_size, valid
+
+
+@dataclass
+class DecodeGroup:
+    """One-token sequences of similar length, attended together (padded to the group's longest)."""
+    rows: torch.Tensor | None  # their query rows; None = every row of the step, in order
+    slots: torch.Tensor        # [n, max_len] context slots (see context_slots)
+    valid: torch.Tensor        # [n, max_len] which of them are real
+
+
+@dataclass
+class AttentionPlan:
+    """What one step's attention needs apart from the layer's own tensors, computed once per step.
+
+    Every layer of the model reads the same sequences through the same block tables, so
+    the gather indices and masks are built here once and reused by all of them::
+
+        decode    one-token sequences, in groups of similar length: slots and valid [n, max_len]
+        prefills  one entry per multi-token sequence: its rows, its context slots, a causal mask
+
+    Padding every decode to the longest context of the step would gather (and attend over)
+    mostly padding when lengths are mixed, so sequences are sorted by length and cut into
+    up to sixteen groups of at least four, each padded only to its own longest. Small groups
+    also keep each gathered K/V in the CPU's cache while attention reads it back (measured on
+    SmolLM2, 128 decodes of mixed length: 4 groups 310 ms a step, 16 groups 220 ms).
+    """
+    num_rows: int
+    decode: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+MAX_DECODE_GROUPS = 16
+MIN_DECODE_GROUP = 4
+
+
+def plan_attention(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                   block_size: int) -> AttentionPlan:
+    """Sort a step's sequences into decode groups and per-sequence prefills, and build their indices."""
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    single = sorted((i for i, q in enumerate(q_lens) if q == 1), key=lambda i: lens[i])
+    device = block_tables.device
+    plan = AttentionPlan(cu[-1] if cu else 0)
+    num_groups = max(1, min(MAX_DECODE_GROUPS, len(single) // MIN_DECODE_GROUP))
+    if single and len(single) == len(q_lens) and (num_groups == 1 or lens[single[0]] == lens[single[-1]]):
+        plan.decode.append(DecodeGroup(None, *context_slots(block_tables, seq_lens, block_size)))
+    elif single:
+        for g in range(num_groups):
+            members = single[g * len(single) // num_groups:(g + 1) * len(single) // num_groups]
+            idx = torch.tensor(members, dtype=torch.long, device=device)
+            rows = torch.tensor([cu[i] for i in members], dtype=torch.long, device=device)
+            plan.decode.append(DecodeGroup(rows, *context_slots(block_tables[idx], seq_lens[idx], block_size)))
+    for i, n in enumerate(lens):
+        if q_lens[i] < 2:
+            continue
+        seq_slots, _ = context_slots(block_tables[i:i + 1], seq_lens[i:i + 1], block_size)
+        q_pos = torch.arange(n - q_lens[i], n, device=device)
+        causal = torch.arange(n, device=device)[None, :] <= q_pos[:, None]       # [q_len, n]
+        plan.prefills.append((cu[i], cu[i + 1], seq_slots[0], causal))
+    return plan
+
+
+def attend(plan: AttentionPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Attention of every query row over its sequence's paged context, following ``plan``.
+
+    The one-token sequences go together: the G query heads sharing a KV head are viewed
+    as G query rows of that head (``[n, kv_heads, G, d]``), so K and V are gathered once
+    per KV head, not once per query head::
+
+        K gathered  [n, kv_heads, max_len, d]     (a view of the [n, max_len, kv_heads, d] gather)
+        scores      [n, kv_heads, G, max_len]     padding masked out
+
+    Scores and softmax are float32 whatever the cache dtype; the result has the query's dtype.
+    """
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    # A cache with no slot view is copied flat: attention only reads it.
+    flat_k = key_cache.reshape(-1, num_kv_heads, head_dim)
+    flat_v = value_cache.reshape(-1, num_kv_heads, head_dim)
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty_like(query)
+    for dec in plan.decode:
+        n = dec.slots.shape[0]
+        q = query if dec.rows is None else query[dec.rows]
+        q = q.float().view(n, num_kv_heads, group, head_dim)
+        # index_select copies whole rows (memcpy), several times faster on a CPU than flat_k[dec.slots]
+        idx = dec.slots.view(-1)
+        k = flat_k.index_select(0, idx).view(n, -1, num_kv_heads, head_dim).float().transpose(1, 2)
+        v = flat_v.index_select(0, idx).view(n, -1, num_kv_heads, head_dim).float().transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.valid[:, None, None, :], scale=scale)
+        o = o.reshape(n, -1, head_dim).to(query.dtype)
+        if dec.rows is None:
+            out = o
+        else:
+            out[dec.rows] = o
+    for start, end, slots, causal in plan.prefills:
+        q = query[start:end].float().transpose(0, 1)[None]                           # [1, q_heads, q_len, d]
+        k = flat_k.index_select(0, slots).float().transpose(0, 1)[None]             # [1, kv_heads, n, d]
+        v = flat_v.index_select(0, slots).float().transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1).to(query.dtype)
+    return out
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """``reference.paged_decode_attention``, planned and batched."""
+    check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return attend(plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1]), query, key_cache,
+                  value_cache, scale)
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """``reference.paged_prefill_attention``, planned and batched."""
+    check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    return attend(plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1]), query, key_cache,
+                  value_cache, scale)
+
+
+# The scatter-write is the reference's own (it is already one index_copy_).
+__all__ = ["AttentionPlan", "DecodeGroup", "attend", "context_slots", "paged_decode_attention",
+           "paged_prefill_attention", "plan_attention", "reshape_and_cache", "write_slots"]
