@@ -211,7 +211,11 @@ def cmd_kernels(args: argparse.Namespace) -> int:
                                      dtypes=args.dtypes, head_dims=args.head_dims, kernels=args.kernels,
                                      addressing=args.addressing, tile_n=args.tile_n)
     t0 = time.perf_counter()
-    rows = report.compile_report(configs, processes=args.jobs)
+    try:
+        rows = report.compile_report(configs, processes=args.jobs)
+    except RuntimeError as exc:   # no bundled ptxas, a crashed worker: say so, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(report.rows_to_json_lines(rows))
     else:
@@ -264,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="token: the first version's per-token table lookups, for comparison")
     kernels.add_argument("--tile-n", type=int, default=None,
                          help="keys per K/V tile instead of the kernels' table (e.g. 64: the first version's)")
-    kernels.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per core)")
+    kernels.add_argument("--jobs", type=_positive, default=None, help="compile processes (default: one per core)")
     kernels.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
     commands = {"prepare": cmd_prepare, "demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat,

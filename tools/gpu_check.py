@@ -48,9 +48,9 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     arch = f"sm_{props.major}{props.minor}"
     py = sys.executable
-    run("kernel tests, compiled", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"])
+    run("kernel tests, compiled", [py, "-m", "pytest", "-q", "tests/test_kernels.py"])
     run("engine equality tests, Triton backend",
-        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_engine_triton.py", "tests/test_engine.py"],
+        [py, "-m", "pytest", "-q", "tests/test_engine_triton.py", "tests/test_engine.py"],
         env={"MINIPAGED_TEST_BACKEND": "triton"})
     report_arch = arch if arch in ("sm_80", "sm_90") else "sm_90"
     print(f"\n=== compile report for {report_arch}", flush=True)
