@@ -112,7 +112,7 @@ def build_lookup(c: Lookup) -> tuple[KVCacheManager, Request]:
     for i in c.evict:  # drop one cached block from the cache map, as a reuse by someone else would
         block = pool.get_cached_block(query.block_hashes[i])
         if block is not None:
-            pool._maybe_evict_cached_block(block)
+            pool.evict_cached_block(block)
     return kv, query
 
 
