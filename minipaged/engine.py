@@ -301,8 +301,7 @@ class LLM:
         except BaseException:   # the step did not happen: no block hashed for it stays findable
             self.kv_cache_manager.rollback_step()
             raise
-        self.kv_cache_manager.commit_step()
-        return finished
+        return finished   # a step that ran is committed by the next schedule()
 
     def _step(self) -> list[str]:
         """nano-vllm's three calls: schedule, run (forward + sample), postprocess."""

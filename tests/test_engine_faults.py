@@ -24,19 +24,6 @@ PROMPTS = [[5, 17, 3, 9, 40, 2, 8, 61, 33, 12, 7, 1, 90, 4, 4, 22, 13, 50, 5, 17
            [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27], [3]]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
 def engine(tiny_model, **kw) -> LLM:
     """Small pool and budget, so that steps chunk prompts and preempt; prefix caching on."""
     args = dict(model=tiny_model, block_size=4, num_gpu_blocks_override=14, max_model_len=48,

@@ -40,10 +40,6 @@ class Launch:
         self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps,
                                num_stages=self.num_stages)
 
-    @property
-    def name(self) -> str:
-        return self.kernel.__name__
-
 
 def is_half(dtype: torch.dtype) -> bool:
     """fp16 and bf16 share a tile table: same bytes per element, same tensor-core path."""
