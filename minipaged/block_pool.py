@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
 
+from . import parts
 from .utils import check_int
 
 if TYPE_CHECKING:  # only for type hints: request.py imports this module
@@ -93,17 +94,29 @@ class RequestBlockHasher:
         self.block_size = check_int("block_size", block_size, 1)
 
     def __call__(self, request: Request) -> list[BlockHash]:
-        bs = self.block_size
-        start = len(request.block_hashes) * bs
-        tokens = request.all_token_ids
+        done = len(request.block_hashes)
+        learners = parts.plugged("chain_block_hashes")
+        if learners is not None:   # a learner's part hashes the whole request again, from its first block
+            return learners(request.all_token_ids, self.block_size, request.cache_salt)[done:]
         parent = request.block_hashes[-1] if request.block_hashes else None
-        new_hashes: list[BlockHash] = []
-        while start + bs <= len(tokens):  # only full blocks are hashed
-            extra = (("cache_salt", request.cache_salt),) if start == 0 and request.cache_salt else None
-            parent = hash_block_tokens(parent, tokens[start:start + bs], extra)
-            new_hashes.append(parent)
-            start += bs
-        return new_hashes
+        return chain_block_hashes(request.all_token_ids[done * self.block_size:], self.block_size,
+                                  request.cache_salt, parent)
+
+
+def chain_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                       parent_block_hash: BlockHash | None = None) -> list[BlockHash]:
+    """The chained hash of every full block of ``token_ids`` (a partial last block has none).
+
+    The chain continues from ``parent_block_hash`` (None: these are a request's first
+    tokens, and then the cache salt goes into the first block's extra keys).
+    """
+    hashes: list[BlockHash] = []
+    parent = parent_block_hash
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra = (("cache_salt", cache_salt),) if parent is None and cache_salt else None
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
+        hashes.append(parent)
+    return hashes
 
 
 def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
@@ -333,7 +346,11 @@ class BlockPool:
             if block.is_null:
                 continue  # the null block has no owner and no count
             if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
+                remove = parts.plugged("free_queue_remove")   # a learner's own remove (exercise 03)
+                if remove is not None:
+                    remove(self.free_block_queue, block)
+                else:
+                    self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from . import parts
 from .cache_engine import CacheEngine
 from .config import Config, model_config_dtype, resolve_dtype
 from .kv_cache_manager import KVCacheManager
@@ -132,6 +133,7 @@ class LLM:
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
         # One row per step, what the widgets and benchmarks plot: the latest STEP_STATS_KEPT steps only.
         self.step_stats: deque[dict[str, Any]] = deque(maxlen=STEP_STATS_KEPT)
+        self.num_steps = 0   # steps run so far (a plugged-in part's error names the step it failed in)
         # The requests added and not yet handed back (the scheduler forgets a request when it finishes).
         self._requests: dict[str, Request] = {}
         self._counter = 0
@@ -296,10 +298,14 @@ class LLM:
         the rest of the step goes on. Any other exception leaves the step undone: the scheduler
         applies a step's results only once they are all in (see ``update_from_output``).
         """
+        self.num_steps += 1
         try:
             finished = self._step()
-        except BaseException:   # the step did not happen: no block hashed for it stays findable
+        except BaseException as exc:   # the step did not happen: no block hashed for it stays findable
             self.kv_cache_manager.rollback_step()
+            if isinstance(exc, parts.PartError) and exc.step is None:
+                exc.step = self.num_steps
+                exc.add_note(f"(engine step {self.num_steps})")
             raise
         return finished   # a step that ran is committed by the next schedule()
 
@@ -321,7 +327,7 @@ class LLM:
         timers["schedule"] += t1 - t0
         timers["update"] += time.perf_counter() - t2
         self.step_stats.append(dict(
-            time=self._now(), running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            time=self._now(), running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped),
             blocks_used=self.num_blocks - 1 - self.kv_cache_manager.get_num_free_blocks(),
             tokens=out.total_num_scheduled_tokens, preempted=len(out.preempted)))
         return list(result.errors) + [r.request_id for r in finished]

@@ -29,10 +29,36 @@ The token layout ``allocate_slots`` reasons about (vLLM draws the same)::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from .block_pool import BlockPool, KVCacheBlock, get_request_block_hasher
+from . import parts
+from .block_pool import BlockHash, BlockPool, KVCacheBlock, get_request_block_hasher
 from .request import Request
 from .utils import cdiv, check_int  # noqa: F401  (chapters import cdiv from here)
+
+
+def find_prefix_hits(pool: BlockPool, block_hashes: Sequence[BlockHash], num_tokens: int, block_size: int
+                     ) -> list[int]:
+    """Ids of the cached blocks that hold a prompt's longest cached prefix (see ``get_computed_blocks``)."""
+    hits: list[int] = []
+    for block_hash in block_hashes[:(num_tokens - 1) // block_size]:
+        block = pool.get_cached_block(block_hash)
+        if block is None:  # chained hashes: the first miss ends the prefix
+            break
+        hits.append(block.block_id)
+    return hits
+
+
+@dataclass
+class _Need:
+    """What one ``allocate_slots`` call would take (``KVCacheManager._need``)."""
+    fits: bool
+    new_computed: list[KVCacheBlock]   # prefix-cache hits to touch
+    num_new_blocks: int                # fresh blocks, the copy-on-write block included
+    cow: bool                          # the block the first new token goes to is shared: copy it first
+    write_idx: int                     # which of the request's blocks that is
+    is_new_admission: bool
+    num_computed_tokens: int           # computed + prefix-hit tokens
 
 
 class KVCacheManager:
@@ -108,13 +134,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         self._attach_hasher(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:  # chained hashes: the first miss ends the prefix
-                break
-            hits.append(block)
+        args = (self.block_pool, request.block_hashes, request.num_tokens, self.block_size)
+        learners = parts.plugged("find_prefix_hits")   # a learner's own lookup (exercise 08)
+        hit_ids = learners(*args) if learners is not None else find_prefix_hits(*args)
+        hits = [self.block_pool.blocks[i] for i in hit_ids]
         return hits, len(hits) * self.block_size
 
     # ---- allocation --------------------------------------------------------------------
@@ -133,6 +156,56 @@ class KVCacheManager:
         Raises ``ValueError`` for a request that could never fit, however empty
         the pool: waiting for it would wait forever.
         """
+        need = self._need(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                          num_lookahead_tokens)
+        fits = need.fits
+        would = parts.plugged("would_allocate")   # a learner's own admission rule (exercise 04)
+        if would is not None and not need.new_computed and not need.cow and not num_lookahead_tokens:
+            fits = would(self, request, num_new_tokens)
+            if fits and need.num_new_blocks > self.block_pool.get_num_free_blocks():
+                raise parts.PartError("would_allocate", f"said yes to {need.num_new_blocks} new blocks for "
+                                      f"{request.request_id!r}, but only {self.get_num_free_blocks()} are free")
+        if not fits:
+            return None
+        new_computed, cow, num_new_blocks = need.new_computed, need.cow, need.num_new_blocks
+        write_idx, is_new_admission = need.write_idx, need.is_new_admission
+        num_computed_tokens = need.num_computed_tokens
+
+        # From here on nothing can fail: the pool has the blocks.
+        self.block_pool.touch(new_computed)
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks.extend(new_computed)
+        if cow:
+            shared, private = blocks[write_idx], self.block_pool.get_new_blocks(1)[0]
+            blocks[write_idx] = private
+            self.block_pool.free_blocks([shared])  # one owner fewer; the sibling keeps it
+            self.pending_copies.append((shared.block_id, private.block_id))
+            num_new_blocks -= 1
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # Prefix hits are cached already; so are the blocks cached in earlier steps.
+            num_cached = len(new_computed) if is_new_admission else self.num_cached_block[request.request_id]
+            # Cache the blocks that are full once this step's tokens are written. Lookahead
+            # slots hold no real tokens, and tokens not yet in the request have no hash.
+            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            num_full_blocks = num_tokens_to_cache // self.block_size
+            self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full_blocks, self.block_size)
+            self.uncommitted_blocks.extend(blocks[num_cached:num_full_blocks])   # their K/V come in this step
+            self.num_cached_block[request.request_id] = max(num_cached, num_full_blocks)
+        return new_blocks
+
+    def can_allocate(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                     new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+                     num_lookahead_tokens: int = 0) -> bool:
+        """Would ``allocate_slots`` with these arguments give blocks now? Changes nothing."""
+        return self._need(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                          num_lookahead_tokens).fits
+
+    def _need(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,
+              new_computed_blocks: Sequence[KVCacheBlock] | None, num_lookahead_tokens: int) -> _Need:
+        """The arguments of ``allocate_slots`` checked, and what it would take from the pool."""
         for name, v in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
                         ("num_lookahead_tokens", num_lookahead_tokens)):
             check_int(name, v, 0)
@@ -168,33 +241,8 @@ class KVCacheManager:
                              f"({self.num_blocks - 1} usable - {self.reserved_blocks} reserved "
                              f"- {watermark} watermark)")
         available = self.block_pool.get_num_free_blocks() - self.reserved_blocks
-        if num_new_blocks + num_evictable_computed + watermark > available:
-            return None
-
-        # From here on nothing can fail: the pool has the blocks.
-        self.block_pool.touch(new_computed)
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        blocks.extend(new_computed)
-        if cow:
-            shared, private = blocks[write_idx], self.block_pool.get_new_blocks(1)[0]
-            blocks[write_idx] = private
-            self.block_pool.free_blocks([shared])  # one owner fewer; the sibling keeps it
-            self.pending_copies.append((shared.block_id, private.block_id))
-            num_new_blocks -= 1
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        blocks.extend(new_blocks)
-
-        if self.enable_caching:
-            # Prefix hits are cached already; so are the blocks cached in earlier steps.
-            num_cached = len(new_computed) if is_new_admission else self.num_cached_block[request.request_id]
-            # Cache the blocks that are full once this step's tokens are written. Lookahead
-            # slots hold no real tokens, and tokens not yet in the request have no hash.
-            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
-            num_full_blocks = num_tokens_to_cache // self.block_size
-            self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full_blocks, self.block_size)
-            self.uncommitted_blocks.extend(blocks[num_cached:num_full_blocks])   # their K/V come in this step
-            self.num_cached_block[request.request_id] = max(num_cached, num_full_blocks)
-        return new_blocks
+        fits = num_new_blocks + num_evictable_computed + watermark <= available
+        return _Need(fits, new_computed, num_new_blocks, cow, write_idx, is_new_admission, num_computed_tokens)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block of ``parent`` (parallel sampling, n > 1).

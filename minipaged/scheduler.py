@@ -32,8 +32,10 @@ the prompt's blocks until they write (copy-on-write).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import parts
 from .config import PREEMPTION_MODES
 from .kv_cache_manager import KVCacheManager
 from .utils import cdiv, check_int
@@ -94,6 +96,88 @@ class SchedulerOutput:
         return [list(range(s.start, s.start + s.num_new_tokens)) for s in self.scheduled]
 
 
+def num_seqs_when_running(req: Request) -> int:
+    """Seats a request takes in a step: a not-yet-forked n > 1 request becomes n sequences after its
+    first sample, so it counts as n from the start."""
+    return req.sampling_params.n if req.num_output_tokens == 0 and req.parent_id is None else 1
+
+
+# The three pieces of one step that the exercises build (06 and 07). Each is a plain function of the
+# queues and the KV cache manager, so a learner's own version can stand in for it (``minipaged.parts``).
+
+def schedule_running(running: list[Request], waiting: deque[Request], kv: KVCacheManager, token_budget: int,
+                     preempt: Callable[[Request, KVCacheManager, deque[Request]], None]
+                     ) -> tuple[list[tuple[str, int]], list[str]]:
+    """Step 1: serve the running requests, oldest first, while the token budget lasts.
+
+    Each gets what it still needs (the rest of its prompt, capped by the budget, or one decode
+    token). When ``allocate_slots`` answers None the pool is dry: the *newest* running request
+    is taken off (``running.pop()``) and ``preempt``-ed, until the allocation succeeds. A request
+    that had to preempt itself ends the step: nobody older can be helped either::
+
+        running  [a, b, c]   a needs a block, pool dry   ->  c preempted, a served
+                 [a, b]      b needs a block, pool dry   ->  b preempts itself; stop
+
+    Returns ``(scheduled, preempted)``: ``[(request_id, num_new_tokens)]`` and victims' ids.
+    """
+    scheduled: list[tuple[str, int]] = []
+    preempted: list[str] = []
+    i = 0
+    while i < len(running) and token_budget > 0:
+        req = running[i]
+        num_new = min(req.num_tokens - req.num_computed_tokens, token_budget)
+        while kv.allocate_slots(req, num_new) is None:
+            victim = running.pop()
+            preempt(victim, kv, waiting)
+            preempted.append(victim.request_id)
+            if victim is req:
+                break
+        if req.status is not RequestStatus.RUNNING:
+            break  # it preempted itself
+        scheduled.append((req.request_id, num_new))
+        token_budget -= num_new
+        i += 1
+    return scheduled, preempted
+
+
+def preempt_recompute(victim: Request, kv: KVCacheManager, waiting: deque[Request]) -> None:
+    """Preemption by recompute: forget the victim's KV but keep its tokens; it waits at the *front*
+    of the queue and re-prefills prompt + outputs so far when it is admitted again."""
+    kv.free(victim)
+    victim.num_computed_tokens = 0
+    victim.status = RequestStatus.PREEMPTED
+    victim.num_preemptions += 1
+    waiting.appendleft(victim)
+
+
+def admit_waiting(waiting: deque[Request], kv: KVCacheManager, token_budget: int, free_seats: int
+                  ) -> list[tuple[str, int]]:
+    """Step 2: admit waiting requests in arrival order while the budget, the seats and the pool allow.
+
+    A request first looks for its prompt in the prefix cache; only the rest is computed, chunked
+    by the budget. First come, first served: when the head of the queue does not fit, nobody
+    behind it is admitted, not even a small request that would (no starvation of long prompts).
+    Returns ``[(request_id, num_new_tokens)]`` in admission order.
+    """
+    admitted: list[tuple[str, int]] = []
+    while waiting and token_budget > 0:
+        req = waiting[0]
+        seats = num_seqs_when_running(req)
+        if seats > free_seats:
+            break
+        hits, num_hit_tokens = kv.get_computed_blocks(req)
+        num_new = min(req.num_tokens - num_hit_tokens, token_budget)
+        if kv.allocate_slots(req, num_new, num_hit_tokens, hits) is None:
+            break
+        req.num_computed_tokens = num_hit_tokens
+        req.status = RequestStatus.RUNNING
+        waiting.popleft()
+        admitted.append((req.request_id, num_new))
+        token_budget -= num_new
+        free_seats -= seats
+    return admitted
+
+
 class Scheduler:
     """Continuous batching over one ``KVCacheManager`` (which also holds the CPU swap space)."""
 
@@ -104,12 +188,12 @@ class Scheduler:
             raise ValueError("preemption_mode='swap' needs swap space: give the KVCacheManager num_cpu_blocks >= 2 "
                              "(block 0 is unused, as on the device)")
         self.block_size = kv_cache_manager.block_size
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()   # new and recompute-preempted requests, in arrival order
+        self.swapped: deque[Request] = deque()   # swap-preempted requests: their blocks wait on the CPU
         self.running: list[Request] = []
         # Unfinished requests only: a request is forgotten the moment it finishes (its id may be used
         # again); whoever added it keeps the Request object, which holds its tokens and finish reason.
         self.requests: dict[str, Request] = {}
-        # Swap space: CPU blocks of each swapped-out request, in logical order.
         self.num_preemptions = 0
 
     # ---- intake ----------------------------------------------------------------------------
@@ -144,7 +228,7 @@ class Scheduler:
         request.finish_time = request.arrival_time
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.swapped or self.running)
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -153,82 +237,65 @@ class Scheduler:
         self.kv.commit_step()
         out = SchedulerOutput(block_size=self.block_size)
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         # 1. running requests, oldest first; preempt the newest when the pool runs dry
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()
-                self.preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
-                break  # it preempted itself: nobody older can be helped this step either
-            self._add_scheduled(out, req, num_new)
-            scheduled_ids.add(req.request_id)
-            budget -= num_new
-            i += 1
+        def preempt(victim: Request, kv: KVCacheManager, waiting: deque[Request]) -> None:
+            self.preempt(victim, out)
 
-        # 2. waiting (and swapped) requests in arrival order, unless this step had to preempt
-        num_seqs = sum(self._num_seqs_when_running(r) for r in self.running)
-        while not out.preempted and self.waiting and budget > 0:
-            req = self.waiting[0]
-            if num_seqs + self._num_seqs_when_running(req) > self.config.max_num_seqs:
-                break
-            if req.status is RequestStatus.SWAPPED:
+        running_fn = parts.plugged("schedule_running") or schedule_running
+        scheduled, _ = running_fn(self.running, self.waiting, self.kv, budget, preempt)
+        budget -= self._add_all(out, scheduled)
+
+        # 2. swapped, then waiting requests, in arrival order, unless this step had to preempt
+        if not out.preempted:
+            free_seats = self.config.max_num_seqs - sum(num_seqs_when_running(r) for r in self.running)
+            while self.swapped and budget > 0:
+                req = self.swapped[0]
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self._swap_in(req, num_new, out):
+                if num_seqs_when_running(req) > free_seats or not self._swap_in(req, num_new, out):
                     break
-            else:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-                num_new = min(req.num_tokens - num_hit_tokens, budget)
-                if self.kv.allocate_slots(req, num_new, num_hit_tokens, hits) is None:
-                    break  # first come, first served: nobody overtakes the head of the queue
-                req.num_computed_tokens = num_hit_tokens
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            num_seqs += self._num_seqs_when_running(req)
-            self._add_scheduled(out, req, num_new)
-            budget -= num_new
+                self.swapped.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                free_seats -= num_seqs_when_running(req)
+                budget -= self._add_all(out, [(req.request_id, num_new)])
+            if not self.swapped and budget > 0 and free_seats > 0:
+                admit_fn = parts.plugged("admit_waiting") or admit_waiting
+                admitted = admit_fn(self.waiting, self.kv, budget, free_seats)
+                self.running.extend(self.requests[rid] for rid, _ in admitted)
+                budget -= self._add_all(out, admitted)
 
         out.copy_blocks = self.kv.take_pending_copies()
         return out
 
-    @staticmethod
-    def _num_seqs_when_running(req: Request) -> int:
-        """A not-yet-forked n > 1 request becomes n sequences after its first sample: count them all now."""
-        return req.sampling_params.n if req.num_output_tokens == 0 and req.parent_id is None else 1
-
-    def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
-        if num_new < 1:   # a row with no token would sample another request's logits
-            raise RuntimeError(f"request {req.request_id!r} scheduled with {num_new} new tokens "
-                               f"({req.num_computed_tokens} of {req.num_tokens} computed): scheduler state is broken")
-        samples = req.num_computed_tokens + num_new == req.num_tokens  # every known token computed
-        first = req.num_output_tokens == 0 and req.parent_id is None
-        out.scheduled.append(ScheduledRequest(
-            request=req, num_new_tokens=num_new, start=req.num_computed_tokens,
-            block_ids=self.kv.get_block_ids(req.request_id),
-            num_samples=(req.sampling_params.n if first else 1) if samples else 0))
+    def _add_all(self, out: SchedulerOutput, scheduled: list[tuple[str, int]]) -> int:
+        """Put each ``(request id, new tokens)`` in the step; return the tokens they use."""
+        for rid, num_new in scheduled:
+            req = self.requests[rid]
+            if num_new < 1:   # a row with no token would sample another request's logits
+                raise RuntimeError(f"request {rid!r} scheduled with {num_new} new tokens ({req.num_computed_tokens} "
+                                   f"of {req.num_tokens} computed): scheduler state is broken")
+            samples = req.num_computed_tokens + num_new == req.num_tokens  # every known token computed
+            first = req.num_output_tokens == 0 and req.parent_id is None
+            out.scheduled.append(ScheduledRequest(
+                request=req, num_new_tokens=num_new, start=req.num_computed_tokens,
+                block_ids=self.kv.get_block_ids(rid),
+                num_samples=(req.sampling_params.n if first else 1) if samples else 0))
+        return sum(n for _, n in scheduled)
 
     # ---- preemption --------------------------------------------------------------------------
     def preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Take ``req`` off the device: swap its blocks to CPU if there is room, else recompute later."""
         self.num_preemptions += 1
-        req.num_preemptions += 1
         out.preempted.append(req.request_id)
         copies = self.kv.swap_out(req) if self.config.preemption_mode == "swap" else None
         if copies is not None:
             out.swap_out.extend(copies)
             req.status = RequestStatus.SWAPPED
-        else:  # recompute: forget the KV, keep the tokens; the prompt + outputs so far are re-prefilled
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+            req.num_preemptions += 1
+            self.swapped.appendleft(req)
+        else:
+            (parts.plugged("preempt_recompute") or preempt_recompute)(req, self.kv, self.waiting)
 
     def _swap_in(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate device blocks for a swapped request and schedule the CPU → device copies."""
@@ -312,6 +379,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.swapped:
+            self.swapped.remove(req)
         self.kv.free(req)
         self.kv.free_swapped(request_id)
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error

@@ -379,7 +379,7 @@ def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config:
         out = sched.schedule()
         if not out.scheduled:
             raise RuntimeError(f"the scheduler made no progress at t={now:.3f}s "
-                               f"({len(sched.waiting)} waiting, {len(sched.running)} running)")
+                               f"({len(sched.waiting) + len(sched.swapped)} waiting, {len(sched.running)} running)")
         kv_tokens = new_tokens = prefill = 0
         for s in out.scheduled:
             new_tokens += s.num_new_tokens
@@ -404,7 +404,7 @@ def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config:
         cols["time"].append(now)
         cols["duration"].append(dt)
         cols["num_running"].append(len(out.scheduled))
-        cols["num_waiting"].append(len(sched.waiting))
+        cols["num_waiting"].append(len(sched.waiting) + len(sched.swapped))
         cols["blocks_in_use"].append(usable - kv.get_num_free_blocks())
         cols["tokens_scheduled"].append(new_tokens)
         cols["prefill_tokens"].append(prefill)

@@ -55,8 +55,9 @@ def check_invariants(sched: Scheduler) -> None:
         assert (b.block_id in free_ids) == (b.ref_cnt == 0)
     assert 0 not in free_ids and 0 not in refs  # the null block is never handed out
     live = {r.request_id for r in sched.running}
-    assert set(kv.req_to_blocks) <= live | {r.request_id for r in sched.waiting
-                                            if r.status is RequestStatus.SWAPPED}
+    assert set(kv.req_to_blocks) <= live | {r.request_id for r in sched.swapped}
+    assert all(r.status is RequestStatus.SWAPPED for r in sched.swapped)
+    assert not any(r.status is RequestStatus.SWAPPED for r in sched.waiting)
     if kv.cpu_pool is not None:
         in_cpu = sum(len(v) for v in kv.swapped_blocks.values())
         assert in_cpu + kv.cpu_pool.get_num_free_blocks() == kv.num_cpu_blocks - 1

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from .. import parts
+
 
 @dataclass
 class AttentionMetadata:
@@ -109,6 +111,9 @@ class PagedAttention:
             # Called on its own (chapter 09 runs one layer by hand): plan for this call. Inside the model the
             # metadata arrives built, once per step, from LlamaModel.forward.
             meta = self.build_metadata(meta, key_cache, value_cache, q.shape[1], q.dtype)
+        write, decode = parts.plugged("reshape_and_cache"), parts.plugged("paged_decode_attention")
+        if write is not None or decode is not None:   # a learner's own pieces (exercises 05 and 09)
+            return self._with_parts(write, decode, q, k, v, key_cache, value_cache, meta, scale)
         if isinstance(meta, TorchAttentionMetadata):
             from ..kernels import torch_backend
 
@@ -125,3 +130,20 @@ class PagedAttention:
         return self.ops.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
                                                 meta.seq_lens, scale, max_query_len=meta.max_query_len,
                                                 checked=True)
+
+    def _with_parts(self, write: Any, decode: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+        """The same step with a learner's scatter-write and/or decode attention in place of the backend's.
+
+        Their signatures are the reference kernels' (``kernels.reference``), which stand in for whichever
+        half is not plugged in; prefill steps always attend with the reference.
+        """
+        from ..kernels import reference
+
+        (write or reference.reshape_and_cache)(k, v, key_cache, value_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return (decode or reference.paged_decode_attention)(q, key_cache, value_cache, meta.block_tables,
+                                                                meta.seq_lens, scale)
+        return reference.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
+                                                 meta.seq_lens, scale)

@@ -134,7 +134,7 @@ class BatchingPlayer:
                         blocks=kv.get_block_ids(r.request_id), new_tokens=scheduled.get(r.request_id, 0))
                    for r in sched.running]
         waiting = [dict(id=r.request_id, status=r.status.value, tokens=r.num_tokens, computed=r.num_computed_tokens)
-                   for r in sched.waiting]
+                   for r in (*sched.swapped, *sched.waiting)]
         arrived = set(sched.requests) | {r.request_id for r in self._finished}
         usable = kv.num_blocks - 1
         free = kv.get_num_free_blocks()
