@@ -119,25 +119,38 @@ class LLM:
                              f"least {bytes_per_block:,} bytes")
         self.cache = CacheEngine(hf.num_hidden_layers, self.num_blocks, block_size, hf.num_key_value_heads,
                                  self.model.head_dim, self.dtype, self.device, num_cpu_blocks=num_cpu_blocks)
-        self.kv_cache_manager = KVCacheManager(block_size, self.num_blocks, enable_caching=cfg.enable_prefix_caching,
-                                               watermark=cfg.watermark, num_cpu_blocks=num_cpu_blocks)
+        self._num_cpu_blocks = num_cpu_blocks
+        self._build_core()
+        eos = getattr(hf, "eos_token_id", None)
+        self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+        self._t0 = time.perf_counter()
+
+    def _build_core(self) -> None:
+        """Everything that holds requests and blocks, around the loaded weights and the cache tensors."""
+        cfg = self.config
+        self.kv_cache_manager = KVCacheManager(self.block_size, self.num_blocks,
+                                               enable_caching=cfg.enable_prefix_caching, watermark=cfg.watermark,
+                                               num_cpu_blocks=self._num_cpu_blocks)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                                    max_model_len=self.max_model_len,
                                                    preemption_mode=cfg.preemption_mode), self.kv_cache_manager)
         self.runner = ModelRunner(self.model, self.cache, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_num_seqs=cfg.max_num_seqs,
-                                  max_blocks_per_seq=cdiv(self.max_model_len, block_size))
+                                  max_blocks_per_seq=cdiv(self.max_model_len, self.block_size))
         self.sampler = self.runner.sampler
-        eos = getattr(hf, "eos_token_id", None)
-        self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
         # One row per step, what the widgets and benchmarks plot: the latest STEP_STATS_KEPT steps only.
         self.step_stats: deque[dict[str, Any]] = deque(maxlen=STEP_STATS_KEPT)
         self.num_steps = 0   # steps run so far (a plugged-in part's error names the step it failed in)
         # The requests added and not yet handed back (the scheduler forgets a request when it finishes).
         self._requests: dict[str, Request] = {}
         self._counter = 0
-        self._t0 = time.perf_counter()
+
+    def reset(self) -> None:
+        """A fresh engine around the same weights: every request dropped, an empty pool and prefix cache,
+        new scheduler and runner (a second ``LLM`` would load the model again). The cache tensors are
+        kept: a slot is always written before it is read."""
+        self._build_core()
 
     # ---- start-up -------------------------------------------------------------------------------
     def _size_pool(self) -> int:

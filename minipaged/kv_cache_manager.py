@@ -110,6 +110,8 @@ class KVCacheManager:
         # Copy-on-write copies (source block, destination block) for the cache engine to perform.
         self.pending_copies: list[tuple[int, int]] = []
         self.uncommitted_blocks: list[KVCacheBlock] = []  # hashed while scheduling the step not yet run
+        self.prefix_cache_queries = 0   # prompt tokens of every admission (readmissions too) ...
+        self.prefix_cache_hits = 0      # ... and how many of them the prefix cache held
         # Swap space (chapter 07): a second pool, on the CPU, whose block 0 is unused as on the device.
         self.num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, 0)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False) if num_cpu_blocks >= 2 else None
@@ -185,6 +187,9 @@ class KVCacheManager:
         blocks.extend(new_blocks)
 
         if self.enable_caching:
+            if is_new_admission:   # vLLM's prefix-cache stats: tokens asked for, tokens found
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(new_computed) * self.block_size
             # Prefix hits are cached already; so are the blocks cached in earlier steps.
             num_cached = len(new_computed) if is_new_admission else self.num_cached_block[request.request_id]
             # Cache the blocks that are full once this step's tokens are written. Lookahead

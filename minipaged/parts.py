@@ -139,6 +139,17 @@ def _slots_verify(args: tuple[Any, ...], result: torch.Tensor, before: Any) -> s
     return f"token {i} of the step got slot {got[i]}, expected {want[i]} (block tables {args[0]!r:.120})"
 
 
+def _pool_state(pool: Any) -> tuple[int, tuple[int, ...]]:
+    """Free blocks and every ref count: a part that only looks must leave both as they were."""
+    return pool.get_num_free_blocks(), tuple(b.ref_cnt for b in pool.blocks)
+
+
+def _changed_pool(pool: Any, before: tuple[int, tuple[int, ...]]) -> str | None:
+    if _pool_state(pool) == before:
+        return None
+    return "it changed the pool (free blocks or reference counts): this part only looks"
+
+
 # would_allocate(manager, request, num_new_tokens)
 def _bool_accept(args: tuple[Any, ...], result: Any) -> bool:
     if not (isinstance(result, bool) or str(getattr(result, "dtype", "")) in ("bool", "torch.bool")):
@@ -150,7 +161,7 @@ def _would_verify(args: tuple[Any, ...], result: bool, before: Any) -> str | Non
     manager, request, num_new = args
     want = manager.can_allocate(request, num_new)
     if result == want:
-        return None
+        return _changed_pool(manager.block_pool, before)
     return (f"said {result} for {num_new} new tokens of request {request.request_id!r} (holding "
             f"{manager.get_num_blocks(request.request_id)} blocks, {manager.get_num_free_blocks()} free, "
             f"{manager.reserved_blocks} reserved, watermark {manager.watermark_blocks}); allocate_slots says {want}")
@@ -347,7 +358,7 @@ def _hits_verify(args: tuple[Any, ...], result: list[int], before: Any) -> str |
 
     want = find_prefix_hits(*args)
     if result == want:
-        return None
+        return _changed_pool(args[0], before)
     return f"returned blocks {result} for a {args[2]}-token prompt; the cached prefix is {want}"
 
 
@@ -359,7 +370,7 @@ PARTS: dict[str, Part] = {p.name: p for p in [
          "ModelRunner.prepare_inputs: the slot of every new token", None, _slots_accept, _slots_verify),
     Part("would_allocate", "ex04", "would_allocate(manager, request, num_new_tokens) -> bool",
          "KVCacheManager.allocate_slots: are there blocks now? (requests without prefix hits or a shared block)",
-         None, _bool_accept, _would_verify),
+         lambda args: _pool_state(args[0].block_pool), _bool_accept, _would_verify),
     Part("reshape_and_cache", "ex05", "reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None",
          "PagedAttention: write this step's K/V into the paged cache", _cache_before, _none, _cache_verify),
     Part("admit_waiting", "ex06", "admit_waiting(waiting, kv, token_budget, free_seats) -> [(request_id, n)]",
@@ -373,7 +384,8 @@ PARTS: dict[str, Part] = {p.name: p for p in [
     Part("chain_block_hashes", "ex08", "chain_block_hashes(token_ids, block_size, cache_salt=None) -> [bytes]",
          "Request.block_hashes: the chained hash of every full block", None, _hashes_accept, _hashes_verify),
     Part("find_prefix_hits", "ex08", "find_prefix_hits(pool, block_hashes, num_tokens, block_size) -> [block id]",
-         "KVCacheManager.get_computed_blocks: the longest cached prefix", None, _hits_accept, _hits_verify),
+         "KVCacheManager.get_computed_blocks: the longest cached prefix", lambda args: _pool_state(args[0]),
+         _hits_accept, _hits_verify),
     Part("paged_decode_attention", "ex09",
          "paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale) -> Tensor",
          "PagedAttention: the attention of a decode-only step", None, _attention_accept, _attention_verify),

@@ -25,7 +25,9 @@ def check_bytes_per_token(bytes_per_token: Callable[[int, int, int, int], int]) 
         Check(f"bytes_per_token({L}, {kv}, {d}, {b})  # {label}",
               lambda L=L, kv=kv, d=d, b=b: bytes_per_token(L, kv, d, b),
               KVSpec(L, kv, d, b).bytes_per_token,
-              hint="K and V are both cached: 2 × layers × KV heads × head_dim × bytes per number")
+              hint="count everything one token leaves in the cache: which tensors are kept per token, in how "
+                   "many layers, for which heads (the KV heads, not the query heads), how many numbers wide, and "
+                   "bytes, not numbers (chapter 01, section 2)")
         for label, L, kv, d, b in _MODELS
     ]
     report("bytes_per_token", checks)
@@ -53,8 +55,9 @@ def check_block_capacity(block_capacity: Callable[[int, int, int, int], tuple[in
         cap = _capacity(budget, bpt, bs, req)
         checks.append(Check(f"block_capacity({budget}, {bpt}, {bs}, {req})  # {label}",
                             lambda a=(budget, bpt, bs, req): tuple(block_capacity(*a)), cap,
-                            hint="blocks = budget // (block_size × bytes/token); a request holds "
-                                 "ceil(tokens / block_size) blocks, tail included"))
+                            hint="compare the two numbers of the pair with the label: a block exists only if the "
+                                 "budget holds all of it, and a request holds whole blocks, its last one possibly "
+                                 "part-empty (chapter 01, section 6)"))
     checks.append(Check("block_capacity(1000, 46080, 16, 2048)  # smaller than one block",
                         lambda: _raises_value_error(lambda: block_capacity(1000, 46_080, 16, 2048)),
                         "ValueError", hint="a budget that cannot hold one block should raise ValueError"))

@@ -83,9 +83,10 @@ def check_free_extents(free_extents: Callable[[int, Reservations], list[tuple[in
         checks.append(Check(f"free_extents({num_slots}, {res})  # {label}",
                             lambda n=num_slots, r=res: _as_extents(free_extents(n, dict(r))),
                             list(arena.free_extents),
-                            hint="sort the reservations by start; every gap between one's end and the next's "
-                                 "start is a hole, and so are the gaps before the first and after the last. "
-                                 "Adjacent free slots form ONE hole."))
+                            hint="compare your holes with the expected ones from the start of the arena: look at "
+                                 "its two ends as well as the gaps between reservations, at where a reservation "
+                                 "ends, and at the order the dict gives you (none in particular); two free slots "
+                                 "side by side always belong to one hole (chapter 02, section 4)"))
     report("free_extents", checks)
 
 
@@ -100,6 +101,13 @@ def _expected(arena: ContiguousAllocator, live: dict[str, int], next_size: int) 
     return {"live": total_live, "internal": arena.num_reserved_slots - total_live,
             "external": arena.unusable_free_slots(next_size), "free": arena.num_free_slots,
             "utilisation": total_live / arena.num_slots}
+
+
+def _boundary_case() -> tuple[str, int, ContiguousAllocator, dict[str, int], int]:
+    """Holes of 8 and 7 slots and a next request of exactly 8: the boundary of "too small to use"."""
+    ops = [("alloc", x, s) for x, s in zip("abcde", (6, 8, 4, 7, 7))] + [("free", "b", 0), ("free", "d", 0)]
+    return ("holes of 8 and 7 slots, and a next request of exactly 8 slots", 32, _arena(32, ops),
+            {"a": 2, "c": 4, "e": 5}, 8)
 
 
 def _trace_cases() -> list[tuple[str, int, Reservations, dict[str, int], int, dict[str, float]]]:
@@ -131,7 +139,7 @@ def check_fragmentation(fragmentation: Callable[[int, Reservations, dict[str, in
     """``fragmentation(num_slots, reservations, live_tokens, next_request_size) -> dict`` with
     ``live``, ``internal``, ``external``, ``free`` (slots) and ``utilisation`` (live / num_slots)."""
     cases = [(label, n, dict(arena.reservations), live, nxt, _expected(arena, live, nxt))
-             for label, n, arena, live, nxt in _cases()]
+             for label, n, arena, live, nxt in [*_cases(), _boundary_case()]]
     cases += _trace_cases()
     checks = []
     for label, num_slots, reservations, live, nxt, expected in cases:
@@ -141,7 +149,9 @@ def check_fragmentation(fragmentation: Callable[[int, Reservations, dict[str, in
                             lambda a=(num_slots, reservations, live, nxt): fragmentation(a[0], dict(a[1]),
                                                                                          dict(a[2]), a[3]),
                             expected, same=_same_report,
-                            hint="internal = reserved − live; external = free slots in holes SMALLER than the "
-                                 "next request (a hole it fits in is not wasted); utilisation = live / num_slots; "
-                                 f"return a dict with exactly the keys {list(FRAGMENTATION_KEYS)}"))
+                            hint="compare key by key. internal: reserved but empty; external: only the free slots "
+                                 "the next request cannot use (a hole it fits into, even exactly, is usable); "
+                                 "free: every slot outside a reservation; utilisation: a share of the whole arena "
+                                 "(chapter 02, section 4). "
+                                 f"Return a dict with exactly the keys {list(FRAGMENTATION_KEYS)}"))
     report("fragmentation", checks)

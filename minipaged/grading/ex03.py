@@ -146,20 +146,24 @@ def check_remove_links(remove: Remove) -> None:
              ("the last block (next to the fake tail)", 6, [5]),
              ("blocks 1, 3, 5 one after the other", 7, [1, 3, 5]),
              ("every block, back to front", 5, [4, 3, 2, 1, 0])]
-    hint = ("link the block's prev and next to each other, set the block's own links to None, and decrease "
-            "queue.num_free_blocks; the fake head and tail mean prev and next are never None for a queued block")
+    hint = ("compare the three parts: the ids read front to back, back to front, and the count. After a removal "
+            "the list must read the same both ways without the block, and num_free_blocks must agree with it; "
+            "thanks to the fake head and tail a queued block always has two neighbours (chapter 03, section 3)")
     checks = [Check(f"remove blocks {ids} from a queue of {n}  # {label}; then (ids front→back, ids back→front, "
                     f"num_free_blocks)", lambda n=n, ids=ids: _after_removals(remove, n, ids),
                     _after_removals(_reference, n, ids), hint=hint) for label, n, ids in cases]
     checks.append(Check("remove block 3 of 6, then read (block.prev_free_block, block.next_free_block)",
                         lambda: _removed_links(remove), _removed_links(_reference),
-                        hint="a removed block must not keep pointing into the queue: set both links to None"))
+                        hint="a block outside the queue must not point into it: what did your removal leave in "
+                             "the removed block itself?"))
     checks.append(Check("remove block 1 and block 4, then queue.append(block 1)",
                         lambda: _remove_then_append(remove), _remove_then_append(_reference),
-                        hint="append refuses a block whose links are still set: reset them when you remove"))
+                        hint="append refuses a block that still looks linked: look at the removed block's own "
+                             "fields after your removal"))
     checks.append(Check("remove block 2 twice: the second call raises ValueError and changes nothing",
                         lambda: _remove_twice(remove), _remove_twice(_reference),
-                        hint="a block that is not in the queue has prev_free_block None: raise ValueError"))
+                        hint="how can you tell, from the block alone, that it is not in the queue? That case must "
+                             "raise ValueError before changing anything"))
     report("remove_links", checks)
 
 
@@ -193,11 +197,12 @@ def check_remove_is_O1(remove: Remove) -> None:
         expected = _far_touches(_reference, ref_q, ref_blocks, i)
         checks.append(Check(f"remove {label} (id {i}) of a {HUGE:,}-block queue; count link reads/writes on "
                             "other blocks", lambda i=i: _far_touches(remove, q, blocks, i), expected,
-                            hint="do not walk the list (no loop, no get_all_free_blocks(), no search for the "
-                                 "block): its own prev_free_block and next_free_block are all you need"))
+                            hint="this counts link reads and writes on blocks other than the removed one and its "
+                                 "two neighbours, so any walk or search over the queue shows up; everything a "
+                                 "removal needs is reachable from the block itself"))
     checks.append(Check(f"after those 4 removals: num_free_blocks of the {HUGE:,}-block queue",
                         lambda: q.num_free_blocks, ref_q.num_free_blocks,
-                        hint="each removal takes one block out of the count"))
+                        hint="the queue's count must follow its removals"))
     report("remove_is_O1", checks)
 
 
@@ -229,6 +234,7 @@ def check_remove_in_pool(remove: Remove) -> None:
               "ref counts of the two hit blocks", "the hitting request's block table"]
     checks = [Check(f"KVCacheManager(block_size=4, num_blocks=12): p1, p2 cached and freed, a request with p1's "
                     f"prefix hits 2 blocks; {label}", lambda k=k: _pool_scenario(remove)[k], expected[k],
-                    hint="a cache hit calls queue.remove(block) on a block in the middle of the free queue")
+                    hint="a cache hit calls your remove on a block in the middle of the free queue: make "
+                         "remove_links pass first, then compare what the pool did next")
               for k, label in enumerate(labels)]
     report("remove_in_pool", checks)

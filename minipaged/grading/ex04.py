@@ -42,8 +42,9 @@ def check_slot_mapping(slot_mapping: SlotMapping) -> None:
         ("a request with nothing to write this step", [[5], [6, 1]], [[], [4]], 4, None),
         ("padded to 8 tokens (fixed shapes)", [[19, 18, 5], [7]], [[9, 10], [2]], 4, 8),
     ]
-    hint = ("slot = block_table[pos // block_size] * block_size + pos % block_size, request after request; "
-            "pad with -1 up to pad_to")
+    hint = ("a slot names a physical block and an offset inside it: which block does the table give for this "
+            "position, and where does that block's first slot sit in the flat pool? The slots go request after "
+            "request, and padding is the value that means 'write nowhere' (chapter 04, section 3)")
     checks = [Check(f"slot_mapping({t}, {p if len(p[0]) < 12 else '[[0, 1, ..., 49]]'}, {bs}, pad_to={pad})"
                     f"  # {label}",
                     lambda a=(t, p, bs, pad): _as_ints(slot_mapping(a[0], a[1], a[2], a[3])),
@@ -121,9 +122,10 @@ def _untouched(would_allocate: Callable[[KVCacheManager, Request, int], bool]) -
 
 def check_would_allocate(would_allocate: Callable[[KVCacheManager, Request, int], bool]) -> None:
     """``would_allocate(manager, request, num_new_tokens) -> bool``: would ``allocate_slots`` give blocks now?"""
-    hint = ("needed = ceil((num_computed_tokens + num_new_tokens) / block_size) − blocks already held; the "
-            "watermark counts only for a request holding no blocks yet; refuse when "
-            "needed + watermark > free − reserved")
+    hint = ("compare with the numbers in brackets: how many blocks the request needs beyond the ones it holds "
+            "(a part-full block has room; a part-filled new one still takes a whole block), which blocks no "
+            "request may take, whom the watermark is kept against (new admissions, not running requests), and "
+            "what happens when the request needs exactly what is left (chapter 04, section 5)")
     checks = []
     for label, *args in _ADMISSIONS:
         mgr, req = _scenario(*args[:5])

@@ -30,11 +30,13 @@ from ..utils import cdiv
 ReshapeAndCache = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16"}
-_HINT_WRITE = ("one program per token: read its slot, split it into block and offset, and copy the token's "
-               "[NUM_KV_HEADS, HEAD_DIM] tile of key and of value (masked to the real heads and dims) to "
-               "cache[block, offset], every address built from the strides")
-_HINT_EDGES = ("a padding token (slot -1) returns before touching memory; addresses come from the strides passed "
-               "in, never from the shapes (inputs may be views of a fused qkv tensor, the cache may be heads-major)")
+_HINT_WRITE = ("'got' names the first wrong slot and what it holds (never written, another token's K or V, some "
+               "heads wrong): look at how a token's slot becomes a place in the pool, at which program handles "
+               "which token, and at tiles when the heads or head_dim are not powers of two (chapter 05, section "
+               "3)")
+_HINT_EDGES = ("the label says what is special: a padding token must not touch memory at all, not even to compute "
+               "an address; here key/value or the caches are views (a slice of a fused qkv tensor, a heads-major "
+               "cache), so ask which of the numbers passed to your kernel describe their layout in memory (chapter 05, section 3)")
 
 
 @dataclass

@@ -82,6 +82,7 @@ def build(s: Scenario) -> tuple[deque[Request], KVCacheManager]:
 
 def _state(waiting_before: list[Request], waiting: deque[Request], kv: KVCacheManager) -> dict[str, Any]:
     return dict(waiting=[r.request_id for r in waiting],
+                status={r.request_id: r.status.value for r in waiting_before},
                 computed={r.request_id: r.num_computed_tokens for r in waiting_before},
                 blocks={r.request_id: kv.get_num_blocks(r.request_id) for r in waiting_before},
                 free_blocks=kv.get_num_free_blocks())
@@ -114,18 +115,21 @@ def _describe(s: Scenario) -> str:
 
 def check_admit_waiting(admit_waiting: Callable[..., Any]) -> None:
     """What ``admit_waiting`` returns: ``[(request_id, num_new_tokens), ...]`` in admission order."""
-    hint = ("in arrival order, while the queue, the budget and the seats last: look up the prefix cache, "
-            "num_new = min(tokens not cached, budget), allocate_slots(req, num_new, hit_tokens, hit_blocks); "
-            "stop at the first None (first come, first served)")
+    hint = ("compare the admitted list with the label: who got in, in what order, and with how many tokens. "
+            "Look at the three limits (queue, token budget, seats), at what a prefix-cache hit saves, at a prompt "
+            "longer than the budget left, and at what 'first come, first served' means when the head does not "
+            "fit (chapter 06, sections 3 and 4)")
     checks = [Check(_describe(s), lambda s=s: _run(admit_waiting, s)[0], expected(s)[0], hint=hint)
               for s in SCENARIOS]
     report("admit_waiting", checks)
 
 
 def check_admission_state(admit_waiting: Callable[..., Any]) -> None:
-    """What ``admit_waiting`` leaves behind: the queue, each request's computed tokens and blocks, the free pool."""
-    hint = ("pop each admitted request off the front of the queue and set its num_computed_tokens to the "
-            "prefix-hit tokens; a request that is not admitted keeps no blocks")
+    """What ``admit_waiting`` leaves behind: the queue, each request's status, computed tokens and blocks, the
+    free pool."""
+    hint = ("compare each part of the state: which requests are still waiting, each request's status (an "
+            "admitted request has changed state), how many tokens count as already computed for a prefix hit, "
+            "and the blocks held by requests that were not admitted (chapter 06, section 3)")
     checks = [Check(_describe(s).replace("admit_waiting(", "state after admit_waiting(", 1),
                     lambda s=s: _run(admit_waiting, s)[1], expected(s)[1], hint=hint)
               for s in SCENARIOS]

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..kv_cache_manager import KVCacheManager
 from ..request import Request, RequestStatus
-from ..scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ..scheduler import Scheduler, SchedulerConfig, SchedulerOutput, preempt_recompute
 from .core import Check, report
 
 SHARED = list(range(300, 308))  # an 8-token prompt prefix: 2 blocks of 4
@@ -110,8 +110,9 @@ def _run_preempt(preempt_recompute: Callable[..., Any], s: Scenario) -> dict[str
 
 def check_preempt_recompute(preempt_recompute: Callable[..., Any]) -> None:
     """``preempt_recompute(victim, kv, waiting)``: the victim gives back its blocks and waits to be recomputed."""
-    hint = ("free its blocks (kv.free), forget its KV (num_computed_tokens = 0) but keep its tokens, mark it "
-            "PREEMPTED, count the preemption, and put it at the FRONT of the waiting queue (appendleft)")
+    hint = ("compare the victim's tuple (status, computed, outputs, preemptions, blocks), then the queues and the "
+            "pool: recompute means its K/V is gone but its tokens are kept, its blocks go back, its new state and "
+            "its preemption are recorded, and it was admitted before everyone still waiting (chapter 07, section 2)")
     checks = []
     for s in PREEMPT_SCENARIOS:
         victim = s.running[-1]
@@ -147,28 +148,19 @@ def expected_running(s: Scenario) -> tuple[list[tuple[str, int]], list[str], dic
     return ([(x.request_id, x.num_new_tokens) for x in out.scheduled], list(out.preempted), _state(sched, reqs))
 
 
-def _reference_preempt(victim: Request, kv: KVCacheManager, waiting) -> None:
-    """Part 1's answer, for part 2's checks: a learner's part 2 is not failed for a bug in part 1."""
-    kv.free(victim)
-    victim.num_computed_tokens = 0
-    victim.status = RequestStatus.PREEMPTED
-    victim.num_preemptions += 1
-    waiting.appendleft(victim)
-
-
 def _run_running(schedule_running: Callable[..., Any], s: Scenario) -> tuple[Any, Any, dict[str, Any]]:
     sched = build(s)
     reqs = list(sched.requests.values())
     scheduled, preempted = schedule_running(sched.running, sched.waiting, sched.kv, s.token_budget,
-                                            _reference_preempt)
+                                            preempt_recompute)  # part 1's answer: part 2 is not failed for a bug there
     return [(str(r), int(n)) for r, n in scheduled], [str(r) for r in preempted], _state(sched, reqs)
 
 
 def check_schedule_running(schedule_running: Callable[..., Any]) -> None:
     """``schedule_running(running, waiting, kv, token_budget, preempt) -> (scheduled, preempted)``."""
-    hint = ("oldest first while budget lasts: num_new = min(tokens not yet computed, budget); while "
-            "allocate_slots(req, num_new) is None: victim = running.pop(), preempt it, and stop trying if the "
-            "victim was req itself; a request that preempted itself ends the step")
+    hint = ("compare the scheduled and preempted lists: who is served first, who gives way when the pool runs "
+            "dry (chapter 07: which end of the running list), how many tokens a request still in its prompt gets "
+            "from the budget, and what becomes of the step once a request had to preempt itself (chapter 07, section 1)")
     checks = []
     for s in RUNNING_SCENARIOS:
         desc = ", ".join(f"{r.rid}: {r.prompt}+{r.outputs} tokens" for r in s.running)

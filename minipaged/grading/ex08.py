@@ -52,9 +52,9 @@ def _short(hashes: list[bytes]) -> list[str]:
 
 def check_chain_block_hashes(chain_block_hashes: Callable[..., Any]) -> None:
     """``chain_block_hashes(token_ids, block_size, cache_salt=None) -> list of hashes``, one per full block."""
-    hint = ("h0 = hash_block_tokens(None, tokens[0:bs], extra_keys), h1 = hash_block_tokens(h0, tokens[bs:2bs], "
-            "None), ...; only full blocks; extra_keys = (('cache_salt', salt),) on the first block when there is "
-            "a salt, else None")
+    hint = ("compare the lists hash by hash: how many there are, and where the first difference is. A block's "
+            "hash must name its whole prefix (the chain), only full blocks are hashed, and the salt enters once, "
+            "reaching every later block through the chain (chapter 08, sections 1 and 5)")
     checks = []
     for label, tokens, bs, salt in HASH_CASES:
         shown = tokens if len(tokens) <= 12 else f"[{len(tokens)} tokens]"
@@ -132,8 +132,9 @@ def _run_lookup(find_prefix_hits: Callable[..., Any], c: Lookup) -> tuple[list[i
 
 def check_find_prefix_hits(find_prefix_hits: Callable[..., Any]) -> None:
     """``find_prefix_hits(pool, block_hashes, num_tokens, block_size) -> list of block ids``, and it only looks."""
-    hint = ("walk the hashes in order, pool.get_cached_block(h) for each; stop at the first miss; never more than "
-            "(num_tokens - 1) // block_size blocks (the last prompt token must be computed); do not touch the pool")
+    hint = ("compare the block ids, then the change in free blocks: a hit after a miss cannot be used (the "
+            "chain), the last prompt token must still run through the model so a fully cached prompt cannot hit "
+            "every block, and a lookup must leave the pool as it was (chapter 08, section 2)")
     checks = []
     for c in LOOKUPS:
         kv, query = build_lookup(c)

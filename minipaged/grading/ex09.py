@@ -34,13 +34,13 @@ TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bf
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _FILL_NAMES = {"random": "random values", "nan": "NaN", "huge": "±60000"}
 
-_HINT_DECODE = ("for each sequence: its first ceil(seq_len / block_size) table entries, key_cache[those blocks] "
-                "flattened to [tokens, kv_heads, head_dim] and cut to seq_len; query head h reads KV head "
-                "h // (num_q_heads // num_kv_heads); scores = q·k · scale and softmax in float32, then the "
-                "weighted sum of V, cast back to the query's dtype")
-_HINT_EDGES = ("read only what the sequence owns: table columns < ceil(seq_len / block_size), positions < seq_len "
-               "(masking the scores is not enough when a V you multiply by 0 is NaN); use the scale you are "
-               "given; compute in float32 and return the query's dtype, also for an empty batch")
+_HINT_DECODE = ("'got' names the first wrong sequence and its wrong query heads: if only some heads differ, look "
+                "at which KV head each query head reads when several share one (GQA); if whole sequences differ, "
+                "look at which tokens they read through their table (how many, and the last block's unwritten "
+                "tail) and at where the softmax runs (chapter 05, sections 2 and 5)")
+_HINT_EDGES = ("the label says what is special: read only what the sequence owns, table columns and slots alike "
+               "(a masked score does not stop a NaN value), use the scale you are given, mind how far fp16 "
+               "reaches, and return the query's dtype and shape, also for an empty batch (chapter 05, section 2)")
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,13 @@ the check cells. The result is a score table: one row per notebook and group.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import linecache
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .core import parse_summaries
 
@@ -22,6 +26,30 @@ class GroupScore:
     group: str
     passed: int
     total: int
+
+
+def run_code_cells(path: str | os.PathLike, name: str) -> tuple[dict[str, Any], list[str]]:
+    """Run a notebook's code cells in this process, in its folder, skipping its check cells, in a fresh
+    namespace called ``name``; return the namespace and the errors of the cells that failed (the rest still ran). What the
+    cells print is swallowed. Used to take a learner's functions out of their notebook."""
+    import nbformat
+
+    namespace: dict[str, Any] = {"__name__": name}
+    errors: list[str] = []
+    nb = nbformat.read(path, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or CHECK_MARK in cell.source:
+            continue
+        filename = f"<{Path(path).name} cell {i}>"
+        source = cell.source + "\n"
+        # @triton.jit reads its function's source back: make the cell findable, as IPython does.
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        try:   # in the notebook's folder, as Jupyter runs it
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.chdir(Path(path).resolve().parent):
+                exec(compile(source, filename, "exec"), namespace)
+        except Exception as exc:   # a stub's NotImplementedError in a try-it cell, say
+            errors.append(f"cell {i}: {type(exc).__name__}: {exc}")
+    return namespace, errors
 
 
 def _cell_text(cell) -> str:
