@@ -77,8 +77,8 @@ def _none(args: tuple[Any, ...], result: Any) -> None:
 
 def _int_list(result: Any, what: str) -> list[int]:
     values = result.tolist() if hasattr(result, "tolist") else result
-    if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                                         or hasattr(v, "__index__") for v in values):
+    if not isinstance(values, (list, tuple)) or not all(hasattr(v, "__index__") and not isinstance(v, bool)
+                                                         for v in values):
         raise ValueError(f"returned {type(result).__name__} {result!r:.80}; expected {what}")
     return [int(v) for v in values]
 
@@ -402,10 +402,15 @@ class Plugged:
         spec = self.spec
         self.calls += 1
         before = spec.before(args) if self.check and spec.before else None
+        handed: list[str] = []
         if spec.name == "schedule_running" and self.check:   # record who is handed to preempt
-            handed: list[str] = []
             preempt = args[4]
-            args = (*args[:4], lambda v, kv, w: (handed.append(v.request_id), preempt(v, kv, w))[1])
+
+            def recording_preempt(victim: Any, kv: Any, waiting: Any) -> None:
+                handed.append(victim.request_id)
+                preempt(victim, kv, waiting)
+
+            args = (*args[:4], recording_preempt)
         try:
             result = self.fn(*args)
         except PartError:
