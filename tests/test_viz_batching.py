@@ -1,7 +1,27 @@
 """Chapters 06-08 widgets, driven from Python as a learner would drive them."""
-from minipaged.simulator import SimConfig, SimRequest, simulate_continuous
+import re
+
+import pytest
+
+from minipaged.simulator import SimConfig, SimRequest, simulate_continuous, simulate_static
 from minipaged.viz import BatchingPlayer, BatchingTimeline, PrefixSharingView
-from minipaged.viz.batching_viz import SEVEN_CONFIG, SEVEN_REQUESTS, STEP_CLOCK, request_segments
+from minipaged.viz.batching_viz import (PREEMPT_MARKER_NAME, SEGMENT_NAMES, SEVEN_CONFIG, SEVEN_REQUESTS, STEP_CLOCK,
+                                        batch_and_latency_figure, request_segments, watermark_sweep_figure)
+from minipaged.viz.layout import check_layout, contrast_ratio
+
+
+def _readable(html_text, page="white"):
+    """Every coloured box in the widget's HTML: its text contrasts >= 4.5:1 with its background (or the page)."""
+    styles = re.findall(r"style='([^']*)'", html_text)
+    seen = 0
+    for st in styles:
+        fg = re.search(r"(?:^|;)color:([^;]+)", st)
+        bg = re.search(r"background:([^;]+)", st)
+        if fg:
+            seen += 1
+            ratio = contrast_ratio(fg.group(1), bg.group(1) if bg else page)
+            assert ratio >= 4.5, f"{fg.group(1)} on {bg.group(1) if bg else page}: {ratio:.2f}:1 in <{st}>"
+    return seen
 
 
 def test_player_starts_with_seven_waiting_and_an_empty_pool():
@@ -64,6 +84,25 @@ def test_player_buttons_and_reset():
     assert max(p.figure.data[2].y) == 48
 
 
+def test_player_reads_well():
+    p = BatchingPlayer()
+    assert check_layout(p.figure) == []
+    lay = p.figure.layout
+    # the legend is a row above the plot, under the title; both y axes have titles and one grid of round ticks
+    assert lay.legend.y >= 1 and lay.legend.yanchor == "bottom" and lay.margin.t >= 80
+    assert lay.yaxis.title.text == "requests" and lay.yaxis2.title.text == "blocks in use (of 48)"
+    assert lay.yaxis2.dtick == 12 and 48 <= lay.yaxis2.range[1] < 60                      # 0, 12, 24, 36, 48
+    assert lay.yaxis.range[1] / lay.yaxis.dtick == lay.yaxis2.range[1] / lay.yaxis2.dtick   # one grid
+    assert lay.yaxis.range[1] > max(p.figure.data[0].y) and lay.yaxis2.range[1] > 48      # peaks stay in view
+    # text on every request colour (G was white on light pink, 2:1) and on every block reads
+    for k in range(0, p.num_steps + 1, 5):
+        p.slider.value = k
+        assert _readable(p.grid.value) and _readable(p.queues.value)
+    p.slider.value = next(s["step"] for s in p.history if any(w["id"] == "G" for w in s["waiting"]) and
+                          any(r["id"] == "G" for r in p.history[s["step"] - 1]["running"]))
+    assert "(preempted)" in p.queues.value and _readable(p.queues.value)
+
+
 def test_timeline_static_vs_continuous():
     reqs = [SimRequest(rid, 0.0, pr, o) for rid, pr, o in SEVEN_REQUESTS]
     cfg = SimConfig(block_size=4, num_blocks=49, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
@@ -82,7 +121,9 @@ def test_timeline_static_vs_continuous():
     assert t.markers and all(m["policy"] == "continuous" for m in t.markers)
     assert any(s["kind"] == "preempted" for s in cont)
     assert t.summary["continuous"]["makespan_s"] < t.summary["static"]["makespan_s"]
-    assert {d.name for d in t.figure.data} >= {"waiting", "running", "padding", "preempted"}
+    assert {d.name for d in t.figure.data} >= {SEGMENT_NAMES[k] for k in ("waiting", "running", "padding",
+                                                                          "preempted")} | {PREEMPT_MARKER_NAME}
+    assert check_layout(t.figure) == []    # legend to the right, distinct names, every axis titled
     # each request's bars tile its life from arrival to its last token
     for rid, *_ in SEVEN_REQUESTS:
         mine = sorted((s for s in cont if s["req_id"] == rid), key=lambda s: s["start"])
@@ -91,14 +132,55 @@ def test_timeline_static_vs_continuous():
     # the sliders recompute both runs
     t.batch_size.value = 1
     assert t.info["static_batch"] == 1 and "static: batch 1" in t.caption.value
+    assert check_layout(t.figure) == []
     t.num_blocks.value = 192
     assert t.summary["continuous"]["preemptions"] == 0 and not t.markers
     assert t.info["static_cap"] == 12
+    assert check_layout(t.figure) == []
     # a pool smaller than one 64-token reservation: static batching cannot run, continuous still can
     t.num_blocks.value = 15
     assert "static" in t.errors and "cannot reserve" in t.caption.value and "static" not in t.summary
     assert t.summary["continuous"]["requests"] == 7 and t.summary["continuous"]["preemptions"] > 0
     assert not [s for s in t.segments if s["policy"] == "static"]
+    assert check_layout(t.figure) == []
+    names = [d.name for d in t.figure.data if d.showlegend is not False]
+    assert len(names) == len(set(names))                                   # "preempted" only once
+
+
+def test_timeline_in_chapter_07_reads_well():
+    seven = [SimRequest(rid, 0.0, p, o) for rid, p, o in SEVEN_REQUESTS]
+    t = BatchingTimeline(seven, config=SimConfig(block_size=4, num_blocks=41, max_num_seqs=8,
+                                                 max_num_batched_tokens=32, max_model_len=64, watermark=0.0),
+                         batch_size=3)
+    assert t.markers and check_layout(t.figure) == []
+    assert t.figure.layout.legend.x >= 1 and t.figure.layout.legend.xanchor == "left"
+
+
+def test_batch_and_latency_figure():
+    reqs = [SimRequest(rid, 0.0, pr, o) for rid, pr, o in SEVEN_REQUESTS]
+    runs = {"static": simulate_static(reqs, STEP_CLOCK, SEVEN_CONFIG, batch_size=3),
+            "continuous": simulate_continuous(reqs, STEP_CLOCK, SEVEN_CONFIG)}
+    fig = batch_and_latency_figure(runs)
+    assert check_layout(fig) == []
+    assert [d.name for d in fig.data if d.showlegend is not False] == ["static", "continuous"]
+    assert fig.layout.yaxis.title.text and fig.layout.yaxis2.title.text
+    assert fig.data[1].y[-1] == 1.0 and len(fig.data[1].x) == 7
+
+
+def test_watermark_sweep_figure():
+    sweep = {("recompute", 0.0): dict(preemptions=41, latency_p99_s=12.7),
+             ("recompute", 0.05): dict(preemptions=3, latency_p99_s=9.81),
+             ("swap", 0.0): dict(preemptions=37, latency_p99_s=11.2),
+             ("swap", 0.05): dict(preemptions=2, latency_p99_s=9.5)}
+    fig = watermark_sweep_figure(sweep)
+    assert check_layout(fig) == []
+    lay = fig.layout
+    assert lay.legend.y >= 1 and lay.legend.yanchor == "bottom"          # above: the right axis is on the right
+    assert lay.yaxis2.title.text == "p99 latency (s)" and lay.yaxis.title.text == "preemptions"
+    left, right = lay.yaxis.range[1] / lay.yaxis.dtick, lay.yaxis2.range[1] / lay.yaxis2.dtick
+    assert left == pytest.approx(right) and lay.yaxis.range[1] > 41 and lay.yaxis2.range[1] > 12.7
+    assert [d.name for d in fig.data] == ["recompute: preemptions", "recompute: p99 latency", "swap: preemptions",
+                                          "swap: p99 latency"]
 
 
 def test_request_segments_follow_the_events():
@@ -127,6 +209,7 @@ def test_prefix_view_shows_shared_blocks_and_ref_counts():
     # the slider shows what a learner sees
     v.slider.value = labels.index(four["label"])
     assert "<sup>×4</sup>" in v.html.value and v.summary == s
+    assert _readable(v.html.value)
     # everyone finished: the prompt blocks wait, cached, in the free queue
     done = v.history[labels.index(next(x for x in labels if x.startswith("r3 finishes")))]
     assert done["summary"]["cached_free"] == 5 + 4 and done["rows"] == {}

@@ -8,7 +8,9 @@ from minipaged.kv_cache_manager import KVCacheManager
 from minipaged.request import Request
 from minipaged.contiguous import contiguous_layouts
 from minipaged.viz import BlockPoolGrid, BlockTableView, ContiguousVsPaged
-from minipaged.viz.block_viz import CACHED_FREE_COLOR, FREE_COLOR, HOLE_COLOR, NULL_COLOR, SHARED_COLOR
+from minipaged.viz.block_viz import (CACHED_FREE_COLOR, FREE_COLOR, HOLE_COLOR, NULL_COLOR, OWNER_COLORS,
+                                     SHARED_COLOR, STATUS_COLORS, UNUSED_COLOR)
+from minipaged.viz.layout import check_layout, contrast_ratio, delta_e, text_color
 from minipaged.workloads import Trace, TraceRequest, sharegpt_like_trace
 
 
@@ -52,6 +54,33 @@ def test_pool_grid_replays_the_seed_trace_with_history():
     grid.step.value = 1
     assert grid.label == "A has 5 tokens" and grid.summary["block_tables"] == {"A": [1, 2]}
     assert "A has 5 tokens" in grid.caption.value
+    assert check_layout(grid.figure) == []
+    _squares_readable(grid.figure)
+
+
+def _squares_readable(fig):
+    """The number on every square contrasts >= 4.5:1 with the square's colour."""
+    for t in fig.data:
+        if t.text is None:
+            continue
+        fills = t.marker.color if isinstance(t.marker.color, (list, tuple)) else [t.marker.color] * len(t.x)
+        inks = t.textfont.color if isinstance(t.textfont.color, (list, tuple)) else [t.textfont.color] * len(t.x)
+        for fill, ink in zip(fills, inks):
+            assert contrast_ratio(ink, fill) >= 4.5, (t.name, ink, fill)
+
+
+def test_palette_is_distinct_and_readable():
+    # every owner colour is far from every other one and from the status colours (free, cached, null, shared)
+    for i, a in enumerate(OWNER_COLORS):
+        for b in OWNER_COLORS[i + 1:]:
+            assert delta_e(a, b) >= 30, (a, b)
+        for name, b in STATUS_COLORS.items():
+            assert delta_e(a, b) >= 25, (a, name, b)
+    for color in OWNER_COLORS + list(STATUS_COLORS.values()) + [UNUSED_COLOR, HOLE_COLOR]:
+        assert contrast_ratio(text_color(color), color) >= 4.5
+    # chapter 02's memory bar: live, reserved-but-empty, too-small hole and free look nothing alike
+    bar = [OWNER_COLORS[0], UNUSED_COLOR, HOLE_COLOR, FREE_COLOR]
+    assert min(delta_e(a, b) for i, a in enumerate(bar) for b in bar[i + 1:]) >= 30
 
 
 def test_pool_grid_shows_shared_and_cached_blocks():
@@ -74,6 +103,8 @@ def test_pool_grid_shows_shared_and_cached_blocks():
     cached = grid.cells[hits[0].block_id]
     assert cached["status"] == "free, cached" and cached["color"] == CACHED_FREE_COLOR
     assert grid.summary["cached_free"] == 2 and grid.summary["in_use"] == 0
+    assert check_layout(grid.figure) == []
+    _squares_readable(grid.figure)
 
 
 def test_pool_grid_on_a_bare_pool_with_owners():
@@ -106,7 +137,10 @@ def test_contiguous_vs_paged_steps_through_the_same_trace():
     assert sum(hole_bars[0].x) == 6 and hole_bars[0].marker.color == HOLE_COLOR
     assert "1 waiting" in view.caption.value and "external 6" in view.caption.value
     # the timeline: one line per allocator and a marker at the current step
-    assert [t.name for t in view.timeline.data] == ["contiguous (live / slots)", "paged (live / slots)"]
+    assert [t.name for t in view.timeline.data] == ["contiguous", "paged"]
+    assert view.timeline.layout.yaxis.title.text == "utilisation (live / slots)"
+    for fig in (view.memory, view.timeline):   # legends to the right, off the bars and the curves
+        assert check_layout(fig) == [] and fig.layout.legend.x >= 1
     assert view.timeline.layout.shapes[0].x0 == 1
     # the paged run ends first: after its last step it reads "finished"
     view.step.value = view.step.max
@@ -115,6 +149,8 @@ def test_contiguous_vs_paged_steps_through_the_same_trace():
     # another reservation policy re-runs both simulations
     view.policy.value = "max"
     assert all(r[2] == 12 for r in view.layouts[0]["reservations"])
+    assert check_layout(view.memory) == [] and check_layout(view.timeline) == []
+    assert view.memory.layout.yaxis.title.text == "allocator"   # kept when the bars are redrawn
 
 
 def test_contiguous_layouts_replay_matches_the_simulation():
@@ -152,6 +188,8 @@ def test_block_table_view_resolves_positions_to_slots():
     physical = view.figure.data[1]
     assert len(physical.x) == 12 and physical.marker.color[0] == NULL_COLOR
     assert physical.marker.color[3] == FREE_COLOR and physical.marker.color[6] != FREE_COLOR
+    assert check_layout(view.figure) == []
+    _squares_readable(view.figure)
 
 
 def test_block_table_view_from_a_manager_and_the_seed_table():
@@ -164,3 +202,21 @@ def test_block_table_view_from_a_manager_and_the_seed_table():
     assert (seed.resolved["block"], seed.resolved["offset"], seed.resolved["slot"]) == (5, 2, 22)
     with pytest.raises(ValueError):
         BlockTableView({"A": [30]}, block_size=4, num_blocks=8)
+
+
+def test_memory_growth_figure_keeps_its_legend_off_the_lines():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minipaged.contiguous import memory_vs_generated_tokens
+    from minipaged.viz.block_viz import memory_growth_figure
+    from minipaged.viz.layout import check_mpl_layout
+
+    for prompt_len in (0, 4000):
+        fig = memory_growth_figure(memory_vs_generated_tokens(max_model_len=8192, block_size=16,
+                                                              prompt_len=prompt_len), block_size=16)
+        assert check_mpl_layout(fig) == []
+        assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
+            "contiguous (reserve max_model_len)", "paged (16-token blocks)", "reserved but empty"]
+        plt.close(fig)

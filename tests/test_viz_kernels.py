@@ -8,6 +8,7 @@ from minipaged.kv_math import PRESETS, KVSpec
 from minipaged.viz import PagedReadView
 from minipaged.viz import kernel_viz as KV
 from minipaged.viz.block_viz import FREE_COLOR
+from minipaged.viz.layout import check_layout, check_mpl_layout, text_px
 
 
 class _Spy:
@@ -153,6 +154,19 @@ def test_roofline_figure():
     fig = KV.roofline_figure(989.4, 3350.0, [("decode", 4.0), ("prefill", 820.0)], title="t")
     ax = fig.axes[0]
     assert len(ax.lines) == 1 + 1 + 2   # roof, ridge, two points
+    assert check_mpl_layout(fig) == []
+    plt.close(fig)
+    # chapter 05's figure: five long labels, each inside the axes, off the roof and the ridge, apart
+    points = [("decode Llama-2-7B (G=1)", 1.0), ("decode SmolLM2-135M (G=3)", 3.0),
+              ("decode Llama-3-70B (G=8)", 8.0), ("prefill 128 tokens (Llama-3-8B)", 51.6),
+              ("prefill 2048 tokens (Llama-3-8B)", 819.6)]
+    fig = KV.roofline_figure(989.4, 3352.0, points, title="H100 SXM roofline, fp16 attention")
+    assert check_mpl_layout(fig) == [] and len(fig.axes[0].texts) == 6
+    plt.close(fig)
+    # the check would have caught the old placement: a label right of the last point runs past the axes
+    fig = KV.roofline_figure(989.4, 3352.0, points)
+    fig.axes[0].annotate(points[-1][0], (819.6, 989.4), textcoords="offset points", xytext=(6, -4), fontsize=8)
+    assert any("runs past the axes" in p for p in check_mpl_layout(fig))
     plt.close(fig)
 
 
@@ -191,6 +205,13 @@ def test_read_view_driven_from_python():
     view.program.value = 5                                           # seq 2, segment 1: tokens 64–109
     assert view.selected.physical_blocks == [24, 7, 1] and view.selected.reads[-1] == (6, 1, 14)
     assert view.widget.children[1] is view.caption
+    assert check_layout(view.figure) == []
+    # the dropdown is wide enough for its longest option, its label wide enough for "num_splits"
+    width = int(view.program.layout.width.removesuffix("px"))
+    label = int(view.program.style.description_width.removesuffix("px"))
+    assert width - label >= max(text_px(o) for o, _ in view.program.options) + 20
+    assert label >= text_px("num_splits")
+    assert view.splits.style.description_width == view.program.style.description_width
 
 
 def test_read_view_rejects_a_block_outside_the_pool():

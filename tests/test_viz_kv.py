@@ -1,8 +1,10 @@
 """Chapter 01 widgets, driven from Python as a learner would drive them."""
 import json
+import re
 
 from minipaged.kv_math import GiB, MiB, KVSpec
 from minipaged.viz import KVCalculator, KVGrowthView
+from minipaged.viz.layout import check_layout, contrast_ratio, text_px
 
 
 def test_calculator_follows_its_controls():
@@ -27,6 +29,17 @@ def test_calculator_follows_its_controls():
     assert "1.25 GiB" in calc.output.value
     calc.batch.value = 512
     assert not calc.summary["fits"] and "does not fit" in calc.output.value
+    assert check_layout(calc.figure) == []
+
+
+def test_calculator_labels_are_not_cut():
+    calc = KVCalculator()
+    for w in (calc.model, calc.config_text, calc.tokens, calc.batch, calc.dtype, calc.block_size, calc.tp,
+              calc.gpu_gib, calc.utilization):
+        width = int(w.style.description_width.removesuffix("px"))
+        assert width >= text_px(w.description), w.description       # "GPU memory (…", "memory utiliz…" before
+    options = int(calc.model.layout.width.removesuffix("px")) - int(calc.model.style.description_width[:-2])
+    assert options >= max(text_px(label) for label, _ in calc.model.options)
 
 
 def test_calculator_reads_a_pasted_config_and_reports_bad_json():
@@ -60,3 +73,7 @@ def test_growth_view_steps_token_by_token():
     view.step.value = 7
     assert view.state["blocks"] == 2 and view.state["empty_slots"] == 1
     assert view.meter.value == view.meter.max  # the budget defaults to the whole sequence
+    for style in re.findall(r"style='([^']*)'", view.grid.value):  # tokens on the block colours read (>= 4.5:1)
+        bg, fg = re.search(r"background:([^;]+)", style), re.search(r"(?:^|;)color:([^;]+)", style)
+        if fg:
+            assert contrast_ratio(fg.group(1), bg.group(1) if bg else "white") >= 4.5, style

@@ -2,6 +2,7 @@
 
     python tools/nbtool.py from-py SRC.py OUT.ipynb   # build a notebook from a percent-format script
     python tools/nbtool.py refresh NB.ipynb ...        # re-run and store only the outputs nbval compares
+    python tools/nbtool.py time NB.ipynb ...           # wall time of each, top to bottom in a fresh kernel
 
 Conventions it enforces (see DESIGN.md): outputs are stored only for cells marked
 ``# NBVAL_CHECK_OUTPUT``; plot and widget outputs never enter the repo. An exercise
@@ -97,6 +98,21 @@ def refresh(path: Path) -> None:
     print(f"refreshed {path}")
 
 
+def time_notebooks(paths: list[Path]) -> None:
+    """Run each notebook as nbval would (fresh kernel, its own folder) and print its wall time; fail on an error."""
+    import os
+    import platform
+    import time
+
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    for path in paths:
+        t0 = time.perf_counter()
+        nb = execute(path)
+        seconds = time.perf_counter() - t0
+        errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+        print(f"{path.name:<40} {seconds:6.1f} s" + (f"  ERROR {errors[0]['ename']}" if errors else ""), flush=True)
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
     if cmd == "from-py":
@@ -104,5 +120,7 @@ if __name__ == "__main__":
     elif cmd == "refresh":
         for a in args:
             refresh(Path(a))
+    elif cmd == "time":
+        time_notebooks([Path(a) for a in args])
     else:
         raise SystemExit(__doc__)

@@ -26,7 +26,8 @@ from ..kv_cache_manager import KVCacheManager
 from ..request import Request, RequestStatus
 from ..scheduler import Scheduler, SchedulerOutput
 from ..simulator import CostModel, SimConfig, SimRequest, simulate_continuous, simulate_static
-from .block_viz import CACHED_FREE_COLOR, FREE_COLOR, SHARED_COLOR, OwnerColors, display_widget
+from .block_viz import CACHED_FREE_COLOR, FREE_COLOR, SHARED_COLOR, UNUSED_COLOR, OwnerColors, display_widget
+from .layout import aligned_ticks, label_style, legend_above, legend_right, padded, text_color
 
 # One second per step: the player and small timelines count steps, not seconds.
 STEP_CLOCK = CostModel(weight_bytes=1.0, kv_bytes_per_token=0.0, flops_per_token=0.0, mem_bandwidth=1.0, flops=1.0,
@@ -39,7 +40,23 @@ SEVEN_REQUESTS: tuple[tuple[str, int, int], ...] = (  # (id, prompt tokens, outp
 SEVEN_CONFIG = SimConfig(block_size=4, num_blocks=49, max_num_seqs=8, max_num_batched_tokens=32,
                          max_model_len=128, watermark=0.0)
 
-SEGMENT_COLORS = {"waiting": "#d9d9d9", "running": "#4c78a8", "padding": "#f2c7c7", "preempted": "#f58518"}
+# A padded row is held but empty: the same pink as chapter 02's reserved-but-empty slots.
+SEGMENT_COLORS = {"waiting": "#d9d9d9", "running": "#4c78a8", "padding": UNUSED_COLOR, "preempted": "#f58518"}
+# What the legend calls each kind of bar, and the preemption marker (each name once).
+SEGMENT_NAMES = {"waiting": "waiting", "running": "running", "padding": "padding (done, row still held)",
+                 "preempted": "preempted (back in the queue)"}
+PREEMPT_MARKER_NAME = "✕ preemption"
+
+
+def _pool_ticks(left_max: float, usable: int) -> dict[str, tuple[float, float]]:
+    """Round ticks for (requests, blocks of a ``usable``-block pool) on one grid: the block axis ends at the
+    pool's size when a round step divides it (48 -> 0, 12, 24, 36, 48), the request axis has as many steps."""
+    for n in (4, 6, 3, 8, 5, 2):
+        step = usable / n
+        if step == int(step) and (step < 10 or step % 2 == 0 or step % 5 == 0):
+            left = max(1, -(-int(left_max) // n))
+            return dict(left=(left * n, float(left)), right=(float(usable), step))
+    return aligned_ticks(left_max, usable, left_integer=True, right_integer=True)
 
 
 # ---- (a) the continuous-batching player ------------------------------------------------------
@@ -83,7 +100,8 @@ class BatchingPlayer:
         self.state: dict[str, Any] = self.history[0]
         # controls
         n = len(self.history) - 1
-        self.slider = W.IntSlider(value=0, min=0, max=n, description="step", layout=W.Layout(width="480px"))
+        self.slider = W.IntSlider(value=0, min=0, max=n, description="step", style=label_style("step"),
+                                  layout=W.Layout(width="480px"))
         self.play = W.Play(value=0, min=0, max=n, interval=500, description="play")
         W.jslink((self.play, "value"), (self.slider, "value"))
         self.step_button = W.Button(description="step ▶", layout=W.Layout(width="80px"))
@@ -93,16 +111,23 @@ class BatchingPlayer:
         self.header = W.HTML()
         self.queues = W.HTML()
         self.grid = W.HTML()
-        self.figure = go.FigureWidget(layout=dict(
-            height=230, margin=dict(l=50, r=10, t=30, b=40), title="running, waiting and blocks in use",
-            xaxis_title="step", legend=dict(orientation="h", y=1.15)))
         s = self.result.steps
         xs = list(range(1, len(s["time"]) + 1))
+        usable = config.num_blocks - 1
+        # Two y axes on one grid: requests on the left, blocks on the right, both in round steps. The title
+        # takes the top row, the legend the row under it, above the plot: nothing covers a peak.
+        ticks = _pool_ticks(max([*s["num_running"].tolist(), *s["num_waiting"].tolist(), 1]), usable)
+        self.figure = go.FigureWidget(layout=dict(
+            height=300, margin=dict(l=60, r=70, t=90, b=45),
+            title=dict(text="running, waiting and blocks in use", y=0.97, yanchor="top"),
+            xaxis=dict(title="step"), legend=legend_above(),
+            yaxis=dict(title="requests", range=padded(ticks["left"][0]), tickmode="linear", dtick=ticks["left"][1]),
+            yaxis2=dict(title=f"blocks in use (of {usable})", overlaying="y", side="right",
+                        range=padded(ticks["right"][0]), tickmode="linear", dtick=ticks["right"][1])))
         self.figure.add_scatter(x=xs, y=s["num_running"].tolist(), name="running", mode="lines", line_shape="hv")
         self.figure.add_scatter(x=xs, y=s["num_waiting"].tolist(), name="waiting", mode="lines", line_shape="hv")
         self.figure.add_scatter(x=xs, y=s["blocks_in_use"].tolist(), name="blocks in use", mode="lines",
                                 line_shape="hv", yaxis="y2")
-        self.figure.layout.yaxis2 = dict(overlaying="y", side="right", range=[0, config.num_blocks - 1])
         self.slider.observe(lambda ch: self._go(ch["new"]), names="value")
         self._draw()
 
@@ -176,8 +201,11 @@ class BatchingPlayer:
 
     # -- drawing -----------------------------------------------------------------------------
     def _chip(self, rid: str, text: str, outline: bool = False) -> str:
+        # Filled (running): black or white text, whichever reads on the colour. Outlined (waiting): the
+        # colour marks the border only, the text stays dark on the page.
         color = self.colors(rid)
-        style = (f"border:2px solid {color};color:{color}" if outline else f"background:{color};color:white")
+        style = (f"border:2px solid {color};color:#222" if outline
+                 else f"border:2px solid {color};background:{color};color:{text_color(color)}")
         return (f"<span style='display:inline-block;margin:2px;padding:2px 6px;border-radius:4px;{style}'>"
                 f"{html.escape(text)}</span>")
 
@@ -199,11 +227,12 @@ class BatchingPlayer:
         cells = []
         for c in st["cells"][1:]:  # the null block is not part of the 48
             if c["status"] in ("in use", "shared") and c["owner"]:
-                color, text, fg = self.colors(c["owner"]), c["owner"], "white"
+                color, text = self.colors(c["owner"]), c["owner"]
             elif c["status"] == "shared":
-                color, text, fg = SHARED_COLOR, f"×{c['ref_cnt']}", "white"
+                color, text = SHARED_COLOR, f"×{c['ref_cnt']}"
             else:
-                color, text, fg = CACHED_FREE_COLOR if c["status"] == "free, cached" else FREE_COLOR, "", "#333"
+                color, text = CACHED_FREE_COLOR if c["status"] == "free, cached" else FREE_COLOR, ""
+            fg = text_color(color)
             cells.append(f"<div title='block {c['block_id']}: {c['status']}' style='width:34px;height:26px;"
                          f"background:{color};color:{fg};display:flex;align-items:center;justify-content:center;"
                          f"font-size:11px;border:1px solid #999'>{html.escape(text)}<sub>{c['block_id']}</sub></div>")
@@ -277,7 +306,7 @@ class BatchingTimeline:
                  batch_size: int = 4, time_label: str = "step", time_scale: float = 1.0) -> None:
         self.requests, self.cost, self.config = list(requests), cost, config
         self.time_label, self.time_scale = time_label, time_scale
-        style = {"description_width": "120px"}
+        style = label_style("static batch B", "pool blocks")
         self.batch_size = W.IntSlider(value=batch_size, min=1, max=max(len(self.requests), batch_size),
                                       description="static batch B", style=style, continuous_update=False)
         self.num_blocks = W.IntSlider(value=config.num_blocks - 1, min=8, max=max(4 * (config.num_blocks - 1), 64),
@@ -285,8 +314,10 @@ class BatchingTimeline:
         self.caption = W.HTML()
         self.figure = go.FigureWidget(make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                                                     subplot_titles=("static batching", "continuous batching")))
+        # The legend goes to the right: above are the subplot titles, below the time axis and its title.
         self.figure.update_layout(height=120 + 36 * len(self.requests), barmode="overlay",
-                                  margin=dict(l=50, r=10, t=40, b=40), legend=dict(orientation="h", y=-0.08))
+                                  margin=dict(l=60, r=10, t=40, b=45), legend=legend_right())
+        self.figure.update_yaxes(title_text="request")
         self.segments: list[dict[str, Any]] = []
         self.markers: list[dict[str, Any]] = []
         self.summary: dict[str, dict[str, float]] = {}
@@ -332,7 +363,8 @@ class BatchingTimeline:
                         continue
                     self.figure.add_bar(
                         y=[s["req_id"] for s in segs], x=[(s["end"] - s["start"]) * k for s in segs],
-                        base=[s["start"] * k for s in segs], orientation="h", marker_color=color, name=kind,
+                        base=[s["start"] * k for s in segs], orientation="h", marker_color=color,
+                        name=SEGMENT_NAMES[kind],
                         legendgroup=kind, showlegend=kind not in shown, row=row, col=1,
                         hovertext=[f"{s['req_id']} {kind}: {s['start'] * k:.3g} → {s['end'] * k:.3g} "
                                    f"{self.time_label}" for s in segs], hoverinfo="text")
@@ -341,7 +373,8 @@ class BatchingTimeline:
                 if marks:
                     self.figure.add_scatter(x=[m["time"] * k for m in marks], y=[m["req_id"] for m in marks],
                                             mode="markers", marker=dict(symbol="x", size=10, color="#c00"),
-                                            name="preempted", showlegend="preempt" not in shown, row=row, col=1)
+                                            name=PREEMPT_MARKER_NAME, legendgroup="preempt",
+                                            showlegend="preempt" not in shown, row=row, col=1)
                     shown.add("preempt")
                 self.figure.update_yaxes(categoryorder="array", categoryarray=order, row=row, col=1)
             self.figure.update_xaxes(title_text=self.time_label, row=2, col=1)
@@ -383,7 +416,8 @@ class PrefixSharingView:
         self.rows: dict[str, list[dict[str, Any]]] = {}
         self.summary: dict[str, Any] = {}
         self.label = ""
-        self.slider = W.IntSlider(value=0, min=0, max=0, description="snapshot", layout=W.Layout(width="480px"))
+        self.slider = W.IntSlider(value=0, min=0, max=0, description="snapshot", style=label_style("snapshot"),
+                                  layout=W.Layout(width="480px"))
         self.html = W.HTML()
         self.slider.observe(lambda ch: self._show(ch["new"]), names="value")
         self.refresh(label)
@@ -426,10 +460,11 @@ class PrefixSharingView:
             tds = []
             for c in cells:
                 if c["shared"]:
-                    style = f"background:{SHARED_COLOR};color:white;font-weight:bold"
+                    style = f"background:{SHARED_COLOR};color:{text_color(SHARED_COLOR)};font-weight:bold"
                     text = f"{c['block_id']}<sup>×{c['ref_cnt']}</sup>"
                 else:
-                    style = "background:#4c78a8;color:white" if c["hashed"] else "border:1px dashed #4c78a8"
+                    style = (f"background:#4c78a8;color:{text_color('#4c78a8')}" if c["hashed"]
+                             else "border:1px dashed #4c78a8")
                     text = str(c["block_id"])
                 tds.append(f"<td style='padding:2px 5px;font-size:11px;{style}'>{text}</td>")
             lines.append(f"<tr><td style='padding-right:8px'><b>{html.escape(rid)}</b></td>{''.join(tds)}</tr>")
@@ -475,5 +510,62 @@ class PrefixSharingView:
         display_widget(self.widget)
 
 
+# ---- (d) figures of whole runs ------------------------------------------------------------------
+POLICY_COLORS = {"static": "#e45756", "continuous": "#4c78a8", "recompute": "#e45756", "swap": "#4c78a8"}
+
+
+def batch_and_latency_figure(runs: dict[str, Any], policies: Sequence[str] = ("static", "continuous")) -> go.Figure:
+    """Chapter 06: the live batch over time (left) and the latency CDF (right) of a few ``SimResult``s.
+
+    ``runs`` maps a policy name to its ``SimResult``. One legend entry per policy (its colour in both
+    panels), to the right of the plots: the subplot titles are above.
+    """
+    import numpy as np
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("live requests in the batch", "latency CDF"),
+                        horizontal_spacing=0.12)
+    for name in policies:
+        res, color = runs[name], POLICY_COLORS.get(name, "#54a24b")
+        fig.add_scatter(x=res.steps["time"], y=res.steps["num_running"], mode="lines", line_shape="hv", name=name,
+                        legendgroup=name, line_color=color, row=1, col=1)
+        lat = np.sort([m.latency for m in res.finished])
+        fig.add_scatter(x=lat, y=np.arange(1, len(lat) + 1) / len(lat), mode="lines", name=name, legendgroup=name,
+                        showlegend=False, line_color=color, row=1, col=2,
+                        hovertemplate=f"{name}: %{{y:.0%}} done within %{{x:.3g}} s<extra></extra>")
+    fig.update_xaxes(title_text="time (s)", row=1, col=1)
+    fig.update_yaxes(title_text="requests running", rangemode="tozero", row=1, col=1)
+    fig.update_xaxes(title_text="latency (s)", row=1, col=2)
+    fig.update_yaxes(title_text="requests finished", tickformat=".0%", range=[0, 1.02], dtick=0.25, row=1, col=2)
+    fig.update_layout(height=360, margin=dict(l=60, r=10, t=50, b=50), legend=legend_right())
+    return fig
+
+
+def watermark_sweep_figure(sweep: dict[tuple[str, float], dict[str, float]],
+                           modes: Sequence[str] = ("recompute", "swap")) -> go.Figure:
+    """Chapter 07: preemptions (left axis, solid) and p99 latency (right axis, dotted) against the watermark.
+
+    ``sweep`` maps ``(mode, watermark)`` to a ``SimResult.summary()``. The two y axes share one grid of
+    round ticks (``aligned_ticks``); the legend is a row above the plot, clear of the right axis' title.
+    """
+    wms = sorted({wm for (mode, wm) in sweep if mode in modes})
+    pre = [sweep[m, w]["preemptions"] for m in modes for w in wms]
+    p99 = [sweep[m, w]["latency_p99_s"] for m in modes for w in wms]
+    ticks = aligned_ticks(max(pre, default=0), max(p99, default=0), left_integer=True)
+    fig = go.Figure()
+    for mode in modes:
+        color = POLICY_COLORS.get(mode, "#54a24b")
+        fig.add_scatter(x=wms, y=[sweep[mode, w]["preemptions"] for w in wms], name=f"{mode}: preemptions",
+                        mode="lines+markers", line_color=color)
+        fig.add_scatter(x=wms, y=[sweep[mode, w]["latency_p99_s"] for w in wms], name=f"{mode}: p99 latency",
+                        mode="lines+markers", line_color=color, line_dash="dot", yaxis="y2")
+    fig.update_layout(
+        height=360, margin=dict(l=70, r=70, t=60, b=50), legend=legend_above(),
+        xaxis=dict(title="watermark (fraction of the pool)", tickformat=".0%"),
+        yaxis=dict(title="preemptions", range=padded(ticks["left"][0]), tickmode="linear", dtick=ticks["left"][1]),
+        yaxis2=dict(title="p99 latency (s)", overlaying="y", side="right", range=padded(ticks["right"][0]),
+                    tickmode="linear", dtick=ticks["right"][1]))
+    return fig
+
+
 __all__ = ["BatchingPlayer", "BatchingTimeline", "PrefixSharingView", "SEVEN_CONFIG", "SEVEN_REQUESTS",
-           "STEP_CLOCK", "request_segments"]
+           "STEP_CLOCK", "batch_and_latency_figure", "request_segments", "watermark_sweep_figure"]

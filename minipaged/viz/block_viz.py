@@ -28,17 +28,19 @@ from ..contiguous import TraceResult, contiguous_layouts, reservation_size, simu
 from ..kv_cache_manager import KVCacheManager
 from ..workloads import Trace
 from .kv_widgets import BLOCK_COLORS
+from .layout import label_style, legend_right, text_color
 from ..utils import cdiv
 
 FREE_COLOR = "#e6e6e6"
 CACHED_FREE_COLOR = "#b9dcb4"  # free, but still holding a cached prefix block
 NULL_COLOR = "#303030"
 SHARED_COLOR = "#8c564b"
-UNUSED_COLOR = "#f2c7c7"  # reserved (or allocated) but holding no token: internal fragmentation
-HOLE_COLOR = "#f7a8a8"    # free, but in a hole too small for the request waiting: external fragmentation
-# Owners: chapter 01's block colours, then more saturated ones (white text stays readable on all of them).
-OWNER_COLORS = BLOCK_COLORS + ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d",
-                               "#1f78b4", "#33a02c", "#fb9a99", "#6a3d9a", "#b15928"]
+UNUSED_COLOR = "#f4a3b4"  # pink: reserved (or allocated) but holding no token: internal fragmentation
+HOLE_COLOR = "#d62728"    # red: free, but in a hole too small for the request waiting: external fragmentation
+# Owners: chapter 01's block colours, then four more; every pair and every status colour above stays apart
+# (CIELAB ΔE >= 30), so two requests never look alike. Text on them is black or white (``text_color``).
+OWNER_COLORS = BLOCK_COLORS + ["#d6278f", "#6a3d9a", "#7f7f00", "#fdd0a2"]
+STATUS_COLORS = {"free": FREE_COLOR, "free, cached": CACHED_FREE_COLOR, "null": NULL_COLOR, "shared": SHARED_COLOR}
 
 
 class OwnerColors:
@@ -113,9 +115,9 @@ class BlockPoolGrid:
             margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white", hovermode="closest",
             xaxis=dict(visible=False, range=[-0.6, columns - 0.4]),
             yaxis=dict(visible=False, range=[-rows + 0.4, 0.6]),
-            legend=dict(orientation="v", x=1.02, y=1)))
+            legend=legend_right()))
         self.step = W.IntSlider(value=0, min=0, max=0, description="snapshot", continuous_update=True,
-                                layout=W.Layout(width="520px"))
+                                style=label_style("snapshot"), layout=W.Layout(width="520px"))
         self.caption = W.HTML()
         self.step.observe(lambda _change: self._show(self.step.value), names="value")
         self.refresh(label)
@@ -204,8 +206,7 @@ class BlockPoolGrid:
                 self.figure.add_scatter(
                     x=[c["block_id"] % self.columns for c in cs], y=[-(c["block_id"] // self.columns) for c in cs],
                     mode="markers+text", name=name, text=[str(c["block_id"]) for c in cs],
-                    textfont=dict(color=["white" if c["status"] in ("null", "in use", "shared") else "#333"
-                                         for c in cs], size=11),
+                    textfont=dict(color=[text_color(c["color"]) for c in cs], size=11),
                     marker=dict(symbol="square", size=36, color=[c["color"] for c in cs],
                                 line=dict(color="#999", width=1)),
                     hovertext=[c["hover"] for c in cs], hoverinfo="text")
@@ -239,18 +240,24 @@ class ContiguousVsPaged:
                  block_size: int = 16, step: int = 0) -> None:
         self.trace, self.num_slots, self.max_model_len = trace, num_slots, max_model_len
         self.block_size = block_size
-        self.policy = W.Dropdown(options=["max", "pow2", "exact"], value=policy, description="reserve")
-        self.step = W.IntSlider(value=0, min=0, max=0, description="step", continuous_update=False,
+        style = label_style("reserve", "step")
+        self.policy = W.Dropdown(options=["max", "pow2", "exact"], value=policy, description="reserve", style=style,
+                                 layout=W.Layout(width="200px"))
+        self.step = W.IntSlider(value=0, min=0, max=0, description="step", continuous_update=False, style=style,
                                 layout=W.Layout(width="620px"))
         self.play = W.Play(value=0, min=0, max=0, interval=150)
         W.jslink((self.play, "value"), (self.step, "value"))
         self.caption = W.HTML()
+        # Both figures keep their legend in the right margin, so their plots line up and nothing covers a bar
+        # or a curve; plotly widens the margin to fit it.
         self.memory = go.FigureWidget(layout=dict(
-            height=230, barmode="overlay", margin=dict(l=130, r=20, t=40, b=40), showlegend=True,
-            xaxis=dict(title="token slots", range=[0, num_slots]), legend=dict(orientation="h", y=-0.35)))
+            height=230, barmode="overlay", margin=dict(l=130, r=20, t=40, b=50), showlegend=True,
+            xaxis=dict(title="token slots (position in the arena)", range=[0, num_slots]),
+            yaxis=dict(title="allocator", automargin=True), legend=legend_right()))
         self.timeline = go.FigureWidget(layout=dict(
-            height=260, margin=dict(l=60, r=20, t=30, b=40), xaxis_title="step",
-            yaxis=dict(title="utilisation", tickformat=".0%", range=[0, 1.02]), legend=dict(x=0.01, y=0.2)))
+            height=260, margin=dict(l=130, r=20, t=30, b=50), xaxis_title="step",
+            yaxis=dict(title="utilisation (live / slots)", tickformat=".0%", range=[0, 1.02], dtick=0.25),
+            legend=legend_right()))
         self.state: dict[str, Any] = {}
         self.layout: dict[str, Any] = {}
         self.policy.observe(lambda _change: self._simulate(), names="value")
@@ -268,7 +275,7 @@ class ContiguousVsPaged:
             self.timeline.data = []
             for name, res, color in (("contiguous", self.contiguous, BLOCK_COLORS[1]),
                                      ("paged", self.paged, BLOCK_COLORS[0])):
-                self.timeline.add_scatter(x=res.step, y=res.utilisation, name=f"{name} (live / slots)",
+                self.timeline.add_scatter(x=res.step, y=res.utilisation, name=name,
                                           mode="lines", line=dict(color=color))
         self.step.max = self.play.max = last
         target = self.step.value if step is None else step
@@ -338,7 +345,7 @@ class ContiguousVsPaged:
                                     marker=dict(color=colors[kind], line=dict(color="white", width=1)),
                                     hovertext=b["text"], hoverinfo="text")
             self.memory.layout.title = f"memory at step {t}"
-            self.memory.layout.yaxis = dict(categoryorder="array", categoryarray=[p_name, c_name])
+            self.memory.layout.yaxis.update(categoryorder="array", categoryarray=[p_name, c_name])
         self.timeline.layout.shapes = [dict(type="line", x0=t, x1=t, y0=0, y1=1, yref="paper",
                                             line=dict(dash="dot", color="gray"))]
 
@@ -393,9 +400,11 @@ class BlockTableView:
         self.colors = OwnerColors()
         for rid in self.tables:
             self.colors(rid)
+        style = label_style("request", "position")
         self.request = W.Dropdown(options=list(self.tables), value=request or next(iter(self.tables)),
-                                  description="request")
-        self.position = W.IntSlider(value=0, min=0, max=0, description="position", continuous_update=True)
+                                  description="request", style=style)
+        self.position = W.IntSlider(value=0, min=0, max=0, description="position", continuous_update=True,
+                                    style=style)
         self.caption = W.HTML()
         rows = max(self.num_blocks, sum(len(t) + 1 for t in self.tables.values()))
         self.figure = go.FigureWidget(layout=dict(
@@ -451,11 +460,12 @@ class BlockTableView:
         with self.figure.batch_update():
             self.figure.data = []
             self.figure.add_scatter(x=lx, y=ly, mode="markers+text", text=ltext, hovertext=lhover,
-                                    hoverinfo="text", textfont=dict(color="white"), name="logical",
+                                    hoverinfo="text", textfont=dict(color=[text_color(c) for c in lcol]),
+                                    name="logical",
                                     marker=dict(symbol="square", size=30, color=lcol))
             self.figure.add_scatter(x=px, y=py, mode="markers+text", text=ptext, hovertext=phover,
                                     hoverinfo="text", name="physical",
-                                    textfont=dict(color=["white" if c != FREE_COLOR else "#333" for c in pcol]),
+                                    textfont=dict(color=[text_color(c) for c in pcol]),
                                     marker=dict(symbol="square", size=26, color=pcol))
 
     def _on_request(self, position: int | None = None) -> None:
@@ -502,4 +512,32 @@ class BlockTableView:
         display_widget(self.widget)
 
 
-__all__ = ["BlockPoolGrid", "BlockTableView", "ContiguousVsPaged", "display_widget"]
+# ---- (d) one request's memory as it generates (a static figure) ----------------------------------
+def memory_growth_figure(curve: Mapping[str, Any], block_size: int | None = None, figsize=(8, 3.2)):
+    """Chapter 02: KV memory of one request as it generates, contiguous vs paged (matplotlib).
+
+    ``curve`` is ``contiguous.memory_vs_generated_tokens(...)``. The gap between the two is shaded: what
+    the contiguous reservation holds empty. The legend sits in the empty corner under the paged line
+    (lower right), off both lines; ``layout.check_mpl_layout`` holds.
+    """
+    import matplotlib.pyplot as plt
+
+    from ..kv_math import MiB
+
+    g = curve["generated_tokens"]
+    contiguous, paged = np.asarray(curve["contiguous_bytes"]) / MiB, np.asarray(curve["paged_bytes"]) / MiB
+    fig, ax = plt.subplots(figsize=figsize)
+    ax.plot(g, contiguous, color=BLOCK_COLORS[1], label="contiguous (reserve max_model_len)")
+    ax.plot(g, paged, color=BLOCK_COLORS[0],
+            label=f"paged ({block_size}-token blocks)" if block_size else "paged (whole blocks)")
+    ax.fill_between(g, paged, contiguous, color=UNUSED_COLOR, alpha=0.5, label="reserved but empty")
+    ax.set_xlim(0, g[-1] * 1.02)
+    ax.set_ylim(0, contiguous.max() * 1.08)
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("KV memory (MiB)")
+    ax.legend(loc="lower right", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["BlockPoolGrid", "BlockTableView", "ContiguousVsPaged", "display_widget", "memory_growth_figure"]

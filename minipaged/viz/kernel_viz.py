@@ -27,6 +27,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from .block_viz import FREE_COLOR, OWNER_COLORS
+from .layout import label_style, widget_width
 from ..utils import cdiv
 
 MIN_DOT_ROWS = 16         # tl.dot on an NVIDIA GPU wants every tile dimension >= 16
@@ -243,28 +244,62 @@ def prefill_traffic(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_by
     return dict(kv_bytes=kv_bytes, bytes=total, flops=flops, intensity=flops / total)
 
 
+# Where a point's label may go, in the order tried: (x, y offset in points, horizontal, vertical alignment).
+# Below-right of a point on the roof is under the roof (it rises to the right); above-left is over it.
+_LABEL_SPOTS = ((6, -6, "left", "top"), (-6, 6, "right", "bottom"), (-6, -6, "right", "top"),
+                (6, -22, "left", "top"), (-6, -22, "right", "top"), (0, -12, "center", "top"),
+                (6, -38, "left", "top"), (-6, -38, "right", "top"))
+
+
 def roofline_figure(peak_tflops: float, peak_gbps: float, points: Sequence[tuple[str, float]], title: str = ""):
-    """A matplotlib roofline: attainable TFLOP/s = min(peak, bandwidth × intensity), with labelled points."""
+    """A matplotlib roofline: attainable TFLOP/s = min(peak, bandwidth × intensity), with labelled points.
+
+    Each label takes the first spot beside its point that stays inside the axes, off the roof, the ridge
+    line and the other points, and clear of the labels placed before it (``check_mpl_layout`` holds).
+    """
     import matplotlib.pyplot as plt
+
+    from .layout import hits, inside, line_pixels
 
     ridge = peak_tflops * 1e12 / (peak_gbps * 1e9)
     lo = min([p for _, p in points] + [ridge]) / 4
     hi = max([p for _, p in points] + [ridge]) * 4
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs, [min(peak_tflops, peak_gbps * 1e9 * x / 1e12) for x in xs], color="black", lw=1.5)
-    ax.axvline(ridge, color="grey", lw=0.8, ls="--")
-    ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, peak_tflops), textcoords="offset points", xytext=(5, -15))
-    for label, x in points:
-        y = min(peak_tflops, peak_gbps * 1e9 * x / 1e12)
-        ax.plot([x], [y], "o")
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, -4), fontsize=8)
+    roof = [min(peak_tflops, peak_gbps * 1e9 * x / 1e12) for x in xs]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    ax.plot(xs, roof, color="black", lw=1.5)
+    bottom = roof[0] / 2
+    ax.plot([ridge, ridge], [bottom, peak_tflops], color="grey", lw=0.8, ls="--")  # the ridge, up to the roof
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(bottom, peak_tflops * 2.5)   # room under the low end and over the flat roof for labels
     ax.set_xlabel("arithmetic intensity (FLOP per byte read)")
     ax.set_ylabel("attainable TFLOP/s")
     ax.set_title(title)
+    placed = []
+    for i, (label, x) in enumerate(points):
+        y = min(peak_tflops, peak_gbps * 1e9 * x / 1e12)
+        ax.plot([x], [y], "o", color=f"C{i % 10}")
+        placed.append((label, (x, y), _LABEL_SPOTS, {}))
+    # the ridge's label last, at the foot of its line, else under the roof's corner
+    placed.append((f"ridge {ridge:.0f} FLOP/B", (ridge, bottom),
+                   ((5, 5, "left", "bottom"), (-5, 5, "right", "bottom"), (5, -8, "left", "top")),
+                   dict(color="dimgray")))
     fig.tight_layout()
+    fig.canvas.draw()   # the layout is final: measure in pixels
+    renderer = fig.canvas.get_renderer()
+    box, paths, taken = ax.get_window_extent(renderer), line_pixels(ax), []
+    for label, xy, spots, kw in placed:
+        for dx, dy, ha, va in spots:
+            text = ax.annotate(label, xy, textcoords="offset points", xytext=(dx, dy), ha=ha, va=va, fontsize=8,
+                               **kw)
+            b = text.get_window_extent(renderer)
+            if inside(b, box) and not hits(b, paths) and not any(b.overlaps(t) for t in taken):
+                taken.append(b)
+                break
+            if (dx, dy, ha, va) != spots[-1]:
+                text.remove()   # nowhere clean: the last spot stays, and check_mpl_layout in the tests says so
     return fig
 
 
@@ -302,9 +337,10 @@ class PagedReadView:
                 self.owner[t[logical]] = (seq, logical, min(block_size, n - logical * block_size))
         capacity = max(len(t) for t in self.tables) * block_size
         max_splits = min(_max_splits(), max(1, cdiv(capacity, self.tile)))
+        self._style = label_style("num_splits", "program")
         self.splits = W.IntSlider(value=min(num_splits, max_splits), min=1, max=max_splits,
-                                  description="num_splits", continuous_update=False)
-        self.program = W.Dropdown(description="program")
+                                  description="num_splits", continuous_update=False, style=self._style)
+        self.program = W.Dropdown(description="program", style=self._style)  # its width follows its options
         self.caption = W.HTML()
         self.programs: list[ProgramRead] = []
         self.selected: ProgramRead | None = None
@@ -314,7 +350,7 @@ class PagedReadView:
             title=title, width=max(420, 60 + 24 * self.num_blocks), margin=dict(l=150, r=10, t=40, b=40),
             plot_bgcolor="white", showlegend=False, hovermode="closest",
             xaxis=dict(title="physical block", dtick=1, range=[-0.6, self.num_blocks - 0.4]),
-            yaxis=dict(zeroline=False, showgrid=False)))
+            yaxis=dict(title="decode program (one KV head)", zeroline=False, showgrid=False, automargin=True)))
         self.splits.observe(lambda _change: self._replan(), names="value")
         self.program.observe(lambda _change: self.update(), names="value")
         self._replan()
@@ -327,6 +363,7 @@ class PagedReadView:
         current = self.program.value
         first_busy = next(i for i, p in enumerate(self.programs) if p.reads)
         self.program.options = options
+        self.program.layout.width = widget_width(self._style["description_width"], [o for o, _ in options])
         self.program.value = current if current is not None and current < len(options) else first_busy
         self._draw()
 

@@ -14,9 +14,12 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from ..kv_math import GiB, PRESETS, KVSpec, attention_variants, format_bytes
+from .layout import label_style, legend_right, text_color, widget_width
 
 CUSTOM = "custom"
-BLOCK_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"]
+# Categorical colours, pairwise distinct (CIELAB ΔE >= 30) and far from the pool's status colours (grey free,
+# green cached, brown shared, black null); text on each is black or white, whichever reads (``text_color``).
+BLOCK_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#439894", "#b279a2", "#ff9da6", "#eeca3b"]
 
 
 class KVCalculator:
@@ -28,9 +31,11 @@ class KVCalculator:
 
     def __init__(self, preset: str = "llama-3-8b", tokens: int = 2048, batch: int = 8, dtype: str = "bf16",
                  block_size: int = 16, tp: int = 1, gpu_gib: float = 80.0, utilization: float = 0.9) -> None:
-        style = {"description_width": "110px"}
-        self.model = W.Dropdown(options=[(s.name, k) for k, s in PRESETS.items()] + [("paste a config.json", CUSTOM)],
-                                value=preset, description="model", style=style)
+        style = label_style("tokens / request", "GPU memory (GiB)", "memory utilization", "config.json")
+        models = [(s.name, k) for k, s in PRESETS.items()] + [("paste a config.json", CUSTOM)]
+        self.model = W.Dropdown(options=models, value=preset, description="model", style=style,
+                                layout=W.Layout(width=widget_width(style["description_width"],
+                                                                   [m for m, _ in models])))
         self.config_text = W.Textarea(placeholder='{"num_hidden_layers": 32, "num_attention_heads": 32, ...}',
                                       description="config.json", style=style,
                                       layout=W.Layout(width="520px", height="90px", display="none"))
@@ -46,12 +51,13 @@ class KVCalculator:
         self.gpu_gib = W.FloatSlider(value=gpu_gib, min=8, max=192, step=8, description="GPU memory (GiB)",
                                      style=style, continuous_update=False, layout=W.Layout(width="520px"))
         self.utilization = W.FloatSlider(value=utilization, min=0.5, max=0.98, step=0.01,
-                                         description="memory utilization", style=style, continuous_update=False)
+                                         description="memory utilization", style=style, continuous_update=False,
+                                         layout=W.Layout(width="520px"))
         self.output = W.HTML()
         self.error = W.HTML()
         self.figure = go.FigureWidget(layout=dict(
             height=340, margin=dict(l=60, r=20, t=40, b=50), title="KV cache of one request (per rank)",
-            xaxis_title="tokens", yaxis_title="GiB", legend=dict(x=0.01, y=0.99)))
+            xaxis_title="tokens in the request", yaxis_title="KV cache (GiB)", legend=legend_right()))
         self.summary: dict[str, Any] = {}
         for w in (self.model, self.config_text, self.tokens, self.batch, self.dtype, self.block_size, self.tp,
                   self.gpu_gib, self.utilization):
@@ -157,10 +163,12 @@ class KVGrowthView:
             raise ValueError("KVGrowthView needs at least one token")
         self.tokens, self.spec, self.block_size = list(tokens), spec, block_size
         self.budget = budget_bytes or spec.paged_bytes_for_tokens(len(tokens), block_size)
-        self.step = W.IntSlider(value=0, min=0, max=len(tokens), description="tokens seen")
+        self.step = W.IntSlider(value=0, min=0, max=len(tokens), description="tokens seen",
+                                style=label_style("tokens seen", "KV memory"))
         self.play = W.Play(value=0, min=0, max=len(tokens), interval=400)
         W.jslink((self.play, "value"), (self.step, "value"))
-        self.meter = W.FloatProgress(value=0, min=0, max=float(self.budget), description="KV memory")
+        self.meter = W.FloatProgress(value=0, min=0, max=float(self.budget), description="KV memory",
+                                     style=label_style("tokens seen", "KV memory"))
         self.label = W.HTML()
         self.grid = W.HTML()
         self.state: dict[str, Any] = {}
@@ -189,9 +197,9 @@ class KVGrowthView:
             if i < t:
                 text = html.escape(self.tokens[i])
                 mark = " <b>Q</b>" if i == t - 1 else ""
-                style = f"background:{color};color:white"
+                style = f"background:{color};color:{text_color(color)}"
             else:
-                text, mark, style = "·", "", f"border:1px dashed {color};color:{color}"
+                text, mark, style = "·", "", f"border:1px dashed {color};color:#555"
             gap = "margin-right:10px" if i % bs == bs - 1 else "margin-right:2px"
             cells.append(f"<span style='display:inline-block;padding:2px 6px;{style};{gap}'>{text}{mark}</span>")
         return "<div style='line-height:2.2em'>" + "".join(cells) + "</div>"
