@@ -206,19 +206,22 @@ def _verdict(llm: Any, prompts: list[list[int]], reference: list[list[int]], plu
     return problem, run
 
 
+def engine(settings: dict[str, Any]) -> Any:
+    """An ``LLM`` with ``settings`` whose ``max_model_len`` is what the batch needs (so a small pool is no warning)."""
+    from ..engine import LLM
+
+    block_size = settings.get("block_size", 16)
+    longest = cdiv(max(len(p) for p in prompt_ids()) + MAX_TOKENS, block_size) * block_size
+    return LLM(**{"max_model_len": longest, **settings})
+
+
 def report_card(my_parts: dict[str, Callable[..., Any]], settings: dict[str, Any] | None = None,
                 llm: Any = None) -> ReportCard:
     """Each exercise's parts alone, then all together, against transformers (see the module docstring).
     The engine is built from ``settings``, or ``llm`` is used as it is (reset before every run)."""
-    from ..engine import LLM
-
     prompts = prompt_ids()
     reference = reference_outputs(prompts)
-    if llm is None:
-        settings = settings or {}
-        block_size = settings.get("block_size", 16)
-        longest = cdiv(max(len(p) for p in prompts) + MAX_TOKENS, block_size) * block_size
-        llm = LLM(**{"max_model_len": longest, **settings})   # what the batch needs: no warning about the pool
+    llm = llm or engine(settings or {})
     rows = []
     for ex in EXERCISES:
         names = [n for n, p in parts.PARTS.items() if p.exercise == ex]
@@ -284,13 +287,7 @@ def check_engine_settings(engine_settings: Callable[[], dict[str, Any]]) -> None
     def in_the_engine() -> Run:
         """One run of the batch with the package's own pieces plugged in (counting their calls)."""
         if not trial:
-            from ..engine import LLM
-
-            s = settings()
-            block_size = s.get("block_size", 16)
-            longest = cdiv(max(len(p) for p in prompt_ids()) + MAX_TOKENS, block_size) * block_size
-            llm = LLM(**{"max_model_len": longest, **s})
-            trial.append(serve(llm, prompt_ids(), package_parts(), check=False))
+            trial.append(serve(engine(settings()), prompt_ids(), package_parts(), check=False))
         return trial[0]
 
     checks = [
