@@ -183,7 +183,7 @@ class ReportCard:
 
     def __str__(self) -> str:
         head = (f"report card: {len(PROMPTS)} SmolLM2 chat requests, {MAX_TOKENS} greedy tokens each, a pool of "
-                f"{self.num_blocks - 1} blocks; with all parts: preemptions {self.num_preemptions}, "
+                f"{self.num_blocks - 1} blocks\n  with all parts: preemptions {self.num_preemptions}, "
                 f"{self.prefix_hit_tokens} prompt tokens from the prefix cache")
         return "\n".join([head, *(r.line() for r in self.rows)])
 
