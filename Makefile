@@ -1,6 +1,8 @@
 # minipaged — every command a learner, an instructor or CI needs.
 #   make demo   set up .venv (first time), then run the main job
 #   make test   set up .venv (first time), then every test: unit tests, notebooks, exercises
+#   make test-browser  every widget in a real JupyterLab, driven in Debian's chromium (Playwright);
+#                      saves screenshots to assets/screenshots/
 #   make lab    open the course in JupyterLab
 #   make grade  grade a folder of exercise notebooks (DIR=exercises by default)
 #   make kernels      compile every Triton kernel for sm_80/sm_90 (no GPU needed): registers, spills, occupancy
@@ -13,7 +15,7 @@ STAMP  := $(VENV)/.minipaged-installed
 MODEL_PACKAGE := $(shell sed -n 's/^model-package = "\(.*\)"/\1/p' pyproject.toml)
 DIR    ?= exercises
 
-.PHONY: setup demo test lab grade kernels gpu-check clean
+.PHONY: setup demo test test-browser lab grade kernels gpu-check clean
 
 setup: $(STAMP)
 
@@ -29,6 +31,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest
+
+# Installs the `browser` extra (playwright, the Python package only) if missing, and Debian's chromium when run as
+# root (apt-get install chromium); never downloads a browser build (`playwright install` is not used).
+test-browser: setup
+	$(BIN)/python tools/browser_test.py
 
 lab: setup  # as root (containers, cloud sandboxes) Jupyter refuses to start unless told --allow-root
 	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
