@@ -19,9 +19,14 @@ One ``schedule()`` call, in vLLM v1's order:
    ``allocate_slots``; when it answers None the pool is dry and the *newest*
    running request is preempted (recompute: drop its KV, re-run it later;
    swap: copy its blocks to CPU) until the allocation succeeds.
-2. **Then waiting requests**, in arrival order, while budget, ``max_num_seqs``
-   and the pool allow — but not in a step that had to preempt. A waiting
-   request first looks for its prompt in the prefix cache.
+2. **Then swapped, then waiting requests**, each queue in order, while budget,
+   ``max_num_seqs`` and the pool allow — but not in a step that had to preempt.
+   Swapped requests (their blocks on the CPU) have a queue of their own, as in
+   vLLM v0; a waiting request first looks for its prompt in the prefix cache.
+
+Steps 1 and 2 are plain functions of the queues, ``schedule_running`` and
+``admit_waiting`` (with ``preempt_recompute``): exercises 06 and 07 write them,
+and ``minipaged.parts`` can run a learner's version in their place.
 
 ``update_from_output`` then appends each sampled token, finishes requests
 (EOS unless ignored, a stop token, ``max_tokens``, ``max_model_len``), frees
