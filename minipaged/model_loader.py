@@ -174,16 +174,22 @@ def chat_prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[
     return list(ids)
 
 
-def hf_greedy_generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int = 32) -> list[str]:
-    """Answer each prompt with transformers' own greedy ``generate``, one at a time (the reference)."""
+def hf_greedy_token_ids(model: Any, prompt_ids: list[list[int]], max_new_tokens: int = 32) -> list[list[int]]:
+    """transformers' own greedy ``generate`` for each prompt, one at a time (no batching effects): the
+    reference every equality check compares with. Returns the new token ids of each prompt."""
     import torch
 
-    answers = []
-    for prompt in prompts:
-        ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=model.device)
+    outs = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids], device=model.device)
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.eos_token_id)
-        answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
-    return answers
+            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=model.config.eos_token_id)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def hf_greedy_generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int = 32) -> list[str]:
+    """Answer each chat prompt with transformers' greedy ``generate`` (``hf_greedy_token_ids``), as text."""
+    ids = hf_greedy_token_ids(model, [chat_prompt_ids(tokenizer, p) for p in prompts], max_new_tokens)
+    return [tokenizer.decode(out, skip_special_tokens=True).strip() for out in ids]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minipaged.engine import LLM
-from minipaged.model_loader import chat_prompt_ids, load_hf_model
+from minipaged.model_loader import chat_prompt_ids, hf_greedy_token_ids, load_hf_model
 from minipaged.sampling_params import SamplingParams
 
 NEAR_TIE = 0.02  # logit units
@@ -57,14 +57,7 @@ def prompt_ids():
 @pytest.fixture(scope="module")
 def reference(hf, prompt_ids):
     """transformers greedy generate, one prompt at a time (no batching effects at all)."""
-    out = []
-    for ids in prompt_ids:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            gen = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
-                              do_sample=False, pad_token_id=hf.config.eos_token_id)
-        out.append(gen[0, len(ids):].tolist())
-    return out
+    return hf_greedy_token_ids(hf, prompt_ids, MAX_TOKENS)
 
 
 def assert_same_greedy(hf, prompt: list[int], ours: list[int], ref: list[int]) -> None:

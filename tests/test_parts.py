@@ -18,6 +18,7 @@ from minipaged.parts import PARTS, PartError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import mutants  # noqa: E402
+from conftest import save_tiny_llama  # noqa: E402
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "exercises" / "solutions"
 SHARED = list(range(1, 13))   # a 12-token prefix every prompt starts with: 3 blocks of 4
@@ -52,16 +53,8 @@ INVISIBLE = {
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory):
     """A tiny random Llama with 3 KV heads (like SmolLM2: not a power of two) shared by 6 query heads."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=128,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    path = tmp_path_factory.mktemp("gqa")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("gqa"), num_attention_heads=6, num_key_value_heads=3,
+                           hidden_size=96, intermediate_size=128)
 
 
 def engine(model) -> LLM:

@@ -80,19 +80,9 @@ def reference_outputs(prompts: list[list[int]], max_tokens: int = MAX_TOKENS) ->
     path = Path(model_dir) / "greedy_reference.json"
     saved = json.loads(path.read_text()) if path.exists() else {}
     if key not in saved:
-        import torch
+        from ..model_loader import hf_greedy_token_ids, load_hf_model
 
-        from ..model_loader import load_hf_model
-
-        hf = load_hf_model()
-        outs = []
-        for ids in prompts:
-            x = torch.tensor([ids])
-            with torch.no_grad():
-                gen = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                                  do_sample=False, pad_token_id=hf.config.eos_token_id)
-            outs.append(gen[0, len(ids):].tolist())
-        saved[key] = outs
+        saved[key] = hf_greedy_token_ids(load_hf_model(), prompts, max_tokens)
         path.write_text(json.dumps(saved))
     return saved[key]
 
