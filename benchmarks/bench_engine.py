@@ -1,7 +1,10 @@
 """The finished engine against its peers on one mixed-length workload, in one run.
 
 Three ways to serve the same requests (same token ids, same output lengths, greedy,
-``ignore_eos``, float32, the SmolLM2-135M weights from the minipaged cache):
+``ignore_eos``, float32, the SmolLM2-135M weights from the minipaged cache). The prompts are
+chat requests: SmolLM2's chat template around a user message of random token ids, so every
+prompt starts with the template's system prompt, as a chat service's do (``--workload random``
+drops the template). Both paged engines run with prefix caching on, their default:
 
 * **minipaged** ``LLM.generate``: continuous batching on the paged cache;
 * **static batching**: transformers ``generate`` on batches of ``B`` requests in arrival
@@ -14,11 +17,16 @@ An ablation row runs minipaged again on PyTorch's default CPU GEMM
 (``MINIPAGED_ONEDNN=0``, what transformers uses): it separates what the faster matrix
 products give from what continuous batching on the paged cache gives.
 
+``OMP_WAIT_POLICY`` is set to ``ACTIVE`` for every worker unless it is already set (minipaged
+sets ``PASSIVE`` on import otherwise, which is kinder to a shared machine but slower alone).
+
 Each runs in a fresh interpreter (``--worker``), one after another, so none of them
 warms a cache for another. The headline is output tokens per second and the ratios
 of minipaged to each peer (each peer runs ``--rounds`` times, alternating, and its best
 round counts: on a shared 2-core machine one noisy minute should not decide a ratio);
-the engine's own step loop is profiled (schedule, prepare inputs, model, sample, update).
+the engine's own step loop is profiled (schedule, prepare inputs, model, sample, update), and
+the model's time is split by a PyTorch profile of the first 32 requests into matrix products,
+attention, other tensor ops and what is left (Python, glue).
 
 Beside the peers stands a floor: the seconds the workload's matrix products alone take at
 the rate this machine's GEMMs were just measured at (``gemm_floor``). On two CPU cores a
@@ -57,6 +65,8 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(REPO))
     from minipaged import LLM, SamplingParams
 
+    from minipaged.kernels import cpu_kernel
+
     llm = LLM(kv_cache_memory=f"{KV_CACHE_GIB}GiB", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, dtype=args.dtype)
     llm.generate([work["prompts"][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
@@ -70,21 +80,34 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
     got = [len(o.outputs[0].token_ids) for o in outs]
     assert got == work["output_lens"], "minipaged did not produce the requested lengths"
     t_start = llm.step_stats[0]["time"]
-    floor = gemm_floor(llm.model, work, args)
-    return dict(seconds=seconds, output_tokens=sum(got), profile=llm.profile(), num_blocks=llm.num_blocks - 1,
+    kv = llm.kv_cache_manager
+    hit_tokens = kv.prefix_cache_hits
+    hit_rate = hit_tokens / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0
+    profile = llm.profile()
+    stats = list(llm.step_stats)     # model_split below resets the engine: keep this run's record first
+    floor = gemm_floor(llm.model, work, args, cached_tokens=hit_tokens)
+    split = model_split(llm, work)
+    return dict(seconds=seconds, output_tokens=sum(got), profile=profile, model_split=split,
+                num_blocks=llm.num_blocks - 1, prefix_cache_hit_rate=round(hit_rate, 4),
+                prefix_cache_hit_tokens=hit_tokens,
+                attention=("in place: compiled CPU kernel (kernels/cpu_paged_attention.cpp)"
+                           if args.device == "cpu" and cpu_kernel.unavailable_reason() is None
+                           else f"gather + SDPA ({cpu_kernel.unavailable_reason()})" if args.device == "cpu"
+                           else "triton"),
                 gemm_floor=floor,
-                steps=len(llm.step_stats), preemptions=sum(s["preempted"] for s in llm.step_stats),
+                steps=len(stats), preemptions=sum(s["preempted"] for s in stats),
                 mean_ttft=sum(o.metrics.ttft for o in outs) / len(outs),
-                timeline=[(round(s["time"] - t_start, 3), s["running"], s["blocks_used"]) for s in llm.step_stats],
+                timeline=[(round(s["time"] - t_start, 3), s["running"], s["blocks_used"]) for s in stats],
                 torch=torch.__version__, threads=torch.get_num_threads())
 
 
-def gemm_floor(model: "torch.nn.Module", work: dict, args: argparse.Namespace) -> dict:
+def gemm_floor(model: "torch.nn.Module", work: dict, args: argparse.Namespace, cached_tokens: int = 0) -> dict:
     """How long the workload's matrix products alone take on this machine: a floor under any engine.
 
     Every token a request feeds the model (its prompt, then each output but the last) goes
     through every projection of every layer, and every output token through the output
-    head; none of that can be skipped, batched away or cached (the prompts share no prefix).
+    head; none of that can be skipped or batched away, except the prompt tokens a prefix cache
+    holds (``cached_tokens``: the template's system prompt, in whole blocks, which vLLM caches too).
     Timing this model's own ``Linear`` layers at the row counts the engine runs them with
     (``max_num_batched_tokens`` rows for prefill; ``max_num_seqs``, or every request if fewer,
     for decode) and scaling to the workload's token counts gives the seconds an engine with
@@ -93,7 +116,7 @@ def gemm_floor(model: "torch.nn.Module", work: dict, args: argparse.Namespace) -
     vLLM's CPU backend multiplies fp32 with pre-packed oneDNN too (without AMX), so the floor
     bounds it as well::
 
-        floor = prompt tokens · t_layers(prefill rows) + (outputs − requests) · t_layers(decode rows)
+        floor = (prompt tokens − cached) · t_layers(prefill rows) + (outputs − requests) · t_layers(decode rows)
                 + outputs · t_head(decode rows)                     (t per row, best of 3 passes)
     """
     import torch
@@ -118,7 +141,7 @@ def gemm_floor(model: "torch.nn.Module", work: dict, args: argparse.Namespace) -
         return best / rows
 
     prefill_rows, decode_rows = args.max_num_batched_tokens, min(args.max_num_seqs, len(work["prompts"]))
-    prompt_tokens = sum(len(p) for p in work["prompts"])
+    prompt_tokens = sum(len(p) for p in work["prompts"]) - cached_tokens
     outputs = sum(work["output_lens"])
     decode_tokens = outputs - len(work["output_lens"])
     layer_prefill, layer_decode = per_row(layers, prefill_rows), per_row(layers, decode_rows)
@@ -131,8 +154,43 @@ def gemm_floor(model: "torch.nn.Module", work: dict, args: argparse.Namespace) -
                 gflops_prefill=round(flops_per_token / layer_prefill / 1e9, 1),
                 gflops_decode=round(flops_per_token / layer_decode / 1e9, 1),
                 gflops_head=round(head_flops / head_decode / 1e9, 1),
-                prefill_rows=prefill_rows, decode_rows=decode_rows)
+                prefill_rows=prefill_rows, decode_rows=decode_rows, cached_prompt_tokens=cached_tokens)
 
+
+def model_split(llm: "object", work: dict, num_requests: int = 32) -> dict:
+    """Where the model's seconds go: the first ``num_requests`` requests again, under PyTorch's profiler.
+
+    Self time of the matrix products (oneDNN / MKL linear and matmul ops), of attention (everything
+    inside ``PagedAttention.__call__``, which runs under ``record_function("paged_attention")``:
+    the compiled kernel, the K/V write, or the fallback's gather + SDPA) and of every other tensor
+    op; the rest of the wall time is Python and glue. Shares of the profiled wall time.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from minipaged import SamplingParams
+
+    llm.reset()
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["output_lens"][:num_requests]]
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(work["prompts"][:num_requests], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    seconds = dict(matrix_products=0.0, attention=0.0, other_tensor_ops=0.0)
+    for e in prof.events():   # self times: each microsecond counted once, in the innermost op
+        parent, inside = e, False
+        while parent is not None and not inside:
+            inside, parent = parent.name == "paged_attention", parent.cpu_parent
+        if inside:
+            kind = "attention"
+        elif any(k in e.name for k in ("linear", "addmm", "aten::mm", "matmul", "aten::bmm")):
+            kind = "matrix_products"
+        elif e.name.startswith(("aten::", "mkldnn::")):
+            kind = "other_tensor_ops"
+        else:
+            continue
+        seconds[kind] += e.self_cpu_time_total / 1e6
+    seconds["python_and_glue"] = max(0.0, wall - sum(seconds.values()))
+    return dict(wall_s=round(wall, 2), **{k: round(v / wall, 3) for k, v in seconds.items()})
 
 def worker_static(work: dict, args: argparse.Namespace) -> dict:
     import torch
@@ -176,7 +234,8 @@ def worker_vllm(work: dict, args: argparse.Namespace) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=work["model_path"], dtype="float32", gpu_memory_utilization=0.5, max_model_len=2048, seed=0)
+    llm = LLM(model=work["model_path"], dtype=args.dtype, gpu_memory_utilization=0.5, max_model_len=2048, seed=0,
+              enable_prefix_caching=True)
     llm.generate([{"prompt_token_ids": work["prompts"][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["output_lens"]]
@@ -185,8 +244,13 @@ def worker_vllm(work: dict, args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - t0
     got = [len(o.outputs[0].token_ids) for o in outs]
     assert got == work["output_lens"], "vLLM did not produce the requested lengths"
+    # LLM.generate fills num_cached_tokens only with stats logging on (off by default, and off here so as
+    # not to slow it down): 0 everywhere means "not reported", not "no hits".
+    cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
+    prompt_tokens = sum(len(p) for p in work["prompts"])
     return dict(seconds=seconds, output_tokens=sum(got), vllm=vllm.__version__, torch=torch.__version__,
-                threads=torch.get_num_threads())
+                threads=torch.get_num_threads(), dtype=args.dtype, prefix_caching=True,
+                prefix_cache_hit_rate=round(cached / prompt_tokens, 4) if cached else None)
 
 
 WORKERS = {"minipaged": worker_minipaged, "static": worker_static, "vllm": worker_vllm}
@@ -243,10 +307,12 @@ def plot(result: dict, path: Path) -> None:
     ax3 = ax2.twinx()
     ax3.plot(t, running, color="#38a169", label="running requests")
     ax3.set_ylabel("running requests")
+    lines = ax2.get_lines() + ax3.get_lines()
+    ax2.legend(lines, [ln.get_label() for ln in lines], loc="upper right", fontsize=8)
     ax2.set_title("minipaged while serving it", fontsize=10)
     m = result["machine"]
     simd = f", {m['simd'].upper()}" if "simd" in m else ""  # "AMD EPYC" alone hides a 4-5x spread
-    fig.suptitle(f"SmolLM2-135M, fp32, {m['cpu']} ({m['cpu_count']} cores{simd}), {result['date']}", fontsize=10)
+    fig.suptitle(f"SmolLM2-135M, {result['workload']['dtype']}, {m['cpu']} {m.get('cpu_family_model', '')} ({m['cpu_count']} cores{simd}), {result['date']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -259,6 +325,8 @@ def main() -> int:
     ap.add_argument("--output-median", type=float, default=96)
     ap.add_argument("--static-batch-sizes", type=int, nargs="*", default=[16, 32, 64])
     ap.add_argument("--rounds", type=int, default=2, help="runs per peer, alternating; the best of each is kept")
+    ap.add_argument("--static-rounds", type=int, default=None,
+                    help="rounds that also run static batching (default: all; it is the slowest peer by far)")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python",
@@ -269,7 +337,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ASSETS)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                    help="minipaged and static batching (vLLM CPU always runs float32)")
+                    help="every engine's dtype (bfloat16 on a CPU wants AVX512-BF16 or AMX)")
+    ap.add_argument("--workload", choices=["chat", "random"], default="chat",
+                    help="chat: the chat template around random user tokens (a shared system prompt); "
+                         "random: bare random prompts")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--work-file", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--batch-size", type=int, default=32, help=argparse.SUPPRESS)
@@ -280,14 +351,24 @@ def main() -> int:
         print(json.dumps(WORKERS[args.worker](work, args)))
         return 0
 
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")   # the workers inherit it (see the docstring)
     sys.path.insert(0, str(REPO))
-    from minipaged.model_loader import ensure_converted
+    from minipaged.model_loader import chat_prompt_ids, ensure_converted, load_tokenizer
     from minipaged.workloads import generation_workload
 
     model_path = str(ensure_converted())
     vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    head: list[int] = []
+    tail: list[int] = []
+    if args.workload == "chat":   # the template's tokens before and after a user message
+        tokenizer = load_tokenizer()
+        a, b = chat_prompt_ids(tokenizer, "Hello"), chat_prompt_ids(tokenizer, "Bonjour tout le monde")
+        while a[len(head)] == b[len(head)]:
+            head.append(a[len(head)])
+        while a[-1 - len(tail)] == b[-1 - len(tail)]:
+            tail.insert(0, a[-1 - len(tail)])
     prompts, output_lens = generation_workload(args.num_requests, vocab, args.seed, prompt_median=args.prompt_median,
-                                               output_median=args.output_median)
+                                               output_median=args.output_median, head=head, tail=tail)
     work = dict(prompts=prompts, output_lens=output_lens, model_path=model_path)
     work_file = args.out / ".engine_workload.json"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -312,7 +393,7 @@ def main() -> int:
                     run_worker(sys.executable, "minipaged", work_file, args, env={"MINIPAGED_ONEDNN": "0"}))
             if have_vllm:
                 runs.setdefault("vllm", []).append(run_worker(args.vllm_python, "vllm", work_file, args))
-            for b in args.static_batch_sizes:
+            for b in args.static_batch_sizes if r < (args.static_rounds or args.rounds) else []:
                 runs.setdefault(f"static{b}", []).append(
                     run_worker(sys.executable, "static", work_file, args, batch_size=b))
     finally:
@@ -340,12 +421,15 @@ def main() -> int:
                                for k, r in (("minipaged", ours), ("vllm", theirs)) if r}
     result = dict(
         benchmark=f"engine_{args.device}", date=dt.date.today().isoformat(), machine=machine(),
-        workload=dict(num_requests=args.num_requests, seed=args.seed, prompt_min=min(lens), prompt_max=max(lens),
+        omp_wait_policy=os.environ["OMP_WAIT_POLICY"],
+        workload=dict(kind=args.workload, template_head_tokens=len(head), template_tail_tokens=len(tail),
+                      num_requests=args.num_requests, seed=args.seed, prompt_min=min(lens), prompt_max=max(lens),
                       prompt_mean=round(sum(lens) / len(lens), 1), output_min=min(output_lens),
                       output_max=max(output_lens), output_mean=round(sum(output_lens) / len(output_lens), 1),
                       output_tokens=sum(output_lens), dtype=args.dtype, device=args.device, greedy=True, ignore_eos=True,
                       kv_cache_gib=KV_CACHE_GIB, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, rounds=args.rounds),
+                      max_num_batched_tokens=args.max_num_batched_tokens, rounds=args.rounds,
+                      static_rounds=args.static_rounds or args.rounds),
         minipaged=ours, vllm=theirs, static=static, minipaged_default_gemm=ablation, gemm_floor=floor,
         ratios=dict(of_gemm_floor=round(ours["tok_per_s"] / floor["tok_per_s"], 3),
                     vs_vllm=round(ours["tok_per_s"] / theirs["tok_per_s"], 3) if theirs else None,
@@ -370,6 +454,12 @@ def main() -> int:
     print("seconds outside the matrix products: "
           + ", ".join(f"{k} {v:.1f}" for k, v in floor["outside_gemm_s"].items()))
     print("minipaged step loop: " + ", ".join(f"{k} {v:.1%}" for k, v in ours["profile_share"].items()))
+    print("minipaged model time (profile of 32 requests): "
+          + ", ".join(f"{k} {v:.1%}" for k, v in ours["model_split"].items() if k != "wall_s"))
+    theirs_rate = theirs and theirs.get("prefix_cache_hit_rate")
+    print(f"prefix cache hit rate: minipaged {ours['prefix_cache_hit_rate']:.1%}"
+          + (f", vLLM {theirs_rate:.1%}" if theirs_rate else ", vLLM not reported" if theirs else "")
+          + f"; attention: {ours['attention']}")
     print(f"wrote {args.out / f'engine_{args.device}.json'} and engine_{args.device}.png")
     return 0
 

@@ -18,7 +18,8 @@ def machine() -> dict:
     flags = set(info.get("flags", "").split())
     simd = next((label for flag, label in (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx"),
                                            ("sse4_2", "sse4_2"), ("asimd", "asimd")) if flag in flags), "unknown")
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]   # native bfloat16 products, if any
     return {"platform": platform.platform(), "cpu": info.get("model name", platform.processor()),
             "cpu_family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
-            "simd": simd, "cpu_count": os.cpu_count(),
+            "simd": simd, "bf16": "+".join(bf16) or "none", "cpu_count": os.cpu_count(),
             "python": platform.python_version()}

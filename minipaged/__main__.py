@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = argparse.ArgumentParser(add_help=False)
     engine.add_argument("--block-size", type=_positive, default=16)
     engine.add_argument("--kv-cache-memory", default=None, help='KV pool budget, e.g. "512MiB" (CPU default 1GiB)')
-    engine.add_argument("--prefix-caching", action="store_true")
+    engine.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--max-num-seqs", type=_positive, default=256)
     sampling = argparse.ArgumentParser(add_help=False)
     sampling.add_argument("--max-tokens", type=_positive, default=64)

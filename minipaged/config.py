@@ -9,6 +9,7 @@ small for one block) is checked by ``LLM`` right after it loads.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -42,7 +43,8 @@ class Config:
         max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits. ``max_model_len`` may not
             exceed the model's ``max_position_embeddings`` unless ``allow_long_max_model_len=True``; left unset,
             it is the model's (at most 8192), lowered with a warning to what the KV pool can hold.
-        enable_prefix_caching, preemption_mode ("recompute" | "swap"), swap_space (CPU bytes or "1GiB").
+        enable_prefix_caching (on by default, as in vLLM v1), preemption_mode ("recompute" | "swap"),
+        swap_space (CPU bytes or "1GiB").
         attention_backend: "auto" (Triton on CUDA, PyTorch on CPU), "torch" or "triton".
         watermark: the share of the pool a new request may not take (admission headroom).
     """
@@ -58,7 +60,7 @@ class Config:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     allow_long_max_model_len: bool = False
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True   # as in vLLM v1: a chat's requests share the template's system prompt
     preemption_mode: str = "recompute"
     swap_space: int | float | str = 0
     attention_backend: str = "auto"
@@ -141,6 +143,10 @@ def resolve_dtype(dtype: str, config_dtype: Any, device: torch.device) -> torch.
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if dtype != "auto":
+        if DTYPES[dtype] == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+            logging.getLogger("minipaged").warning(
+                "minipaged: dtype=%r on a CPU without AVX512-BF16 or AMX: its bfloat16 products are emulated, "
+                "expect them slower than float32", dtype)
         return DTYPES[dtype]
     if device.type != "cuda":
         return torch.float32
@@ -150,6 +156,15 @@ def resolve_dtype(dtype: str, config_dtype: Any, device: torch.device) -> torch.
     if config_dtype == torch.float16 or (config_dtype == torch.bfloat16 and not bf16_ok):
         return torch.float16
     return torch.bfloat16 if bf16_ok else torch.float16
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on an x86 CPU with AVX512-BF16 or AMX-BF16 (/proc/cpuinfo flags), where bfloat16 GEMMs are fast."""
+    try:
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def model_config_dtype(path: str | os.PathLike) -> Any:

@@ -69,10 +69,12 @@ class Sampler:
         if logits.shape[0] != len(params) or len(params) != len(keys):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
         offsets = seed_offsets if seed_offsets is not None else [0] * len(keys)
-        tokens: list[int | None] = logits.argmax(-1).tolist()  # greedy rows are done
+        # One pass gives the greedy tokens and finds the bad rows: a row's max is NaN if it holds a NaN
+        # (max propagates NaN), +inf if it holds +inf, -inf if every logit is -inf.
+        top, argmax = logits.max(-1)
+        tokens: list[int | None] = argmax.tolist()  # greedy rows are done
         errors: dict[int, str] = {}
-        bad_rows = (torch.isnan(logits) | (logits == float("inf"))).any(-1) | torch.isneginf(logits).all(-1)
-        for i in bad_rows.nonzero().flatten().tolist():
+        for i in (~torch.isfinite(top)).nonzero().flatten().tolist():
             errors[i], tokens[i] = "the model produced NaN or infinite logits", None
         for i, (key, p) in enumerate(zip(keys, params)):
             if p.greedy or i in errors:

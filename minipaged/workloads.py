@@ -23,6 +23,8 @@ same numbers, on every machine.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import math
 from dataclasses import dataclass
 
@@ -151,19 +153,27 @@ def sharegpt_like_pairs(n: int, seed: int | np.random.Generator = 0,
 
 
 def generation_workload(n: int, vocab_size: int, seed: int = 0, *, prompt_median: float = 64,
-                        output_median: float = 48, prompt_max: int = 512, output_max: int = 256
-                        ) -> tuple[list[list[int]], list[int]]:
+                        output_median: float = 48, prompt_max: int = 512, output_max: int = 256,
+                        head: Sequence[int] = (), tail: Sequence[int] = ()) -> tuple[list[list[int]], list[int]]:
     """A mixed-length batch for a real engine: ``n`` prompts of random token ids and an output length each.
 
     Prompt lengths are lognormal (sigma 0.6, 8..``prompt_max``), output lengths lognormal
     (sigma 0.7, 4..``output_max``); token ids are uniform in ``[100, vocab_size)``. Served with
     ``ignore_eos`` every request produces exactly its output length, whatever the text says, so
     two engines given the same workload do exactly the same amount of work.
+
+    ``head``/``tail`` wrap every prompt the way a chat template wraps a user's message (the
+    system prompt before it, the assistant's turn after it), inside the same total length: what
+    a chat service really receives, and what a prefix cache is for::
+
+        [ head: <|im_start|>system ... <|im_start|>user\n | random ids | tail: <|im_end|>\n<|im_start|>assistant\n ]
     """
     rng = _rng(seed)
     prompt_lens = lognormal_lengths(n, median=prompt_median, sigma=0.6, lo=8, hi=prompt_max, seed=rng)
     output_lens = lognormal_lengths(n, median=output_median, sigma=0.7, lo=4, hi=output_max, seed=rng)
-    prompts = [rng.integers(100, vocab_size, int(k)).tolist() for k in prompt_lens]
+    wrap = len(head) + len(tail)
+    prompts = [list(head) + rng.integers(100, vocab_size, max(1, int(k) - wrap)).tolist() + list(tail)
+               for k in prompt_lens]
     return prompts, [int(k) for k in output_lens]
 
 

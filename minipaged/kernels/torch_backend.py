@@ -1,11 +1,14 @@
 """The engine's CPU attention: the reference's computation, batched and planned once per step.
 
 ``reference.py`` says what paged attention computes, one sequence at a time. On a CPU
-the engine needs the same numbers faster, so this module batches the work: one-token
-sequences of similar length are attended together, their K/V gathered with
-``index_select`` (whole rows, memcpy speed), and the gather indices and masks are built
-once per step (``plan_attention``) and reused by every layer. ``tests/test_kernels.py``
-checks it against the reference.
+the engine needs the same numbers faster. Decodes and short prefill chunks go to the
+compiled kernel (``cpu_kernel``), which reads K/V in place through the block tables;
+prefills longer than ``KERNEL_MAX_Q_LEN`` rows are GEMM-shaped work, and SDPA on their
+gathered context does them faster. Where the kernel cannot run (no compiler), one-token
+sequences of similar length are attended together instead, their K/V gathered with
+``index_select`` (whole rows, memcpy speed). Either way the plan (``plan_attention``) is
+built once per step and reused by every layer. ``tests/test_kernels.py`` and
+``tests/test_cpu_kernel.py`` check both against the reference.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernel
 from .reference import reshape_and_cache, write_slots
 from .validation import check_paged_decode, check_paged_prefill
 
@@ -66,21 +70,36 @@ class AttentionPlan:
     num_rows: int
     decode: list[DecodeGroup] = field(default_factory=list)
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # With the compiled kernel: (block_tables, cu_seqlens_q, seq_lens) as contiguous int32. The kernel
+    # then attends every sequence of up to KERNEL_MAX_Q_LEN rows, and `decode` stays empty.
+    in_place: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 MAX_DECODE_GROUPS = 16
 MIN_DECODE_GROUP = 4
+# Longer prefills are GEMM-shaped (every query row meets every context row): SDPA on the gathered
+# context beats a row-at-a-time kernel there, and the gather is small beside the arithmetic.
+KERNEL_MAX_Q_LEN = 96
 
 
 def plan_attention(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                   block_size: int) -> AttentionPlan:
-    """Sort a step's sequences into decode groups and per-sequence prefills, and build their indices."""
+                   block_size: int, in_place: bool = False) -> AttentionPlan:
+    """Sort a step's sequences into decode groups and per-sequence prefills, and build their indices.
+
+    ``in_place`` (the caller has checked ``cpu_kernel.usable``): the kernel takes every sequence
+    of up to ``KERNEL_MAX_Q_LEN`` rows as they are, and only longer prefills are planned here.
+    """
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-    single = sorted((i for i, q in enumerate(q_lens) if q == 1), key=lambda i: lens[i])
     device = block_tables.device
     plan = AttentionPlan(cu[-1] if cu else 0)
+    if in_place:
+        plan.in_place = (block_tables.to(torch.int32).contiguous(), cu_seqlens_q.to(torch.int32).contiguous(),
+                         seq_lens.to(torch.int32).contiguous())
+        _plan_prefills(plan, block_tables, lens, q_lens, cu, block_size, min_q_len=KERNEL_MAX_Q_LEN + 1)
+        return plan
+    single = sorted((i for i, q in enumerate(q_lens) if q == 1), key=lambda i: lens[i])
     num_groups = max(1, min(MAX_DECODE_GROUPS, len(single) // MIN_DECODE_GROUP))
     if single and len(single) == len(q_lens) and (num_groups == 1 or lens[single[0]] == lens[single[-1]]):
         plan.decode.append(DecodeGroup(None, *context_slots(block_tables, seq_lens, block_size)))
@@ -90,14 +109,21 @@ def plan_attention(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_l
             idx = torch.tensor(members, dtype=torch.long, device=device)
             rows = torch.tensor([cu[i] for i in members], dtype=torch.long, device=device)
             plan.decode.append(DecodeGroup(rows, *context_slots(block_tables[idx], seq_lens[idx], block_size)))
+    _plan_prefills(plan, block_tables, lens, q_lens, cu, block_size, min_q_len=2)
+    return plan
+
+
+def _plan_prefills(plan: AttentionPlan, block_tables: torch.Tensor, lens: list[int], q_lens: list[int],
+                   cu: list[int], block_size: int, min_q_len: int) -> None:
+    """One SDPA entry per sequence of at least ``min_q_len`` new tokens: its rows, context slots and causal mask."""
+    device = block_tables.device
     for i, n in enumerate(lens):
-        if q_lens[i] < 2:
+        if q_lens[i] < min_q_len:
             continue
-        seq_slots, _ = context_slots(block_tables[i:i + 1], seq_lens[i:i + 1], block_size)
+        seq_slots, _ = context_slots(block_tables[i:i + 1], torch.tensor([n], device=device), block_size)
         q_pos = torch.arange(n - q_lens[i], n, device=device)
         causal = torch.arange(n, device=device)[None, :] <= q_pos[:, None]       # [q_len, n]
         plan.prefills.append((cu[i], cu[i + 1], seq_slots[0], causal))
-    return plan
 
 
 def attend(plan: AttentionPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -118,7 +144,11 @@ def attend(plan: AttentionPlan, query: torch.Tensor, key_cache: torch.Tensor, va
     flat_k = key_cache.reshape(-1, num_kv_heads, head_dim)
     flat_v = value_cache.reshape(-1, num_kv_heads, head_dim)
     group = query.shape[1] // num_kv_heads
-    out = torch.empty_like(query)
+    if plan.in_place is not None:   # rows of the long prefills are left for the loop below
+        out = cpu_kernel.paged_attention(query, key_cache, value_cache, *plan.in_place, scale,
+                                         max_q_len=KERNEL_MAX_Q_LEN)
+    else:
+        out = torch.empty_like(query)
     for dec in plan.decode:
         n = dec.slots.shape[0]
         q = query if dec.rows is None else query[dec.rows]
@@ -147,8 +177,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     """``reference.paged_decode_attention``, planned and batched."""
     check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
     cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-    return attend(plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1]), query, key_cache,
-                  value_cache, scale)
+    plan = plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1],
+                          in_place=cpu_kernel.usable(key_cache, value_cache))
+    return attend(plan, query, key_cache, value_cache, scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -156,8 +187,9 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
                             scale: float) -> torch.Tensor:
     """``reference.paged_prefill_attention``, planned and batched."""
     check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-    return attend(plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1]), query, key_cache,
-                  value_cache, scale)
+    plan = plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1],
+                          in_place=cpu_kernel.usable(key_cache, value_cache))
+    return attend(plan, query, key_cache, value_cache, scale)
 
 
 # The scatter-write is the reference's own (it is already one index_copy_).

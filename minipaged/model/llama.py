@@ -40,26 +40,57 @@ def _rope_theta(config: Any) -> float:
 class Linear(nn.Linear):
     """``nn.Linear`` that, on a CPU at inference time, multiplies with oneDNN on a pre-packed weight.
 
-    PyTorch's default fp32 CPU GEMM here is MKL, which on an AMD CPU runs far below
+    PyTorch's default fp32 CPU GEMM here is MKL, which on some AMD CPUs runs far below
     the machine's peak; oneDNN (PyTorch's other CPU backend, the one its compiler
-    uses) on a weight re-laid-out once for its kernels is 2–2.5× faster at every
-    batch size we serve, from 1 to 128 rows (``benchmarks/bench_engine.py``; vLLM's
-    CPU backend does the same). The packed copy is made on first use and re-made if
-    the weight changes; with gradients on, or off the CPU, this is plain ``nn.Linear``
-    (and everywhere with ``MINIPAGED_ONEDNN=0``).
+    uses) on a weight re-laid-out once for its kernels is as fast or faster at every
+    batch size we serve, from 1 to 2048 rows (2–2.5× on a Zen 5, even on a Zen 4;
+    ``benchmarks/bench_engine.py``; vLLM's CPU backend does the same). The packed copy is
+    made on first use and re-made if the weight changes; with gradients on, or off the
+    CPU, this is plain ``nn.Linear`` (and everywhere with ``MINIPAGED_ONEDNN=0``).
+
+    oneDNN also applies an elementwise step to the product while it is still in cache
+    ("post-ops"): ``silu(x)`` is ``silu(x W^T)``, ``mul(x, y)`` is ``(x W^T) * y`` and
+    ``add(x, y)`` is ``(x W^T) + y``. Each saves a pass over a [tokens, features] tensor,
+    which on a 2048-token prefill is a tenth of the MLP's time. The plain path computes
+    the same with separate PyTorch ops.
     """
 
     _packed: tuple[int, int, torch.Tensor] | None = None  # (weight version, data pointer, packed weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _packed_weight(self) -> torch.Tensor | None:
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or torch.is_grad_enabled() \
                 or not _ONEDNN:
-            return nn.functional.linear(x, w, self.bias)
+            return None
         key = (w._version, w.data_ptr())
         if self._packed is None or self._packed[:2] != key:
             self._packed = (*key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32))
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed[2], self.bias, "none", [], "")
+        return self._packed[2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed_weight()
+        if packed is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed_weight()
+        if packed is None:
+            return nn.functional.silu(self(x))
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "swish", [], "")
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self._binary(x, other, "mul")
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self._binary(x, other, "add")
+
+    def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        packed = self._packed_weight()
+        if packed is None or other.dtype != x.dtype or other.shape != (*x.shape[:-1], self.out_features):
+            y = self(x)
+            return y * other if op == "mul" else y + other
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other.contiguous(), packed, self.bias, op)
 
 
 # MINIPAGED_ONEDNN=0 turns the packed path off (the engine benchmark's ablation row).
@@ -124,13 +155,15 @@ class LlamaAttention(nn.Module):
         self.attention = attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention's output, plus ``residual`` when given (added by o_proj's GEMM: ``Linear.add``)."""
         n = x.shape[0]
         q = RotaryEmbedding.apply(self.q_proj(x).reshape(n, self.num_heads, self.head_dim), cos, sin)
         k = RotaryEmbedding.apply(self.k_proj(x).reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
-        out = self.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        out = self.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).reshape(n, -1)
+        return self.o_proj(out) if residual is None else self.o_proj.add(out, residual)
 
 
 class LlamaMLP(nn.Module):
@@ -143,8 +176,11 @@ class LlamaMLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output, plus ``residual`` when given. silu, the product and the addition ride on the
+        GEMMs (``Linear.silu/mul/add``): no separate pass over the [tokens, 1536] activations."""
+        h = self.up_proj.mul(x, self.gate_proj.silu(x))
+        return self.down_proj(h) if residual is None else self.down_proj.add(h, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -157,8 +193,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(nn.Module):
