@@ -43,16 +43,16 @@ class Linear(nn.Linear):
     PyTorch's default fp32 CPU GEMM here is MKL, which on some AMD CPUs runs far below
     the machine's peak; oneDNN (PyTorch's other CPU backend, the one its compiler
     uses) on a weight re-laid-out once for its kernels is as fast or faster at every
-    batch size we serve, from 1 to 2048 rows (2–2.5× on a Zen 5, even on a Zen 4;
+    batch size we serve, from 1 to 2048 rows (2–2.5× on a Zen 5, about equal on a Zen 4;
     ``benchmarks/bench_engine.py``; vLLM's CPU backend does the same). The packed copy is
     made on first use and re-made if the weight changes; with gradients on, or off the
     CPU, this is plain ``nn.Linear`` (and everywhere with ``MINIPAGED_ONEDNN=0``).
 
     oneDNN also applies an elementwise step to the product while it is still in cache
     ("post-ops"): ``silu(x)`` is ``silu(x W^T)``, ``mul(x, y)`` is ``(x W^T) * y`` and
-    ``add(x, y)`` is ``(x W^T) + y``. Each saves a pass over a [tokens, features] tensor,
-    which on a 2048-token prefill is a tenth of the MLP's time. The plain path computes
-    the same with separate PyTorch ops.
+    ``add(x, y)`` is ``(x W^T) + y`` (a new tensor; ``y`` is left as it was). Each saves a
+    pass over a [tokens, features] tensor: on a 2048-token prefill the MLP took 8 % less
+    time here. The plain path computes the same with separate PyTorch ops.
     """
 
     _packed: tuple[int, int, torch.Tensor] | None = None  # (weight version, data pointer, packed weight)
