@@ -41,7 +41,7 @@ lab: setup  # as root (containers, cloud sandboxes) Jupyter refuses to start unl
 	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 grade: setup
-	$(BIN)/python -m minipaged grade $(DIR)
+	$(BIN)/python -m minipaged grade "$(DIR)"
 
 kernels: setup
 	$(BIN)/python -m minipaged kernels --arch sm_80,sm_90

@@ -5,7 +5,8 @@
 * ``generate "..." ["..."]``: answer prompts (chat template unless ``--raw``; ``--stream`` for one).
 * ``chat``: an interactive, streamed chat.
 * ``bench``: throughput on a seeded mixed-length batch (the full comparison is benchmarks/bench_engine.py).
-* ``grade [FOLDER]``: run every exercise notebook in FOLDER and print a score table.
+* ``grade [PATH ...] [--timeout S]``: grade the exercise notebooks in each folder (or each notebook) by running
+  the learner's code in a fresh process per notebook and calling the checks on it; print a score table.
 * ``kernels [--arch sm_80,sm_90] [--json]``: compile every Triton kernel for an NVIDIA GPU (no GPU needed)
   and print registers, spills, shared memory and occupancy per configuration.
 """
@@ -14,6 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
+from .grading.runner import DEFAULT_TIMEOUT_S as DEFAULT_GRADE_TIMEOUT_S
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -177,10 +181,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_grade(args: argparse.Namespace) -> int:
-    from .grading import format_table, grade_folder
+    from .grading import format_details, format_table, grade_folder
 
-    scores = grade_folder(args.folder)
+    def progress(path: Path) -> None:
+        print(f"grading {path} ...", file=sys.stderr, flush=True)
+
+    try:
+        scores = grade_folder(args.paths, timeout=args.timeout, progress=progress)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"minipaged grade: {exc}", file=sys.stderr)
+        return 2
     print(format_table(scores))
+    details = format_details(scores)
+    if details:
+        print("\nwhere points were lost:\n\n" + details)
     return 0
 
 
@@ -191,6 +205,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -253,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--num-prompts", type=_positive, default=32)
     bench.add_argument("--seed", type=int, default=0)
     grade = sub.add_parser("grade", help="grade a folder of exercise notebooks")
-    grade.add_argument("folder", nargs="?", default="exercises")
+    grade.add_argument("paths", nargs="*", default=["exercises"], metavar="PATH",
+                       help="folders of exercise notebooks (not their subfolders) or notebooks; default: exercises")
+    grade.add_argument("--timeout", type=_positive_float, default=DEFAULT_GRADE_TIMEOUT_S, metavar="SECONDS",
+                       help="time limit for each notebook, its cells and its checks together "
+                            f"(default {DEFAULT_GRADE_TIMEOUT_S} s)")
     kernels = sub.add_parser("kernels", help="compile the Triton kernels for NVIDIA GPUs (no GPU needed): registers, "
                                             "spills, shared memory, occupancy")
     kernels.add_argument("--arch", type=_csv(str, "--arch"), default=["sm_80", "sm_90"], help="default sm_80,sm_90")

@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minipaged.grading.runner import CHECK_MARK, expected_groups, grade_notebook
+from minipaged.grading.runner import CHECK_MARK, grade_folder, stored_groups
 
 EXERCISES = Path(__file__).resolve().parent.parent / "exercises"
 STARTERS = sorted(EXERCISES.glob("ex*.ipynb"))
@@ -31,7 +31,7 @@ def test_every_exercise_has_a_solution():
 def test_starter_expects_what_the_solution_prints(starter):
     solution = EXERCISES / "solutions" / starter.name
     assert _check_outputs(starter) == _check_outputs(solution)
-    groups = expected_groups(starter)
+    groups = stored_groups(starter)
     assert groups, "no check cells with stored results"
     for group, total in groups:
         assert total > 0, group
@@ -40,12 +40,14 @@ def test_starter_expects_what_the_solution_prints(starter):
     assert stubs >= 1
 
 
-@pytest.mark.parametrize("starter", STARTERS, ids=lambda p: p.stem)
-def test_starter_fails_every_check(starter):
-    scores = grade_notebook(starter)
-    assert [(s.group, s.total) for s in scores] == expected_groups(starter)
+def test_every_starter_fails_every_check():
+    """The folder grader, as an instructor runs it, on the starters: every group of every exercise, all 0."""
+    scores = grade_folder(EXERCISES)
+    assert [s.notebook for s in scores] == [p.name for p in STARTERS for _ in stored_groups(p)]
+    assert [(s.group, s.total) for s in scores] == [g for p in STARTERS for g in stored_groups(p)]
     for s in scores:
-        assert s.passed == 0, f"{starter.name}: {s.group} passes {s.passed}/{s.total} checks on the stub"
+        assert s.passed == 0, f"{s.notebook}: {s.group} passes {s.passed}/{s.total} checks on the stub"
+        assert s.note == "", f"{s.notebook}: {s.note}"
 
 
 def test_the_course_map_says_what_each_exercise_has_you_write():

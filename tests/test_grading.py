@@ -36,5 +36,153 @@ def test_close_comparison_and_bad_group_name(capsys):
 def test_score_table():
     table = format_table([GroupScore("ex01.ipynb", "a", 3, 4), GroupScore("ex01.ipynb", "b", 0, 2)])
     lines = table.splitlines()
-    assert lines[0].split() == ["notebook", "check", "group", "score"]
+    assert lines[0].split() == ["notebook", "check", "group", "score", "note"]
     assert lines[-1].split() == ["TOTAL", "3/6"]
+
+
+# ---- the folder grader: it runs the learner's code and trusts nothing a notebook prints (issue 24) ------------
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import nbformat  # noqa: E402
+
+from minipaged.grading import format_details, grade_folder, grade_notebook  # noqa: E402
+from minipaged.grading.exercises import EXERCISES, exercise_for  # noqa: E402
+from minipaged.grading.runner import CHECK_MARK, stored_groups  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = ROOT / "exercises" / "solutions"
+
+
+def _notebook(cells: list[str]):
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+
+
+def _write(path: Path, cells: list[str]) -> Path:
+    nbformat.write(_notebook(cells), path)
+    return path
+
+
+def _code_cells(path: Path) -> list[str]:
+    nb = nbformat.read(path, as_version=4)
+    return [c.source for c in nb.cells if c.cell_type == "code" and CHECK_MARK not in c.source]
+
+
+def _scores(rows) -> dict[str, tuple[int, int, str]]:
+    return {r.group: (r.passed, r.total, r.note) for r in rows}
+
+
+EX01_RIGHT = SOLUTIONS / "ex01_kv_bytes.ipynb"
+
+
+def test_registry_is_what_each_exercise_checks():
+    """Every starter's check cells call exactly the registry's groups, with its arguments, and store its totals."""
+    starters = sorted((ROOT / "exercises").glob("ex*.ipynb"))
+    assert sorted(exercise_for(p.name).key for p in starters) == sorted(EXERCISES)
+    for path in starters:
+        exercise = exercise_for(path.name)
+        assert path.stem == exercise.stem
+        nb = nbformat.read(path, as_version=4)
+        calls = [(check, tuple(a.strip() for a in args.split(",")))
+                 for c in nb.cells if CHECK_MARK in c.source
+                 for check, args in re.findall(r"ex\d\d\.(check_\w+)\(([^)]*)\)", c.source)]
+        assert calls == [(g.check, g.args) for g in exercise.groups], path.name
+        assert stored_groups(path) == [(g.name, g.total) for g in exercise.groups], path.name
+    assert exercise_for("ex03_mine.ipynb").key == "ex03" and exercise_for("ex3_x.ipynb") is None
+    assert exercise_for("notes.ipynb") is None and exercise_for("ex99_x.ipynb") is None
+
+
+def test_printed_lines_score_nothing(tmp_path):
+    """Item 2: each check cell replaced by a print of its expected line, plus an invented group: 0 points each."""
+    fake = [f'print("{g}: {n}/{n} checks passed")' for g, n in stored_groups(EX01_RIGHT)]
+    path = _write(tmp_path / "ex01_kv_bytes.ipynb", [
+        "def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes):\n    raise NotImplementedError",
+        *fake, 'print("bonus_points: 1000/1000 checks passed")'])
+    rows = grade_notebook(path, timeout=120)
+    assert [(r.group, r.passed, r.total) for r in rows] == [("bytes_per_token", 0, 6), ("block_capacity", 0, 6)]
+    assert rows[1].note == "`block_capacity` not defined"
+
+
+def test_right_functions_without_check_cells_score_full_marks(tmp_path):
+    path = _write(tmp_path / "ex01_kv_bytes.ipynb", _code_cells(EX01_RIGHT))
+    assert _scores(grade_notebook(path, timeout=120)) == {"bytes_per_token": (6, 6, ""), "block_capacity": (6, 6, "")}
+
+
+def test_the_exercise_comes_from_the_file_name_and_errors_are_shown(tmp_path):
+    """ex01's solution handed in as ex03 scores 0 on ex03's groups; a renamed function is named, with the
+    NameError of the cell that used it."""
+    as_ex03 = _write(tmp_path / "ex03_free_queue.ipynb", _code_cells(EX01_RIGHT))
+    rows = grade_notebook(as_ex03, timeout=120)
+    assert [(r.group, r.passed, r.total, r.note) for r in rows] == [
+        (g.name, 0, g.total, "`remove` not defined") for g in EXERCISES["ex03"].groups]
+    renamed = [c.replace("def bytes_per_token(", "def bytes_per_tok(") for c in _code_cells(EX01_RIGHT)]
+    renamed.append("print(bytes_per_token(1, 1, 1, 1))")
+    rows = grade_notebook(_write(tmp_path / "ex01_kv_bytes.ipynb", renamed), timeout=120)
+    assert _scores(rows)["bytes_per_token"] == (0, 6, "`bytes_per_token` not defined")
+    assert _scores(rows)["block_capacity"] == (6, 6, "")
+    details = format_details(rows)
+    assert "NameError: name 'bytes_per_token' is not defined" in details and "ex01_kv_bytes.ipynb" in details
+
+
+def test_one_bad_notebook_never_sinks_the_folder(tmp_path):
+    """A loop cut at the time limit, a dead process, a corrupt file, a JSON file that is no notebook, a name that
+    is no exercise, a second notebook of one exercise: each gets named rows, and every good notebook is graded."""
+    good = _code_cells(EX01_RIGHT)
+    _write(tmp_path / "ex01_kv_bytes.ipynb", good)
+    _write(tmp_path / "ex01_again.ipynb", good)
+    _write(tmp_path / "ex02_fragmentation.ipynb", ["x = 1", "while True:\n    pass"])
+    _write(tmp_path / "ex03_free_queue.ipynb", ["import os", "os._exit(1)"])
+    (tmp_path / "ex04_slots_and_admission.ipynb").write_text('{"cells": [')
+    (tmp_path / "ex05_scatter_write.ipynb").write_text(json.dumps({"hello": "world"}))
+    _write(tmp_path / "ex99_mine.ipynb", ["x = 1"])
+    _write(tmp_path / "zz_last.ipynb", ["x = 1"])
+    rows = grade_folder(tmp_path, timeout=15)
+    by_nb: dict[str, list] = {}
+    for r in rows:
+        by_nb.setdefault(r.notebook, []).append(r)
+    assert sorted(by_nb) == sorted(p.name for p in tmp_path.glob("*.ipynb"))
+    assert [(r.passed, r.total) for r in by_nb["ex01_kv_bytes.ipynb"]] == [(6, 6), (6, 6)]
+    again = by_nb["ex01_again.ipynb"]
+    assert [(r.passed, r.counted) for r in again] == [(6, False), (6, False)]
+    assert "not in TOTAL" in again[0].note
+    assert {r.note for r in by_nb["ex02_fragmentation.ipynb"]} == {"timed out after 15 s in cell 1"}
+    assert {r.note for r in by_nb["ex03_free_queue.ipynb"]} == {"the notebook's process died (exit code 1) in cell 1"}
+    for name in ("ex04_slots_and_admission.ipynb", "ex05_scatter_write.ipynb"):
+        assert {r.note for r in by_nb[name]} == {"not a readable notebook"}
+        assert all(r.passed == 0 and r.total > 0 for r in by_nb[name])
+        assert all(r.detail.startswith(f"{name}: not a readable notebook: ") for r in by_nb[name])
+    for name in ("ex99_mine.ipynb", "zz_last.ipynb"):
+        assert [(r.group, r.passed, r.total, r.note) for r in by_nb[name]] == [
+            ("-", 0, 0, "not an exercise of this course")]
+    table = format_table(rows)
+    expected_total = 12 + sum(EXERCISES[k].total for k in ("ex02", "ex03", "ex04", "ex05"))
+    assert table.splitlines()[-1].split() == ["TOTAL", f"12/{expected_total}"]
+
+
+def test_the_command_line(tmp_path):
+    """Paths with spaces, a single notebook, a missing folder, an empty folder, a bad --timeout."""
+    folder = tmp_path / "alice smith"
+    folder.mkdir()
+    _write(folder / "ex01_kv_bytes.ipynb", _code_cells(EX01_RIGHT))
+
+    def grade(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "minipaged", "grade", *args], capture_output=True, text=True,
+                              cwd=ROOT, timeout=300)
+
+    for target in (folder, folder / "ex01_kv_bytes.ipynb"):
+        done = grade(str(target), "--timeout", "120")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[-1].split() == ["TOTAL", "12/12"]
+    done = grade(str(tmp_path / "nowhere"))
+    assert done.returncode == 2 and f"no such file or folder: {tmp_path / 'nowhere'}" in done.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = grade(str(empty))
+    assert done.returncode == 2 and f"no notebooks to grade in {empty}" in done.stderr
+    done = grade(str(folder), "--timeout", "0")
+    assert done.returncode == 2 and "must be a positive number" in done.stderr
+    make = (ROOT / "Makefile").read_text()
+    assert 'grade "$(DIR)"' in make

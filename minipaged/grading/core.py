@@ -43,7 +43,7 @@ class CheckOutcome:
     got: Any
 
 
-def _describe_error(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     if isinstance(exc, NotImplementedError):
         return "NotImplementedError: the stub is still there; write your code in place of `raise NotImplementedError`"
     frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
@@ -55,11 +55,11 @@ def run_check(check: Check) -> CheckOutcome:
     try:
         got = check.run()
     except Exception as exc:  # a learner's bug is a failed check, never a crashed grader
-        return CheckOutcome(check, False, _describe_error(exc))
+        return CheckOutcome(check, False, describe_error(exc))
     try:
         ok = bool(check.same(got, check.expected))
     except Exception as exc:
-        return CheckOutcome(check, False, f"{got!r} (could not be compared: {_describe_error(exc)})")
+        return CheckOutcome(check, False, f"{got!r} (could not be compared: {describe_error(exc)})")
     return CheckOutcome(check, ok, got)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..kv_math import GiB, KVSpec
-from .core import Check, report
+from .core import Check, CheckOutcome, report
 
 # (label, num_layers, num_kv_heads, head_dim, dtype_bytes)
 _MODELS = [
@@ -20,7 +20,7 @@ _MODELS = [
 ]
 
 
-def check_bytes_per_token(bytes_per_token: Callable[[int, int, int, int], int]) -> None:
+def check_bytes_per_token(bytes_per_token: Callable[[int, int, int, int], int]) -> list[CheckOutcome]:
     checks = [
         Check(f"bytes_per_token({L}, {kv}, {d}, {b})  # {label}",
               lambda L=L, kv=kv, d=d, b=b: bytes_per_token(L, kv, d, b),
@@ -30,7 +30,7 @@ def check_bytes_per_token(bytes_per_token: Callable[[int, int, int, int], int]) 
                    "bytes, not numbers (chapter 01, section 2)")
         for label, L, kv, d, b in _MODELS
     ]
-    report("bytes_per_token", checks)
+    return report("bytes_per_token", checks)
 
 
 def _raises_value_error(fn: Callable[[], Any]) -> str:
@@ -41,7 +41,7 @@ def _raises_value_error(fn: Callable[[], Any]) -> str:
     return "no error"
 
 
-def check_block_capacity(block_capacity: Callable[[int, int, int, int], tuple[int, int]]) -> None:
+def check_block_capacity(block_capacity: Callable[[int, int, int, int], tuple[int, int]]) -> list[CheckOutcome]:
     """``block_capacity(budget_bytes, bytes_per_token, block_size, request_tokens) -> (blocks, requests)``."""
     cases = [
         ("1 GiB of SmolLM2 fp32 cache, 2k-token requests", GiB, 46_080, 16, 2048),
@@ -61,7 +61,7 @@ def check_block_capacity(block_capacity: Callable[[int, int, int, int], tuple[in
     checks.append(Check("block_capacity(1000, 46080, 16, 2048)  # smaller than one block",
                         lambda: _raises_value_error(lambda: block_capacity(1000, 46_080, 16, 2048)),
                         "ValueError", hint="a budget that cannot hold one block should raise ValueError"))
-    report("block_capacity", checks)
+    return report("block_capacity", checks)
 
 
 def _capacity(budget: int, bytes_per_token: int, block_size: int, request_tokens: int) -> tuple[int, int]:

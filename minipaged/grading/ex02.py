@@ -14,7 +14,7 @@ import numpy as np
 
 from ..contiguous import ContiguousAllocator, simulate_trace
 from ..workloads import sharegpt_like_trace
-from .core import Check, report
+from .core import Check, CheckOutcome, report
 
 Reservations = dict[str, tuple[int, int]]
 FRAGMENTATION_KEYS = ("live", "internal", "external", "free", "utilisation")
@@ -75,7 +75,7 @@ def _as_extents(got: Any) -> list[tuple[int, int]]:
     return [(int(s), int(n)) for s, n in got]
 
 
-def check_free_extents(free_extents: Callable[[int, Reservations], list[tuple[int, int]]]) -> None:
+def check_free_extents(free_extents: Callable[[int, Reservations], list[tuple[int, int]]]) -> list[CheckOutcome]:
     """``free_extents(num_slots, reservations) -> [(start, length), ...]``, sorted, neighbours merged."""
     checks = []
     for label, num_slots, arena, _live, _next in _cases():
@@ -87,7 +87,7 @@ def check_free_extents(free_extents: Callable[[int, Reservations], list[tuple[in
                                  "its two ends as well as the gaps between reservations, at where a reservation "
                                  "ends, and at the order the dict gives you (none in particular); two free slots "
                                  "side by side always belong to one hole (chapter 02, section 4)"))
-    report("free_extents", checks)
+    return report("free_extents", checks)
 
 
 def _same_report(got: Any, expected: dict[str, float]) -> bool:
@@ -135,7 +135,7 @@ def _trace_cases() -> list[tuple[str, int, Reservations, dict[str, int], int, di
     return out
 
 
-def check_fragmentation(fragmentation: Callable[[int, Reservations, dict[str, int], int], dict[str, float]]) -> None:
+def check_fragmentation(fragmentation: Callable[[int, Reservations, dict[str, int], int], dict[str, float]]) -> list[CheckOutcome]:
     """``fragmentation(num_slots, reservations, live_tokens, next_request_size) -> dict`` with
     ``live``, ``internal``, ``external``, ``free`` (slots) and ``utilisation`` (live / num_slots)."""
     cases = [(label, n, dict(arena.reservations), live, nxt, _expected(arena, live, nxt))
@@ -154,4 +154,4 @@ def check_fragmentation(fragmentation: Callable[[int, Reservations, dict[str, in
                                  "free: every slot outside a reservation; utilisation: a share of the whole arena "
                                  "(chapter 02, section 4). "
                                  f"Return a dict with exactly the keys {list(FRAGMENTATION_KEYS)}"))
-    report("fragmentation", checks)
+    return report("fragmentation", checks)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ..block_pool import FreeKVCacheBlockQueue, KVCacheBlock
 from ..kv_cache_manager import KVCacheManager
 from ..request import Request
-from .core import Check, report
+from .core import Check, CheckOutcome, report
 
 Remove = Callable[[FreeKVCacheBlockQueue, KVCacheBlock], None]
 HUGE = 200_000
@@ -139,7 +139,7 @@ def _remove_then_append(remove: Remove) -> tuple[list[int], list[int], int]:
     return _state(q)
 
 
-def check_remove_links(remove: Remove) -> None:
+def check_remove_links(remove: Remove) -> list[CheckOutcome]:
     """``remove(queue, block)``: unlink ``block`` from anywhere in ``queue``; the list stays whole both ways."""
     cases = [("the first block (next to the fake head)", 6, [0]),
              ("a block in the middle", 6, [3]),
@@ -164,7 +164,7 @@ def check_remove_links(remove: Remove) -> None:
                         lambda: _remove_twice(remove), _remove_twice(_reference),
                         hint="how can you tell, from the block alone, that it is not in the queue? That case must "
                              "raise ValueError before changing anything"))
-    report("remove_links", checks)
+    return report("remove_links", checks)
 
 
 def _far_touches(remove: Remove, q: FreeKVCacheBlockQueue, blocks: list[KVCacheBlock], i: int) -> int:
@@ -187,7 +187,7 @@ def _huge_queue() -> tuple[FreeKVCacheBlockQueue, list[KVCacheBlock]]:
     return q, blocks
 
 
-def check_remove_is_O1(remove: Remove) -> None:
+def check_remove_is_O1(remove: Remove) -> list[CheckOutcome]:
     """One removal from a 200,000-block queue touches the removed block and its two neighbours, nothing else."""
     ref_q, ref_blocks = _huge_queue()
     q, blocks = _huge_queue()
@@ -203,7 +203,7 @@ def check_remove_is_O1(remove: Remove) -> None:
     checks.append(Check(f"after those 4 removals: num_free_blocks of the {HUGE:,}-block queue",
                         lambda: q.num_free_blocks, ref_q.num_free_blocks,
                         hint="the queue's count must follow its removals"))
-    report("remove_is_O1", checks)
+    return report("remove_is_O1", checks)
 
 
 def _pool_scenario(remove: Remove | None) -> tuple[list[int], int, list[int], list[int]]:
@@ -227,7 +227,7 @@ def _pool_scenario(remove: Remove | None) -> tuple[list[int], int, list[int], li
     return (_forward(q), mgr.get_num_free_blocks(), [b.ref_cnt for b in blocks], mgr.get_block_ids("hit"))
 
 
-def check_remove_in_pool(remove: Remove) -> None:
+def check_remove_in_pool(remove: Remove) -> list[CheckOutcome]:
     """The learner's ``remove`` serving a real ``BlockPool``: prefix-cache hits take cached blocks out of the queue."""
     expected = _pool_scenario(None)
     labels = ["the free queue after the hit (ids front→back)", "free blocks after the hit",
@@ -237,4 +237,4 @@ def check_remove_in_pool(remove: Remove) -> None:
                     hint="a cache hit calls your remove on a block in the middle of the free queue: make "
                          "remove_links pass first, then compare what the pool did next")
               for k, label in enumerate(labels)]
-    report("remove_in_pool", checks)
+    return report("remove_in_pool", checks)

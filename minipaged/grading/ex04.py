@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 from ..block_table import slot_mapping as reference_slot_mapping
 from ..kv_cache_manager import KVCacheManager
 from ..request import Request
-from .core import Check, report
+from .core import Check, CheckOutcome, report
 
 SlotMapping = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]], int, Any], Any]
 
@@ -30,7 +30,7 @@ def _raises_index_error(fn: Callable[[], Any]) -> str:
     return "no error"
 
 
-def check_slot_mapping(slot_mapping: SlotMapping) -> None:
+def check_slot_mapping(slot_mapping: SlotMapping) -> list[CheckOutcome]:
     """``slot_mapping(block_tables, positions, block_size, pad_to=None) -> list[int]``."""
     cases = [
         ("the seed's table [19, 18, 5], block size 4: position 10", [[19, 18, 5]], [[10]], 4, None),
@@ -55,7 +55,7 @@ def check_slot_mapping(slot_mapping: SlotMapping) -> None:
                         lambda: _raises_index_error(lambda: slot_mapping([[19, 18]], [[8]], 4, None)), expected,
                         hint="a position past the end of the block table must raise IndexError, not write "
                              "somewhere else"))
-    report("slot_mapping", checks)
+    return report("slot_mapping", checks)
 
 
 # ---- the admission inequality ----------------------------------------------------------------
@@ -120,7 +120,7 @@ def _untouched(would_allocate: Callable[[KVCacheManager, Request, int], bool]) -
     return mgr.get_num_free_blocks(), mgr.num_blocks_per_request, req.num_computed_tokens
 
 
-def check_would_allocate(would_allocate: Callable[[KVCacheManager, Request, int], bool]) -> None:
+def check_would_allocate(would_allocate: Callable[[KVCacheManager, Request, int], bool]) -> list[CheckOutcome]:
     """``would_allocate(manager, request, num_new_tokens) -> bool``: would ``allocate_slots`` give blocks now?"""
     hint = ("compare with the numbers in brackets: how many blocks the request needs beyond the ones it holds "
             "(a part-full block has room; a part-filled new one still takes a whole block), which blocks no "
@@ -140,4 +140,4 @@ def check_would_allocate(would_allocate: Callable[[KVCacheManager, Request, int]
                         "as before", lambda: _untouched(would_allocate),
                         (mgr.get_num_free_blocks(), mgr.num_blocks_per_request, req.num_computed_tokens),
                         hint="read the numbers, do not call allocate_slots or take blocks from the pool"))
-    report("would_allocate", checks)
+    return report("would_allocate", checks)

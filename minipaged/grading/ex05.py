@@ -24,7 +24,7 @@ import torch
 
 from ..block_table import slot_mapping as reference_slot_mapping
 from ..kernels import reference
-from .core import Check, report
+from .core import Check, CheckOutcome, report
 from ..utils import cdiv
 
 ReshapeAndCache = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -295,15 +295,15 @@ def _edge_cases() -> list[_Case]:
     return cases
 
 
-def check_scatter_write(reshape_and_cache: ReshapeAndCache) -> None:
+def check_scatter_write(reshape_and_cache: ReshapeAndCache) -> list[CheckOutcome]:
     """Block sizes 1-32, 1-8 KV heads, head_dim 16-128 (80 too), fp32 and fp16, shuffled pools."""
     checks = [Check(c.describe(), lambda c=c: _run(reshape_and_cache, c), _expected(c), hint=_HINT_WRITE)
               for c in _write_cases()]
-    report("scatter_write", checks)
+    return report("scatter_write", checks)
 
 
-def check_scatter_edges(reshape_and_cache: ReshapeAndCache) -> None:
+def check_scatter_edges(reshape_and_cache: ReshapeAndCache) -> list[CheckOutcome]:
     """Padding slots (-1) untouched, strided inputs and caches, the pool's first and last slots."""
     checks = [Check(c.describe(), lambda c=c: _run(reshape_and_cache, c), _expected(c), hint=_HINT_EDGES)
               for c in _edge_cases()]
-    report("scatter_edges", checks)
+    return report("scatter_edges", checks)

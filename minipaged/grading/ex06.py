@@ -17,7 +17,7 @@ from typing import Any
 from ..kv_cache_manager import KVCacheManager
 from ..request import Request
 from ..scheduler import Scheduler, SchedulerConfig
-from .core import Check, report
+from .core import Check, CheckOutcome, report
 
 SYSTEM = list(range(100, 116))  # a 16-token system prompt: 4 blocks of 4
 
@@ -113,7 +113,7 @@ def _describe(s: Scenario) -> str:
             f"free_seats={s.free_seats})  # {s.label}")
 
 
-def check_admit_waiting(admit_waiting: Callable[..., Any]) -> None:
+def check_admit_waiting(admit_waiting: Callable[..., Any]) -> list[CheckOutcome]:
     """What ``admit_waiting`` returns: ``[(request_id, num_new_tokens), ...]`` in admission order."""
     hint = ("compare the admitted list with the label: who got in, in what order, and with how many tokens. "
             "Look at the three limits (queue, token budget, seats), at what a prefix-cache hit saves, at a prompt "
@@ -121,10 +121,10 @@ def check_admit_waiting(admit_waiting: Callable[..., Any]) -> None:
             "fit (chapter 06, sections 3 and 4)")
     checks = [Check(_describe(s), lambda s=s: _run(admit_waiting, s)[0], expected(s)[0], hint=hint)
               for s in SCENARIOS]
-    report("admit_waiting", checks)
+    return report("admit_waiting", checks)
 
 
-def check_admission_state(admit_waiting: Callable[..., Any]) -> None:
+def check_admission_state(admit_waiting: Callable[..., Any]) -> list[CheckOutcome]:
     """What ``admit_waiting`` leaves behind: the queue, each request's status, computed tokens and blocks, the
     free pool."""
     hint = ("compare each part of the state: which requests are still waiting, each request's status (an "
@@ -133,4 +133,4 @@ def check_admission_state(admit_waiting: Callable[..., Any]) -> None:
     checks = [Check(_describe(s).replace("admit_waiting(", "state after admit_waiting(", 1),
                     lambda s=s: _run(admit_waiting, s)[1], expected(s)[1], hint=hint)
               for s in SCENARIOS]
-    report("admission_state", checks)
+    return report("admission_state", checks)

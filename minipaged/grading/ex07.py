@@ -19,7 +19,7 @@ from typing import Any
 from ..kv_cache_manager import KVCacheManager
 from ..request import Request, RequestStatus
 from ..scheduler import Scheduler, SchedulerConfig, SchedulerOutput, preempt_recompute
-from .core import Check, report
+from .core import Check, CheckOutcome, report
 
 SHARED = list(range(300, 308))  # an 8-token prompt prefix: 2 blocks of 4
 
@@ -108,7 +108,7 @@ def _run_preempt(preempt_recompute: Callable[..., Any], s: Scenario) -> dict[str
     return _state(sched, reqs)
 
 
-def check_preempt_recompute(preempt_recompute: Callable[..., Any]) -> None:
+def check_preempt_recompute(preempt_recompute: Callable[..., Any]) -> list[CheckOutcome]:
     """``preempt_recompute(victim, kv, waiting)``: the victim gives back its blocks and waits to be recomputed."""
     hint = ("compare the victim's tuple (status, computed, outputs, preemptions, blocks), then the queues and the "
             "pool: recompute means its K/V is gone but its tokens are kept, its blocks go back, its new state and "
@@ -119,7 +119,7 @@ def check_preempt_recompute(preempt_recompute: Callable[..., Any]) -> None:
         checks.append(Check(f"preempt_recompute({victim.rid}, kv, waiting)  # {s.label}; then: (status, computed, "
                             f"outputs, preemptions, blocks) per request, queues, free blocks, ref counts",
                             lambda s=s: _run_preempt(preempt_recompute, s), expected_preempt(s), hint=hint))
-    report("preempt_recompute", checks)
+    return report("preempt_recompute", checks)
 
 
 # ---- part 2: serve the running requests, preempting the newest --------------------------------
@@ -156,7 +156,7 @@ def _run_running(schedule_running: Callable[..., Any], s: Scenario) -> tuple[Any
     return [(str(r), int(n)) for r, n in scheduled], [str(r) for r in preempted], _state(sched, reqs)
 
 
-def check_schedule_running(schedule_running: Callable[..., Any]) -> None:
+def check_schedule_running(schedule_running: Callable[..., Any]) -> list[CheckOutcome]:
     """``schedule_running(running, waiting, kv, token_budget, preempt) -> (scheduled, preempted)``."""
     hint = ("compare the scheduled and preempted lists: who is served first, who gives way when the pool runs "
             "dry (chapter 07: which end of the running list), how many tokens a request still in its prompt gets "
@@ -168,4 +168,4 @@ def check_schedule_running(schedule_running: Callable[..., Any]) -> None:
                             f"  # {s.label} ({s.num_blocks - 1} usable blocks of 4); then (scheduled, preempted, "
                             f"state)", lambda s=s: _run_running(schedule_running, s), expected_running(s),
                             hint=hint))
-    report("schedule_running", checks)
+    return report("schedule_running", checks)

@@ -15,7 +15,7 @@ from typing import Any
 from ..block_pool import get_request_block_hasher
 from ..kv_cache_manager import KVCacheManager
 from ..request import Request
-from .core import Check, report
+from .core import Check, CheckOutcome, report
 
 
 def reference_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
@@ -50,7 +50,7 @@ def _short(hashes: list[bytes]) -> list[str]:
     return [h.hex()[:8] for h in hashes]
 
 
-def check_chain_block_hashes(chain_block_hashes: Callable[..., Any]) -> None:
+def check_chain_block_hashes(chain_block_hashes: Callable[..., Any]) -> list[CheckOutcome]:
     """``chain_block_hashes(token_ids, block_size, cache_salt=None) -> list of hashes``, one per full block."""
     hint = ("compare the lists hash by hash: how many there are, and where the first difference is. A block's "
             "hash must name its whole prefix (the chain), only full blocks are hashed, and the salt enters once, "
@@ -62,7 +62,7 @@ def check_chain_block_hashes(chain_block_hashes: Callable[..., Any]) -> None:
                             f"(hashes shown by their first 4 bytes)",
                             lambda a=(tokens, bs, salt): _short(_as_bytes_list(chain_block_hashes(*a))),
                             _short(reference_hashes(tokens, bs, salt)), hint=hint))
-    report("chain_block_hashes", checks)
+    return report("chain_block_hashes", checks)
 
 
 # ---- part 2: the longest cached prefix --------------------------------------------------------
@@ -130,7 +130,7 @@ def _run_lookup(find_prefix_hits: Callable[..., Any], c: Lookup) -> tuple[list[i
     return ids, kv.get_num_free_blocks() - free_before
 
 
-def check_find_prefix_hits(find_prefix_hits: Callable[..., Any]) -> None:
+def check_find_prefix_hits(find_prefix_hits: Callable[..., Any]) -> list[CheckOutcome]:
     """``find_prefix_hits(pool, block_hashes, num_tokens, block_size) -> list of block ids``, and it only looks."""
     hint = ("compare the block ids, then the change in free blocks: a hit after a miss cannot be used (the "
             "chain), the last prompt token must still run through the model so a fully cached prompt cannot hit "
@@ -141,4 +141,4 @@ def check_find_prefix_hits(find_prefix_hits: Callable[..., Any]) -> None:
         checks.append(Check(f"find_prefix_hits(pool, hashes of a {query.num_tokens}-token prompt, "
                             f"{query.num_tokens}, 4)  # {c.label}; then (block ids, change in free blocks)",
                             lambda c=c: _run_lookup(find_prefix_hits, c), (expected_hits(c), 0), hint=hint))
-    report("find_prefix_hits", checks)
+    return report("find_prefix_hits", checks)

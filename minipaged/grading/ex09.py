@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kernels import reference
-from .core import Check, report
+from .core import Check, CheckOutcome, report
 from ..utils import cdiv
 
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -229,15 +229,15 @@ def _check(fn: PagedDecode, case: _Case, hint: str) -> Check:
     return Check(case.describe(tables), lambda: _run(fn, case), _expected(case), hint=hint)
 
 
-def check_paged_decode(paged_decode_attention: PagedDecode) -> None:
+def check_paged_decode(paged_decode_attention: PagedDecode) -> list[CheckOutcome]:
     """Lengths 1 to 300, block sizes 4 and 16, MHA, GQA (9 over 3, 8 over 2) and MQA, fp32 and fp16."""
-    report("paged_decode", [_check(paged_decode_attention, c, _HINT_DECODE) for c in _decode_cases()])
+    return report("paged_decode", [_check(paged_decode_attention, c, _HINT_DECODE) for c in _decode_cases()])
 
 
-def check_paged_decode_edges(paged_decode_attention: PagedDecode) -> None:
+def check_paged_decode_edges(paged_decode_attention: PagedDecode) -> list[CheckOutcome]:
     """Garbage (NaN, out-of-range ids) that must not be read, overflow, scale, bf16, an empty batch."""
     checks = [_check(paged_decode_attention, c, _HINT_EDGES) for c in _edge_cases()]
     case = _INDEPENDENCE
     checks.append(Check(case.describe(case.inputs()[3]), lambda: _run_fills(paged_decode_attention, case, _FILLS),
                         _run_fills(reference.paged_decode_attention, case, _FILLS), hint=_HINT_EDGES))
-    report("paged_decode_edges", checks)
+    return report("paged_decode_edges", checks)

@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import parts
 from ..utils import cdiv
-from .core import Check, report
+from .core import Check, CheckOutcome, report
 from .runner import run_code_cells
 
 EXERCISES = ("ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex09")
@@ -230,7 +230,7 @@ def _assembled(my_parts: Callable[[], Any]) -> dict[str, Any]:
     return got
 
 
-def check_parts(my_parts: Callable[[], dict[str, Callable[..., Any]]]) -> None:
+def check_parts(my_parts: Callable[[], dict[str, Callable[..., Any]]]) -> list[CheckOutcome]:
     """Every part is there, is a function of the learner's, and takes the part's arguments."""
     checks = []
     for name, spec in parts.PARTS.items():
@@ -244,14 +244,14 @@ def check_parts(my_parts: Callable[[], dict[str, Callable[..., Any]]]) -> None:
                 return "plugs in"
         checks.append(Check(f"my_parts()[{name!r}]  # {spec.exercise}: {spec.signature}", plug, "plugs in",
                             hint=f"the function you wrote in {spec.exercise}; the table in the task names each one"))
-    report("capstone_parts", checks)
+    return report("capstone_parts", checks)
 
 
 def _pool_blocks(settings: dict[str, Any]) -> int | None:
     return settings.get("num_gpu_blocks_override")
 
 
-def check_engine_settings(engine_settings: Callable[[], dict[str, Any]]) -> None:
+def check_engine_settings(engine_settings: Callable[[], dict[str, Any]]) -> list[CheckOutcome]:
     """Settings in which every part has work: prefix caching on, recompute, a pool smaller than the batch."""
     def settings() -> dict[str, Any]:
         got = engine_settings()
@@ -299,11 +299,11 @@ def check_engine_settings(engine_settings: Callable[[], dict[str, Any]]) -> None
                                                                             if k == 0), [],
               hint="each part runs only in its situation: a prefix hit, a decode-only step, a preemption..."),
     ]
-    report("capstone_engine", checks)
+    return report("capstone_engine", checks)
 
 
 def check_report_card(my_parts: Callable[[], dict[str, Callable[..., Any]]],
-                      engine_settings: Callable[[], dict[str, Any]]) -> None:
+                      engine_settings: Callable[[], dict[str, Any]]) -> list[CheckOutcome]:
     """Serve the batch with your parts: each exercise alone and all together must be token-exact."""
     card: list[ReportCard] = []
 
@@ -324,6 +324,7 @@ def check_report_card(my_parts: Callable[[], dict[str, Callable[..., Any]]],
                         hint="a pool smaller than the batch makes the scheduler preempt"))
     checks.append(Check("report card: prompt tokens found in the prefix cache", lambda: the_card().prefix_hit_tokens > 0,
                         True, hint="the chat template's system prompt is the same for every request"))
-    report("report_card", checks)
+    outcomes = report("report_card", checks)
     if card:
         print(card[0])
+    return outcomes
