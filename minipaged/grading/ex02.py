@@ -51,11 +51,12 @@ def _random_arena(seed: int, num_slots: int = 256, steps: int = 40) -> tuple[Con
 def _cases() -> list[tuple[str, int, ContiguousAllocator, dict[str, int], int]]:
     """(label, num_slots, arena, live tokens per request, size of the next request)."""
     cases = []
-    # The seed's four chat requests, each reserving max_model_len = 8192 slots in a full arena.
-    seed_live = [600, 1250, 4000, 128]
+    # The capacity article's four chat requests (600, 1250, 4000, 128 live tokens), each reserving max_model_len =
+    # 8192 slots in a full arena.
+    live = [600, 1250, 4000, 128]
     arena = _arena(4 * 8192, [("alloc", f"q{i}", 8192) for i in range(4)])
     cases.append(("four requests reserving 8192 slots each, arena full", 4 * 8192, arena,
-                  {f"q{i}": n for i, n in enumerate(seed_live)}, 8192))
+                  {f"q{i}": n for i, n in enumerate(live)}, 8192))
     cases.append(("an empty arena", 64, ContiguousAllocator(64), {}, 16))
     # b and c are neighbours: freeing both must give ONE hole; e's hole merges with the free end.
     ops = [("alloc", x, s) for x, s in zip("abcdef", (8, 6, 10, 4, 7, 5))]

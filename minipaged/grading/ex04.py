@@ -33,8 +33,8 @@ def _raises_index_error(fn: Callable[[], Any]) -> str:
 def check_slot_mapping(slot_mapping: SlotMapping) -> list[CheckOutcome]:
     """``slot_mapping(block_tables, positions, block_size, pad_to=None) -> list[int]``."""
     cases = [
-        ("the seed's table [19, 18, 5], block size 4: position 10", [[19, 18, 5]], [[10]], 4, None),
-        ("the seed's toy trace: A writes positions 0..4 into blocks [19, 18]", [[19, 18]], [list(range(5))], 4, None),
+        ("chapter 04's table [19, 18, 5], block size 4: position 10", [[19, 18, 5]], [[10]], 4, None),
+        ("chapter 03's A/B trace: A writes positions 0..4 into blocks [19, 18]", [[19, 18]], [list(range(5))], 4, None),
         ("prefill of a 50-token request, table [42, 17, 88, 5], block size 16", [[42, 17, 88, 5]],
          [list(range(50))], 16, None),
         ("one decode step of a batch of three", [[19, 18, 5], [7], [3, 8]], [[10], [2], [5]], 4, None),

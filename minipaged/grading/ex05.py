@@ -253,7 +253,7 @@ def _write_cases() -> list[_Case]:
     cases.append(_Case("chapter 04's batch: a 3-token prefill chunk and two decodes, tables [[19, 18, 5], [7], "
                        "[3, 8]], block_size 4", 20, 4, 2, 16, torch.float32,
                        reference_slot_mapping(seed_tables, seed_positions, 4).tolist(), seed=2))
-    cases.append(_Case("the seeds' 50-token prefill through table [42, 17, 88, 5], block_size 16", 96, 16, 4, 32,
+    cases.append(_Case("a 50-token prefill through table [42, 17, 88, 5], block_size 16 (the last block part-full)", 96, 16, 4, 32,
                        torch.float16, reference_slot_mapping([[42, 17, 88, 5]], [list(range(50))], 16).tolist(),
                        seed=3))
     _, slots = _shuffled_slots(12, 16, [21, 16, 9], seed=4)

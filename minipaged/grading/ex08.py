@@ -37,7 +37,7 @@ HASH_CASES = [
     ("block size 1: one hash per token", _tokens(5), 1, None),
     ("the same 4 tokens after a different first block: a different hash", [9, 9, 9, 9] + _tokens(4), 4, None),
     ("a cache salt goes into the first block, and through the chain into every block", _tokens(12), 4, "tenant-a"),
-    ("the seed's 1000-token system prompt, block size 16: 62 full blocks (the 63rd is partial)", SYSTEM_1000, 16,
+    ("chapter 08's 1000-token system prompt, block size 16: 62 full blocks (the 63rd is partial)", SYSTEM_1000, 16,
      None),
 ]
 
