@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import time
 import warnings
+import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from .model_runner import ModelRunner
 from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .snapshot import Snapshot
 
 STEP_STATS_KEPT = 100_000
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
@@ -312,15 +314,34 @@ class LLM:
         applies a step's results only once they are all in (see ``update_from_output``).
         """
         self.num_steps += 1
+        # A learner's part may fail half-way through a section the package's own pieces never fail in: with
+        # parts plugged in, the whole bookkeeping is saved first and put back if the step fails (see snapshot).
+        saved = Snapshot.take(self.scheduler.bookkeeping()) if parts.active() else None
+        if saved is not None:
+            parts.at_exit(id(self), self._forget_prefix_cache_of_parts())
         try:
             finished = self._step()
-        except BaseException as exc:   # the step did not happen: no block hashed for it stays findable
-            self.kv_cache_manager.rollback_step()
+        except BaseException as exc:   # the step did not happen
+            if saved is not None:
+                saved.restore()
+            else:   # no block hashed for it stays findable
+                self.kv_cache_manager.rollback_step()
             if isinstance(exc, parts.PartError) and exc.step is None:
                 exc.step = self.num_steps
                 exc.add_note(f"(engine step {self.num_steps})")
             raise
         return finished   # a step that ran is committed by the next schedule()
+
+    def _forget_prefix_cache_of_parts(self) -> Callable[[], None]:
+        """What a ``parts.use`` block does to this engine when it ends: forget every prefix-cache entry, since a
+        learner's code may have computed, hashed or (unchecked) written any of them. Holds the engine weakly."""
+        me = weakref.ref(self)
+
+        def forget() -> None:
+            llm = me()
+            if llm is not None:
+                llm.kv_cache_manager.forget_prefix_cache()
+        return forget
 
     def _step(self) -> list[str]:
         """nano-vllm's three calls: schedule, run (forward + sample), postprocess."""

@@ -36,8 +36,7 @@ the mode, a part that raises, or returns something of the wrong kind, is a
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +46,11 @@ import torch
 class PartError(RuntimeError):
     """A plugged-in part raised, returned the wrong kind of thing, or (checked) returned a wrong result."""
 
-    def __init__(self, part: str, message: str, call: int = 0) -> None:
+    def __init__(self, part: str, message: str, call: int = 0, probe: str | None = None) -> None:
         spec = PARTS[part]
-        where = f" on call {call}" if call else ""
+        where = f" on probe {probe!r}" if probe else f" on call {call}" if call else ""
         super().__init__(f"part {part!r} (exercise {spec.exercise[2:]}){where}: {message}")
-        self.part, self.call = part, call
+        self.part, self.call, self.probe = part, call, probe
         self.step: int | None = None   # the engine step, filled in by LLM.step
 
 
@@ -67,6 +66,12 @@ class Part:
     accept: Callable[[tuple[Any, ...], Any], Any]
     # verify(args, result, before) -> None if right, else what was wrong
     verify: Callable[[tuple[Any, ...], Any, Any], str | None]
+    # probes() -> [(what the probe is, args)]: calls on shapes the engine under test may never make (checked mode,
+    # when the block is entered), each verified like an engine call
+    probes: Callable[[], list[tuple[str, tuple[Any, ...]]]] | None = None
+    # sandbox(args) -> (args to hand the part, commit): a checked call writes to scratch copies, and ``commit``
+    # puts what it wrote in place only once the call is verified
+    sandbox: Callable[[tuple[Any, ...]], tuple[tuple[Any, ...], Callable[[], None]]] | None = None
 
 
 # ---- what each part must return, and how a call is checked --------------------------------------------
@@ -100,15 +105,74 @@ def _first_difference(got: list[Any], want: list[Any]) -> str:
     return f"item {i} is {got[i]!r}, expected {want[i]!r}"
 
 
-# free_queue_remove(queue, block)
+# ---- the pool, as a part must leave it --------------------------------------------------------------
+def _link(block: Any, queue: Any) -> Any:
+    if block is None:
+        return None
+    if block is queue.fake_free_list_head:
+        return "head"
+    return "tail" if block is queue.fake_free_list_tail else block.block_id
+
+
+def _pool_state(pool: Any) -> dict[str, Any]:
+    """Everything about a pool a part could change: the free count, each block's ref count, hash and free-queue
+    links, the sentinels' links, and which blocks the prefix cache maps each hash to."""
+    q = pool.free_block_queue
+    return {"free count": q.num_free_blocks,
+            "blocks": {b.block_id: (b.ref_cnt, b.block_hash, _link(b.prev_free_block, q), _link(b.next_free_block, q))
+                       for b in pool.blocks},
+            "ends": (_link(q.fake_free_list_head.next_free_block, q), _link(q.fake_free_list_tail.prev_free_block, q)),
+            "cache": {h: sorted(d) for h, d in pool.cached_block_hash_to_block.items()}}
+
+
+def _pool_difference(got: dict[str, Any], want: dict[str, Any]) -> str | None:
+    """The first way ``got`` differs from ``want``, in words, or None."""
+    if got["free count"] != want["free count"]:
+        return f"the free count is {got['free count']}, expected {want['free count']}"
+    for bid, (ref, h, prev, nxt) in want["blocks"].items():
+        g_ref, g_h, g_prev, g_nxt = got["blocks"][bid]
+        if g_ref != ref:
+            return f"block {bid}'s ref count is {g_ref}, expected {ref}"
+        if g_h != h:
+            return f"block {bid}'s hash was changed ({'cleared' if g_h is None else 'rewritten'})"
+        if (g_prev, g_nxt) != (prev, nxt):
+            return f"block {bid}'s free-queue links are ({g_prev}, {g_nxt}), expected ({prev}, {nxt})"
+    if got["ends"] != want["ends"]:
+        return f"the free queue's ends link to {got['ends']}, expected {want['ends']}"
+    if got["cache"] != want["cache"]:
+        return "the prefix cache's map from hash to blocks was changed"
+    return None
+
+
+def _left_alone(pool: Any, before: dict[str, Any]) -> str | None:
+    problem = _pool_difference(_pool_state(pool), before)
+    return None if problem is None else f"it changed the pool, which this part only reads: {problem}"
+
+
+# free_queue_remove(queue, block): the block, its two neighbours' links and the free count change; nothing else
+def _queue_blocks(queue: Any, block: Any) -> list[Any]:
+    """Every block on the free queue, walked from the head (bounded: a broken queue may loop), and ``block``."""
+    seen, b = [], queue.fake_free_list_head.next_free_block
+    while b is not None and b is not queue.fake_free_list_tail and len(seen) <= queue.num_free_blocks + 1:
+        seen.append(b)
+        b = b.next_free_block
+    return seen if any(x is block for x in seen) else [*seen, block]
+
+
+def _block_states(queue: Any, blocks: list[Any]) -> dict[int, tuple[Any, ...]]:
+    return {b.block_id: (b.ref_cnt, b.block_hash, _link(b.prev_free_block, queue), _link(b.next_free_block, queue))
+            for b in blocks}
+
+
 def _remove_before(args: tuple[Any, ...]) -> Any:
     queue, block = args
-    return block.prev_free_block, block.next_free_block, queue.num_free_blocks
+    blocks = _queue_blocks(queue, block)
+    return block.prev_free_block, block.next_free_block, queue.num_free_blocks, blocks, _block_states(queue, blocks)
 
 
 def _remove_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
     queue, block = args
-    prev_block, next_block, num_free = before
+    prev_block, next_block, num_free, blocks, state = before
     if block.prev_free_block is not None or block.next_free_block is not None:
         return f"block {block.block_id} still has free-queue links after its removal"
     if prev_block.next_free_block is not next_block or next_block.prev_free_block is not prev_block:
@@ -116,6 +180,25 @@ def _remove_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | Non
                 f"-1 = a fake end) are not linked to each other afterwards")
     if queue.num_free_blocks != num_free - 1:
         return f"queue.num_free_blocks is {queue.num_free_blocks}, expected {num_free - 1}"
+    # Everything else as it was: every queued block's ref count and hash, and the links of all but three blocks.
+    want = dict(state)
+    ref, h, _, _ = want[block.block_id]
+    want[block.block_id] = (ref, h, None, None)
+    p, n = _link(prev_block, queue), _link(next_block, queue)
+    if p in want:
+        want[p] = (*want[p][:3], n)
+    if n in want:
+        want[n] = (*want[n][:2], p, want[n][3])
+    got = _block_states(queue, blocks)
+    for bid, w in want.items():
+        g = got[bid]
+        if g[0] != w[0]:
+            return f"block {bid}'s ref count is {g[0]}, expected {w[0]}: remove only unlinks"
+        if g[1] != w[1]:
+            return f"block {bid}'s hash was {'cleared' if g[1] is None else 'changed'}: remove only unlinks"
+        if g[2:] != w[2:]:
+            return (f"block {bid}'s links are {g[2:]}, expected {w[2:]}: only the removed block and its two "
+                    f"neighbours change")
     return None
 
 
@@ -139,17 +222,6 @@ def _slots_verify(args: tuple[Any, ...], result: torch.Tensor, before: Any) -> s
     return f"token {i} of the step got slot {got[i]}, expected {want[i]} (block tables {args[0]!r:.120})"
 
 
-def _pool_state(pool: Any) -> tuple[int, tuple[int, ...]]:
-    """Free blocks and every ref count: a part that only looks must leave both as they were."""
-    return pool.get_num_free_blocks(), tuple(b.ref_cnt for b in pool.blocks)
-
-
-def _changed_pool(pool: Any, before: tuple[int, tuple[int, ...]]) -> str | None:
-    if _pool_state(pool) == before:
-        return None
-    return "it changed the pool (free blocks or reference counts): this part only looks"
-
-
 # would_allocate(manager, request, num_new_tokens)
 def _bool_accept(args: tuple[Any, ...], result: Any) -> bool:
     if not (isinstance(result, bool) or str(getattr(result, "dtype", "")) in ("bool", "torch.bool")):
@@ -157,11 +229,23 @@ def _bool_accept(args: tuple[Any, ...], result: Any) -> bool:
     return bool(result)
 
 
+def _manager_state(manager: Any) -> dict[str, Any]:
+    return {"blocks": {rid: [b.block_id for b in blocks] for rid, blocks in manager.req_to_blocks.items()},
+            "cached": dict(manager.num_cached_block), "copies": list(manager.pending_copies)}
+
+
+def _would_before(args: tuple[Any, ...]) -> Any:
+    return _pool_state(args[0].block_pool), _manager_state(args[0])
+
+
 def _would_verify(args: tuple[Any, ...], result: bool, before: Any) -> str | None:
     manager, request, num_new = args
     want = manager.can_allocate(request, num_new)
     if result == want:
-        return _changed_pool(manager.block_pool, before)
+        pool_before, manager_before = before
+        if _manager_state(manager) != manager_before:
+            return "it changed the manager's block tables: this part only answers"
+        return _left_alone(manager.block_pool, pool_before)
     return (f"said {result} for {num_new} new tokens of request {request.request_id!r} (holding "
             f"{manager.get_num_blocks(request.request_id)} blocks, {manager.get_num_free_blocks()} free, "
             f"{manager.reserved_blocks} reserved, watermark {manager.watermark_blocks}); allocate_slots says {want}")
@@ -189,6 +273,24 @@ def _cache_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None
     return None
 
 
+def _scratch_caches(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Callable[[], None]]:
+    """The part writes into copies of the caches; once verified, the copies' contents go into the real ones, so
+    a wrong write never reaches a block another request (or the prefix cache) reads."""
+    key, value, key_cache, value_cache, slots = args
+    k2, v2 = key_cache.clone(), value_cache.clone()
+
+    def commit() -> None:
+        key_cache.copy_(k2)
+        value_cache.copy_(v2)
+    return (key, value, k2, v2, slots), commit
+
+
+def _read_only_caches(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Callable[[], None]]:
+    """The part reads copies of the caches; ``_attention_verify`` checks it left them as they were."""
+    query, key_cache, value_cache, *rest = args
+    return (query, key_cache.clone(), value_cache.clone(), *rest), lambda: None
+
+
 # paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
 def _attention_accept(args: tuple[Any, ...], result: Any) -> torch.Tensor:
     query = args[0]
@@ -198,9 +300,16 @@ def _attention_accept(args: tuple[Any, ...], result: Any) -> torch.Tensor:
     return result.to(query.dtype)
 
 
+def _attention_before(args: tuple[Any, ...]) -> Any:
+    return args[1].clone(), args[2].clone()
+
+
 def _attention_verify(args: tuple[Any, ...], result: torch.Tensor, before: Any) -> str | None:
     from .kernels import reference
 
+    for name, got, was in (("key_cache", args[1], before[0]), ("value_cache", args[2], before[1])):
+        if not bool(((got == was) | (got.isnan() & was.isnan())).all()):
+            return f"it wrote into {name}: attention only reads the cache"
     want = reference.paged_decode_attention(*args)
     tol = 1e-4 if result.dtype == torch.float32 else 2e-2
     err = (result.float() - want.float()).abs()
@@ -354,25 +463,154 @@ def _hits_accept(args: tuple[Any, ...], result: Any) -> list[int]:
 
 
 def _hits_verify(args: tuple[Any, ...], result: list[int], before: Any) -> str | None:
+    """Right by meaning: as many blocks as the longest cached prefix, block i cached under hash i. Which block,
+    when several hold the same hash (two requests computed one prefix at once), is the part's choice."""
     from .kv_cache_manager import find_prefix_hits
 
+    pool, block_hashes, num_tokens, _ = args
     want = find_prefix_hits(*args)
-    if result == want:
-        return _changed_pool(args[0], before)
-    return f"returned blocks {result} for a {args[2]}-token prompt; the cached prefix is {want}"
+    if len(result) != len(want):
+        return (f"returned {len(result)} block(s) {result} for a {num_tokens}-token prompt; its longest cached "
+                f"prefix is {len(want)} block(s), e.g. {want}")
+    for i, bid in enumerate(result):
+        if bid not in pool.cached_block_hash_to_block.get(block_hashes[i], {}):
+            return f"block {bid} (hit {i}) is not cached under the hash of block {i} of the prompt; e.g. {want[i]} is"
+    return _left_alone(pool, before)
+
+
+# ---- probes: shapes that tell apart mistakes SmolLM2's shapes hide ------------------------------------------
+# SmolLM2 has 9 query heads over 3 KV heads (h // 3 and h // num_kv_heads agree), 16-token blocks and tables
+# with no spare column: a part can be right on it by accident. Checked mode first calls each part on these.
+Probe = tuple[str, tuple[Any, ...]]
+
+
+def _free_queue_probes() -> list[Probe]:
+    from .block_pool import BlockPool, chain_block_hashes
+
+    pool = BlockPool(8)
+    for block, h in zip(pool.blocks[1:4], chain_block_hashes(list(range(48)), 16)):   # cached-but-free blocks
+        block.set_block_hash(h)
+        pool.cached_block_hash_to_block[h] = {block.block_id: block}
+    q, b = pool.free_block_queue, pool.blocks
+    return [("a cached block at the front of the queue", (q, b[1])),
+            ("a cached block at the back of the queue", (q, b[7])),
+            ("a cached block in the middle", (q, b[3]))]
+
+
+def _slot_probes() -> list[Probe]:
+    return [("block size 16, a prefill chunk starting mid-block, a table with a spare column",
+             ([[7, 3, 9, 4]], [list(range(20, 45))], 16, None)),
+            ("block size 32, ragged decodes in partial blocks that are not the table's last",
+             ([[5, 2, 9], [8, 4], [1, 6, 3]], [[40], [31], [50]], 32, None)),
+            ("block size 16, decodes at a block's first and last slot and mid-block",
+             ([[3, 8, 2], [6, 1], [4]], [[16], [31], [9]], 16, None))]
+
+
+def _would_probes() -> list[Probe]:
+    from .kv_cache_manager import KVCacheManager
+    from .request import Request
+
+    # 11 usable blocks, 2 reserved, watermark 1 (for new requests only)
+    roomy = KVCacheManager(16, 12, watermark_blocks=1, reserved_blocks=2, enable_caching=False)
+    roomy.allocate_slots(Request("other", list(range(96))), 96)          # 6 taken: 5 free, 3 available
+    tight = KVCacheManager(16, 12, watermark_blocks=1, reserved_blocks=2, enable_caching=False)
+    running = Request("running", list(range(100)))
+    tight.allocate_slots(running, 90)                                     # 6 blocks, the last one 10/16 full
+    running.num_computed_tokens = 90
+    tight.block_pool.get_new_blocks(3)                                    # held elsewhere: 2 free, 0 available
+    return [("2 reserved blocks, watermark 1, 5 free: a new 40-token prompt needs 3",
+             (roomy, Request("new", list(range(40))), 40)),
+            ("the same pool: a new 16-token prompt needs 1", (roomy, Request("small", list(range(16))), 16)),
+            ("2 reserved, 2 free: a running request's next 6 tokens fit in its part-full last block",
+             (tight, running, 6)),
+            ("the same request's next 10 tokens need one block more", (tight, running, 10))]
+
+
+def _cache_probes() -> list[Probe]:
+    g = torch.Generator().manual_seed(24)
+    cases = []
+    for bs, slots in ((32, [65, 66, 67, 31, 160, 0, 100]), (16, [17, 18, 47, 5, 80])):
+        n, heads, d = len(slots), 2, 8
+        kv = torch.randn(n, 2 * heads, d, generator=g)   # key and value as views of one tensor, as a QKV split gives
+        key_cache = torch.randn(6, bs, heads, d, generator=g)
+        cases.append((f"block size {bs}, {n} tokens to ragged slots, key/value not contiguous",
+                      (kv[:, :heads], kv[:, heads:], key_cache, torch.randn(6, bs, heads, d, generator=g),
+                       torch.tensor(slots, dtype=torch.int64))))
+    return cases
+
+
+def _decode_probes() -> list[Probe]:
+    g = torch.Generator().manual_seed(9)
+    cases = []
+    for bs, seq_lens in ((16, [1, 17, 40]), (32, [33, 5, 64])):
+        heads, kv_heads, d = 8, 2, 16
+        width = -(-max(seq_lens) // bs) + 1   # one spare column
+        num_blocks = 1 + len(seq_lens) * width
+        key_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
+        value_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
+        order = torch.randperm(num_blocks - 1, generator=g) + 1
+        tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+        for i, n in enumerate(seq_lens):
+            owned = order[i * width:(i + 1) * width]
+            tables[i] = owned
+            last, used = int(owned[(n - 1) // bs]), (n - 1) % bs + 1
+            key_cache[last, used:] = 1e4    # slots past the sequence's end hold numbers it must not read
+            value_cache[last, used:] = 1e4
+            for spare in owned[-(-n // bs):]:
+                key_cache[int(spare)] = 1e4
+                value_cache[int(spare)] = 1e4
+        query = torch.randn(len(seq_lens), heads, d, generator=g)
+        cases.append((f"8 query heads over 2 KV heads, block size {bs}, seq_lens {seq_lens}, scale 0.3",
+                      (query, key_cache, value_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), 0.3)))
+    # fp16 activations of 40 to 80 with head_dim 16: q·k sums to 25,600 or more, often past fp16's 65,504
+    query, key_cache, value_cache, tables, seq_lens, _ = cases[0][1]
+    big = [t.abs().clamp(0.5, 1).mul(80).to(torch.float16) for t in (query, key_cache, value_cache)]
+    cases.append(("fp16, activations of 40 to 80: q·k overflows fp16 unless computed in float32",
+                  (*big, tables, seq_lens, 1 / 16 ** 0.5)))
+    return cases
+
+
+def _hash_probes() -> list[Probe]:
+    tokens = list(range(100, 170))
+    return [("70 tokens, block size 16, no salt", (tokens, 16, None)),
+            ("70 tokens, block size 32, salt 'tenant-a'", (tokens, 32, "tenant-a")),
+            ("31 tokens, block size 32: no full block", (tokens[:31], 32, None))]
+
+
+def _hit_probes() -> list[Probe]:
+    from .block_pool import BlockPool, chain_block_hashes
+
+    hashes = chain_block_hashes(list(range(64)), 16)
+
+    def pool(cached: list[list[int]]) -> BlockPool:
+        p = BlockPool(8)
+        for h, ids in zip(hashes, cached):
+            for bid in ids:
+                p.blocks[bid].set_block_hash(h)
+                p.cached_block_hash_to_block.setdefault(h, {})[bid] = p.blocks[bid]
+        return p
+
+    full = pool([[1], [2, 5], [3], [4]])   # every block cached, the second one twice
+    gap = pool([[1], [], [3], [4]])        # the second block not cached: the chain breaks there
+    return [("a fully cached 64-token prompt, its second block cached twice (one token must stay to compute)",
+             (full, hashes, 64, 16)),
+            ("the same blocks, a 65-token prompt", (full, hashes, 65, 16)),
+            ("a prompt whose second block is not cached, its third and fourth are", (gap, hashes, 64, 16)),
+            ("a 10-token prompt: no full block", (full, hashes[:0], 10, 16))]
 
 
 PARTS: dict[str, Part] = {p.name: p for p in [
     Part("free_queue_remove", "ex03", "remove(queue, block) -> None",
          "BlockPool.touch: a cached block leaves the middle of the free queue",
-         _remove_before, _none, _remove_verify),
+         _remove_before, _none, _remove_verify, _free_queue_probes),
     Part("slot_mapping", "ex04", "slot_mapping(block_tables, positions, block_size, pad_to=None) -> list[int]",
-         "ModelRunner.prepare_inputs: the slot of every new token", None, _slots_accept, _slots_verify),
+         "ModelRunner.prepare_inputs: the slot of every new token", None, _slots_accept, _slots_verify, _slot_probes),
     Part("would_allocate", "ex04", "would_allocate(manager, request, num_new_tokens) -> bool",
          "KVCacheManager.allocate_slots: are there blocks now? (requests without prefix hits or a shared block)",
-         lambda args: _pool_state(args[0].block_pool), _bool_accept, _would_verify),
+         _would_before, _bool_accept, _would_verify, _would_probes),
     Part("reshape_and_cache", "ex05", "reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None",
-         "PagedAttention: write this step's K/V into the paged cache", _cache_before, _none, _cache_verify),
+         "PagedAttention: write this step's K/V into the paged cache", _cache_before, _none, _cache_verify,
+         _cache_probes, _scratch_caches),
     Part("admit_waiting", "ex06", "admit_waiting(waiting, kv, token_budget, free_seats) -> [(request_id, n)]",
          "Scheduler.schedule, step 2: admit waiting requests", _admit_before, _admit_accept, _admit_verify),
     Part("schedule_running", "ex07",
@@ -382,13 +620,15 @@ PARTS: dict[str, Part] = {p.name: p for p in [
     Part("preempt_recompute", "ex07", "preempt_recompute(victim, kv, waiting) -> None",
          "Scheduler.preempt: undo a victim's allocation (recompute)", _preempt_before, _none, _preempt_verify),
     Part("chain_block_hashes", "ex08", "chain_block_hashes(token_ids, block_size, cache_salt=None) -> [bytes]",
-         "Request.block_hashes: the chained hash of every full block", None, _hashes_accept, _hashes_verify),
+         "Request.block_hashes: the chained hash of every full block", None, _hashes_accept, _hashes_verify,
+         _hash_probes),
     Part("find_prefix_hits", "ex08", "find_prefix_hits(pool, block_hashes, num_tokens, block_size) -> [block id]",
          "KVCacheManager.get_computed_blocks: the longest cached prefix", lambda args: _pool_state(args[0]),
-         _hits_accept, _hits_verify),
+         _hits_accept, _hits_verify, _hit_probes),
     Part("paged_decode_attention", "ex09",
          "paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale) -> Tensor",
-         "PagedAttention: the attention of a decode-only step", None, _attention_accept, _attention_verify),
+         "PagedAttention: the attention of a decode-only step", _attention_before, _attention_accept,
+         _attention_verify, _decode_probes, _read_only_caches),
 ]}
 
 
@@ -399,8 +639,16 @@ class Plugged:
         self.spec, self.fn, self.check, self.calls = PARTS[name], fn, check, 0
 
     def __call__(self, *args: Any) -> Any:
-        spec = self.spec
         self.calls += 1
+        return self._run(args, self.calls, None)
+
+    def probe(self) -> None:
+        """Call the part on the probe shapes (see ``Part.probes``); the first wrong answer raises ``PartError``."""
+        for label, args in self.spec.probes() if self.spec.probes else ():
+            self._run(args, 0, label)
+
+    def _run(self, args: tuple[Any, ...], call: int, probe: str | None) -> Any:
+        spec = self.spec
         before = spec.before(args) if self.check and spec.before else None
         handed: list[str] = []
         if spec.name == "schedule_running" and self.check:   # record who is handed to preempt
@@ -411,31 +659,49 @@ class Plugged:
                 preempt(victim, kv, waiting)
 
             args = (*args[:4], recording_preempt)
+        args, commit = spec.sandbox(args) if self.check and spec.sandbox else (args, None)
         try:
             result = self.fn(*args)
         except PartError:
             raise
         except Exception as exc:   # the learner's bug, named, not a traceback from inside the engine
-            raise PartError(spec.name, f"raised {type(exc).__name__}: {exc}", self.calls) from exc
+            raise PartError(spec.name, f"raised {type(exc).__name__}: {exc}", call, probe) from exc
         try:
             result = spec.accept(args, result)
         except ValueError as exc:
-            raise PartError(spec.name, str(exc), self.calls) from None
+            raise PartError(spec.name, str(exc), call, probe) from None
         if self.check:
             problem = spec.verify(args, result, before)
             if problem is None and spec.name == "schedule_running" and handed != result[1]:
                 problem = f"returned preempted={result[1]} but handed {handed} to preempt"
             if problem is not None:
-                raise PartError(spec.name, f"wrong: {problem}", self.calls)
+                raise PartError(spec.name, f"wrong: {problem}", call, probe)
+            if commit is not None:
+                commit()
         return result
 
 
 _plugged: dict[str, Plugged] = {}
+_PROBES = True   # the course's tests turn probes off to test the checks of the engine's own calls alone
+# Per active ``use`` block, innermost last: what to run when it ends (an engine forgetting its prefix cache).
+_exit_actions: list[dict[Any, Callable[[], None]]] = []
 
 
 def plugged(name: str) -> Plugged | None:
     """The learner's function for part ``name`` if one is plugged in now, else None (the package's own runs)."""
     return _plugged.get(name) if _plugged else None
+
+
+def active() -> bool:
+    """Whether any learner's part is plugged in now."""
+    return bool(_plugged)
+
+
+def at_exit(key: Any, action: Callable[[], None]) -> None:
+    """Run ``action`` when the innermost active ``use`` block ends (once per ``key``). An engine that ran a step
+    with parts plugged in registers here to forget what its prefix cache learned meanwhile."""
+    if _exit_actions:
+        _exit_actions[-1].setdefault(key, action)
 
 
 def _check_signature(name: str, fn: Any) -> None:
@@ -451,26 +717,48 @@ def _check_signature(name: str, fn: Any) -> None:
         pass   # a builtin or a C function without a signature: let it try
 
 
-@contextmanager
-def use(check: bool = True, **parts: Callable[..., Any]) -> Iterator[dict[str, Plugged]]:
-    """Plug learner's functions in for the named parts (see ``PARTS``) while the block lasts.
+class use:   # noqa: N801  (used as a function: ``with parts.use(...)``)
+    """Plug learner's functions in for the named parts (see ``PARTS``) while a ``with`` block lasts.
 
-    Nesting adds to (and may override) the parts plugged outside; leaving the block restores them,
-    also when the block raises. Yields the ``Plugged`` wrappers (their ``calls`` count calls).
+    ``check=True`` (the default) first calls each part on its probe shapes (8 query heads over 2 KV heads,
+    blocks of 16 and 32, ragged lengths...) and raises ``PartError`` at the first wrong answer; then every call
+    the engine makes is verified as it returns. Nesting adds to (and may override) the parts plugged outside;
+    leaving the block restores them, also when the block raises. Leaving it also makes every engine that ran
+    while it was active forget its prefix cache, so no later result depends on what a learner's code computed
+    or wrote. Entering yields the ``Plugged`` wrappers (their ``calls`` count calls). One ``use`` object can be
+    entered again once it has been left, never twice at once.
     """
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        raise ValueError(f"unknown part(s) {unknown}; the parts are {list(PARTS)}")
-    for name, fn in parts.items():
-        _check_signature(name, fn)
-    saved = dict(_plugged)
-    wrappers = {name: Plugged(name, fn, check) for name, fn in parts.items()}
-    _plugged.update(wrappers)
-    try:
-        yield wrappers
-    finally:
+
+    def __init__(self, check: bool = True, **parts: Callable[..., Any]) -> None:
+        if not isinstance(check, bool):
+            raise TypeError(f"check must be True or False, got {check!r}")
+        unknown = sorted(set(parts) - set(PARTS))
+        if unknown:
+            raise ValueError(f"unknown part(s) {unknown}; the parts are {list(PARTS)}")
+        for name, fn in parts.items():
+            _check_signature(name, fn)
+        self.check, self.parts = check, parts
+        self._saved: dict[str, Plugged] | None = None
+
+    def __enter__(self) -> dict[str, Plugged]:
+        if self._saved is not None:
+            raise RuntimeError("this parts.use(...) block is already active: leave it before entering it again")
+        wrappers = {name: Plugged(name, fn, self.check) for name, fn in self.parts.items()}
+        if self.check and _PROBES:
+            for wrapper in wrappers.values():
+                wrapper.probe()
+        self._saved = dict(_plugged)
+        _plugged.update(wrappers)
+        _exit_actions.append({})
+        return wrappers
+
+    def __exit__(self, *exc: Any) -> None:
+        actions = _exit_actions.pop()
         _plugged.clear()
-        _plugged.update(saved)
+        _plugged.update(self._saved or {})
+        self._saved = None
+        for action in actions.values():
+            action()
 
 
 def table() -> str:
@@ -478,4 +766,4 @@ def table() -> str:
     return "\n".join(f"{p.exercise}  {p.name:<23} {p.where}" for p in PARTS.values())
 
 
-__all__ = ["PARTS", "Part", "PartError", "Plugged", "plugged", "table", "use"]
+__all__ = ["PARTS", "Part", "PartError", "Plugged", "active", "at_exit", "plugged", "table", "use"]

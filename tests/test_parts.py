@@ -49,6 +49,10 @@ INVISIBLE = {
     "ex09-whole_table_row": "the engine fills the null block with finite numbers, so reading it is harmless here",
 }
 
+# Invisible in the engine's calls, caught by the probes that ``use(check=True)`` runs first.
+PROBED = {"ex04-ignores_reserved", "ex05-shape_addresses", "ex08-salts_every_block", "ex08-ignores_salt",
+          "ex08-skips_misses", "ex09-ignores_scale", "ex09-no_float32"}
+
 
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory):
@@ -113,23 +117,30 @@ ENGINE_MUTANTS = [m for m in mutants.all_mutants() if m.exercise in ex10.EXERCIS
 
 
 @pytest.mark.parametrize("m", ENGINE_MUTANTS, ids=lambda m: f"{m.exercise}-{m.name}")
-def test_a_wrong_part_is_caught_and_named(llm, expected, solution_parts, m):
+def test_a_wrong_part_is_caught_and_named(llm, expected, solution_parts, m, monkeypatch):
+    """Checked, every mutant but the invisible ones is caught: by a probe when the block is entered (most), or in
+    the engine's own calls. With probes off, the engine's calls alone catch every mutant the engine can show."""
     name = FUNCTION_TO_PART.get(m.target, m.target)
     helpers = mutants.module(m.exercise).HELPERS
     # the exercise's other part (the solution's, or the mutants' own correct helper) and the mutant
     plugged = {n: helpers.get(n, fn) for n, fn in solution_parts.items() if PARTS[n].exercise == m.exercise}
     plugged[name] = m.fn
     key = f"{m.exercise}-{m.name}"
-    if key in INVISIBLE:
-        got, _ = run(llm, plugged)
-        assert got == expected, f"{key} is listed as invisible to the engine, but it changed the output"
-        return
-    with pytest.raises(PartError) as caught:
-        run(llm, plugged)
-    err = caught.value
-    assert err.part == name and f"part {name!r} (exercise {m.exercise[2:]})" in str(err), str(err)
-    assert err.step is not None and err.call >= 1
-    assert llm.scheduler.requests == {} and not llm.scheduler.waiting and not llm.scheduler.running
+    for probes in (True, False):
+        monkeypatch.setattr(parts, "_PROBES", probes)
+        if key in INVISIBLE and (not probes or key not in PROBED):
+            got, _ = run(llm, plugged)
+            assert got == expected, f"{key} is listed as invisible to the engine, but it changed the output"
+            continue
+        with pytest.raises(PartError) as caught:
+            run(llm, plugged)
+        err = caught.value
+        assert err.part == name and f"part {name!r} (exercise {m.exercise[2:]})" in str(err), str(err)
+        if err.probe is not None:
+            assert probes and f"on probe {err.probe!r}" in str(err) and err.step is None, str(err)
+        else:
+            assert err.step is not None and err.call >= 1 and f"on call {err.call}" in str(err), str(err)
+        assert llm.scheduler.requests == {} and not llm.scheduler.waiting and not llm.scheduler.running
 
 
 def test_unchecked_a_wrong_part_changes_the_output(llm, expected, solution_parts):
@@ -173,3 +184,212 @@ def test_nested_use_restores_the_outer_parts(solution_parts):
         assert parts.plugged("slot_mapping") is outer["slot_mapping"]
         assert parts.plugged("find_prefix_hits") is None
     assert parts.plugged("slot_mapping") is None
+
+
+# ---- issue 24, item 3: checks by meaning, everything a part must leave alone, probes on telling shapes ---------
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from minipaged.block_table import slot_mapping as package_slot_mapping  # noqa: E402
+from minipaged.kernels import reference  # noqa: E402
+from minipaged.kv_cache_manager import KVCacheManager, find_prefix_hits  # noqa: E402
+
+
+def newest_duplicate_hits(pool, block_hashes, num_tokens, block_size):
+    """Right: of several blocks cached under one hash, the newest (vLLM keeps duplicates too)."""
+    hits = []
+    for h in block_hashes[:(num_tokens - 1) // block_size]:
+        same = pool.cached_block_hash_to_block.get(h)
+        if not same:
+            break
+        hits.append(list(same)[-1])
+    return hits
+
+
+def numpy_slots(block_tables, positions, block_size, pad_to=None):
+    return np.array(package_slot_mapping(block_tables, positions, block_size, pad_to).tolist())
+
+
+def numpy_bool(manager, request, num_new_tokens):
+    return np.bool_(manager.can_allocate(request, num_new_tokens))
+
+
+def float64_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """Right, computed in float64 and returned as float64 (the engine casts it back)."""
+    num_seqs, num_heads, d = query.shape
+    bs, num_kv = key_cache.shape[1], key_cache.shape[2]
+    out = torch.empty(num_seqs, num_heads, d, dtype=torch.float64)
+    for i in range(num_seqs):
+        n = int(seq_lens[i])
+        blocks = block_tables[i, : -(-n // bs)].long()
+        k = key_cache[blocks].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv, dim=1)
+        v = value_cache[blocks].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv, dim=1)
+        w = (torch.einsum("hd,thd->ht", query[i].double(), k) * scale).softmax(-1)
+        out[i] = torch.einsum("ht,thd->hd", w, v)
+    return out
+
+
+def test_right_answers_written_differently_are_accepted(llm, expected):
+    got, calls = run(llm, {"find_prefix_hits": newest_duplicate_hits, "slot_mapping": numpy_slots,
+                           "would_allocate": numpy_bool, "paged_decode_attention": float64_decode})
+    assert got == expected and all(n > 0 for n in calls.values()), calls
+    # the duplicate case itself: the probes hold a hash cached under two blocks, and the newest one is right
+    label, args = next(p for p in parts._hit_probes() if "twice" in p[0])
+    assert newest_duplicate_hits(*args) != find_prefix_hits(*args)
+
+
+def clears_hash(queue, block):
+    """Unlinks right, then also forgets the block's hash."""
+    prev, nxt = block.prev_free_block, block.next_free_block
+    prev.next_free_block, nxt.prev_free_block = nxt, prev
+    block.prev_free_block = block.next_free_block = None
+    queue.num_free_blocks -= 1
+    block.reset_hash()   # MISTAKE: a cached block keeps its hash while it is used
+
+
+def borrows_blocks(manager, request, num_new_tokens):
+    """Answers right, but takes blocks from the pool (and evicts what they cached) while it answers."""
+    pool = manager.block_pool
+    n = min(2, pool.get_num_free_blocks())
+    pool.free_blocks(pool.get_new_blocks(n))   # MISTAKE: the free queue's order and the evicted hashes change
+    return manager.can_allocate(request, num_new_tokens)
+
+
+def gqa_by_num_kv_heads(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """Query head h reads KV head h // num_kv_heads: the same as h // (9 // 3) on SmolLM2, wrong elsewhere."""
+    num_seqs, num_heads, _ = query.shape
+    bs, num_kv = key_cache.shape[1], key_cache.shape[2]
+    out = torch.empty_like(query)
+    for i in range(num_seqs):
+        n = int(seq_lens[i])
+        blocks = block_tables[i, : -(-n // bs)].long()
+        k = key_cache[blocks].flatten(0, 1)[:n].float()
+        v = value_cache[blocks].flatten(0, 1)[:n].float()
+        for h in range(num_heads):
+            kv = min(h // num_kv, num_kv - 1)   # MISTAKE: should be h // (num_heads // num_kv)
+            w = (k[:, kv] @ query[i, h].float() * scale).softmax(0)
+            out[i, h] = (w @ v[:, kv]).to(query.dtype)
+    return out
+
+
+def last_table_block_for_decodes(block_tables, positions, block_size, pad_to=None):
+    """Right for prefills; a decode in a part-full block goes to the table's last block (true in SmolLM2's
+    engine, whose tables have no spare column)."""
+    out = []
+    for table, pos in zip(block_tables, positions):
+        table = list(table)
+        for p in pos:
+            block = table[-1] if len(pos) == 1 and p % block_size else table[p // block_size]   # MISTAKE
+            out.append(block * block_size + p % block_size)
+    return out
+
+
+@pytest.mark.parametrize("name, fn, where", [
+    ("free_queue_remove", clears_hash, "hash was cleared"),
+    ("would_allocate", borrows_blocks, "it changed the pool"),
+    ("paged_decode_attention", gqa_by_num_kv_heads, "8 query heads over 2 KV heads"),
+    ("slot_mapping", last_table_block_for_decodes, "not the table's last"),
+])
+def test_mistakes_that_smollm2_hides_are_named(llm, name, fn, where, monkeypatch):
+    with pytest.raises(PartError) as caught:
+        run(llm, {name: fn})
+    err = caught.value
+    assert err.part == name and err.probe and where in str(err), str(err)
+    if name in ("free_queue_remove", "would_allocate"):   # and the engine's own calls catch them too
+        monkeypatch.setattr(parts, "_PROBES", False)
+        with pytest.raises(PartError) as caught:
+            run(llm, {name: fn})
+        assert caught.value.call >= 1 and caught.value.step is not None, str(caught.value)
+        assert f"part {name!r}" in str(caught.value) and "on call" in str(caught.value)
+
+
+# ---- issue 24, item 5: a faulty part leaves the engine as a fresh one ------------------------------------------
+def pool_is_sound(llm) -> None:
+    """Between runs: every block free with ref count 0, the free queue walks to its count, the cache map agrees."""
+    pool = llm.kv_cache_manager.block_pool
+    q = pool.free_block_queue
+    walked, b = [], q.fake_free_list_head.next_free_block
+    while b is not q.fake_free_list_tail:
+        walked.append(b.block_id)
+        assert b.next_free_block.prev_free_block is b
+        b = b.next_free_block
+    assert len(walked) == q.num_free_blocks == pool.num_blocks - 1 and sorted(walked) == list(range(1, pool.num_blocks))
+    assert all(blk.ref_cnt == 0 for blk in pool.blocks[1:])
+    for h, same in pool.cached_block_hash_to_block.items():
+        assert all(blk.block_hash == h for blk in same.values())
+    assert llm.kv_cache_manager.req_to_blocks == {} and not llm.scheduler.requests
+
+
+def unlink_then_typo(queue, block):
+    prev, nxt = block.prev_free_block, block.next_free_block
+    prev.next_free_block, nxt.prev_free_block = nxt, prev
+    block.prev_free_block = block.next_free_block = None
+    raise NameError("name 'num_fre_blocks' is not defined")   # the typo, one line before the count
+
+
+def forgets_count(queue, block):
+    prev, nxt = block.prev_free_block, block.next_free_block
+    prev.next_free_block, nxt.prev_free_block = nxt, prev
+    block.prev_free_block = block.next_free_block = None
+
+
+def raises_on_second_call():
+    calls = []
+
+    def remove(queue, block):
+        calls.append(block.block_id)
+        if len(calls) == 2:
+            raise RuntimeError("second call")
+        queue.remove(block)
+    return remove
+
+
+def writes_one_slot_early(key, value, key_cache, value_cache, slot_mapping):
+    reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping - 1)
+
+
+@pytest.mark.parametrize("case", ["unlink_then_typo", "forgets_count", "raises_on_second_call",
+                                  "writes_one_slot_early", "writes_one_slot_early_unchecked"])
+def test_after_a_faulty_part_the_same_llm_gives_a_fresh_engines_tokens(llm, expected, case, monkeypatch):
+    monkeypatch.setattr(parts, "_PROBES", False)   # the faults must reach the engine's own calls
+    fn = {"unlink_then_typo": unlink_then_typo, "forgets_count": forgets_count,
+          "raises_on_second_call": raises_on_second_call(), "writes_one_slot_early": writes_one_slot_early,
+          "writes_one_slot_early_unchecked": writes_one_slot_early}[case]
+    name = "reshape_and_cache" if case.startswith("writes") else "free_queue_remove"
+    check = not case.endswith("unchecked")
+    llm.reset()
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected   # the prefix cache now holds the prompts
+    caches = [(k.clone(), v.clone()) for k, v in llm.cache.gpu_cache]
+    if check:
+        with pytest.raises(PartError) as caught:
+            with parts.use(check=True, **{name: fn}):
+                llm.generate(PROMPTS, GREEDY)
+        assert caught.value.part == name and caught.value.step is not None
+        if name == "reshape_and_cache":   # verified on a scratch copy: the real cache never saw the wrong write
+            for (k, v), (k0, v0) in zip(llm.cache.gpu_cache, caches):
+                assert torch.equal(k, k0) and torch.equal(v, v0)
+    else:
+        with parts.use(check=False, **{name: fn}):
+            llm.generate(PROMPTS, GREEDY)
+    assert llm.kv_cache_manager.block_pool.cached_block_hash_to_block == {}, "leaving use() forgets the cache"
+    pool_is_sound(llm)
+    assert llm.kv_cache_manager.reset_prefix_cache()
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected   # and again, from the prefix cache
+    pool_is_sound(llm)
+
+
+def test_use_takes_a_bool_and_is_entered_once_at_a_time(solution_parts):
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match="check must be True or False"):
+            parts.use(check=bad, slot_mapping=solution_parts["slot_mapping"])
+    block = parts.use(slot_mapping=solution_parts["slot_mapping"])
+    with block:
+        with pytest.raises(RuntimeError, match="already active"):
+            with block:
+                pass
+        assert parts.plugged("slot_mapping") is not None
+    assert parts.plugged("slot_mapping") is None
+    with block as again:   # once left, it can be entered again
+        assert parts.plugged("slot_mapping") is again["slot_mapping"]
+    assert not parts._plugged
