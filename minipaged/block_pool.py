@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
 
@@ -431,6 +431,25 @@ class BlockPool:
         for block in self.blocks:
             block.reset_hash()
         return True
+
+    def forget_cached_blocks(self) -> int:
+        """Drop every hash, of free and in-use blocks alike: nothing computed so far can be hit again. (Unlike
+        ``reset_prefix_cache`` this works while requests run: their blocks stay theirs, only unshareable.)
+        Returns how many blocks lost a hash."""
+        hashed = [b for same in self.cached_block_hash_to_block.values() for b in same.values()]
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.reset_hash()
+        return len(hashed)
+
+    def bookkeeping(self) -> Iterator[Any]:
+        """Every object whose state allocation changes: the pool, its free queue (sentinels too), its blocks.
+        ``snapshot.Snapshot`` saves and restores them around a step that runs a learner's part."""
+        yield self
+        yield self.free_block_queue
+        yield self.free_block_queue.fake_free_list_head
+        yield self.free_block_queue.fake_free_list_tail
+        yield from self.blocks
 
     # ---- accounting --------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:

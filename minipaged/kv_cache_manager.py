@@ -28,8 +28,9 @@ The token layout ``allocate_slots`` reasons about (vLLM draws the same)::
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from . import parts
 from .block_pool import BlockHash, BlockPool, KVCacheBlock, get_request_block_hasher
@@ -157,6 +158,11 @@ class KVCacheManager:
 
         Raises ``ValueError`` for a request that could never fit, however empty
         the pool: waiting for it would wait forever.
+
+        Only ``num_new_tokens`` are checked: admitting a long prompt in chunks checks
+        its first chunk, not the whole prompt (chapter 07). vLLM v1 works the same way;
+        its later ``scheduler_reserve_full_isl`` option (``vllm/config/scheduler.py``)
+        passes ``full_sequence_must_fit`` to require room for the whole input.
         """
         need = self._need(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                           num_lookahead_tokens)
@@ -340,6 +346,13 @@ class KVCacheManager:
             self.block_pool.evict_cached_block(block)
         self.uncommitted_blocks.clear()
 
+    def bookkeeping(self) -> Iterator[Any]:
+        """Every object whose state allocation changes: the manager and its pools (see ``snapshot``)."""
+        yield self
+        yield from self.block_pool.bookkeeping()
+        if self.cpu_pool is not None:
+            yield from self.cpu_pool.bookkeeping()
+
     # ---- queries -----------------------------------------------------------------------
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return list(self.req_to_blocks.get(request_id, []))
@@ -365,6 +378,12 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def forget_prefix_cache(self) -> int:
+        """Forget every cached hash now, in use or not (see ``BlockPool.forget_cached_blocks``). The running
+        requests keep their blocks; ``uncommitted_blocks`` have nothing left to roll back."""
+        self.uncommitted_blocks.clear()
+        return self.block_pool.forget_cached_blocks()
 
     def _attach_hasher(self, request: Request) -> None:
         if request.block_hasher is None or getattr(request.block_hasher, "block_size", None) != self.block_size:

@@ -22,7 +22,10 @@ One ``schedule()`` call, in vLLM v1's order:
 2. **Then swapped, then waiting requests**, each queue in order, while budget,
    ``max_num_seqs`` and the pool allow — but not in a step that had to preempt.
    Swapped requests (their blocks on the CPU) have a queue of their own, as in
-   vLLM v0; a waiting request first looks for its prompt in the prefix cache.
+   vLLM v0, and while any waits nobody new is admitted (the PagedAttention paper,
+   §4.5); a waiting request first looks for its prompt in the prefix cache.
+   Admission checks room for what the request computes this step: with chunked
+   prefill, the first chunk of its prompt, not the whole prompt (chapter 07).
 
 Steps 1 and 2 are plain functions of the queues, ``schedule_running`` and
 ``admit_waiting`` (with ``preempt_recompute``): exercises 06 and 07 write them,
@@ -37,8 +40,9 @@ the prompt's blocks until they write (copy-on-write).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import parts
 from .config import PREEMPTION_MODES
@@ -234,6 +238,15 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)
+
+    def bookkeeping(self) -> Iterator[Any]:
+        """Every object a step changes: the scheduler, the KV manager and its pools, every request (see
+        ``snapshot``: ``LLM.step`` restores them all when a step that runs a learner's part fails)."""
+        yield self
+        yield from self.kv.bookkeeping()
+        for req in (*self.requests.values(), *self.waiting, *self.swapped, *self.running):
+            yield req
+            yield from req.children
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
