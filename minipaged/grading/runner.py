@@ -132,6 +132,20 @@ def stored_groups(path: str | os.PathLike) -> list[tuple[str, int]]:
     return found
 
 
+def execute(path: str | os.PathLike, timeout: int = 600):
+    """Run a notebook top to bottom in a fresh Jupyter kernel, in its own folder; return the executed copy (for
+    ``tools/nbtool.py``, which stores the outputs nbval compares; grading does not use it)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(path.parent.resolve())}})
+    client.execute()
+    return nb
+
+
 # ---- one notebook, in its own process ---------------------------------------------------------------------------
 def _rows(name: str, exercise: Exercise, note: str, detail: str = "") -> list[GroupScore]:
     return [GroupScore(name, g.name, 0, g.total, note, detail) for g in exercise.groups]
