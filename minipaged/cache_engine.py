@@ -17,7 +17,12 @@ that the scheduler hands over with a step:
 * ``copy``:     device → device, copy-on-write of a shared, partly filled block.
 
 Every copy moves all layers' K and V of a block. Over PCIe that is the price of
-swapping: ``bytes_per_block`` per block each way.
+swapping: ``bytes_per_block`` per block each way, and a fixed cost for each
+separate copy. Here one swap is one gathered copy per layer for K and one for V,
+whatever the number of blocks; vLLM v0 issued one ``cudaMemcpyAsync`` per block,
+per layer, for K and for V (``swap_blocks`` in ``csrc/cache_kernels.cu``), which
+is what the simulator's cost model prices (``CostModel.copies_per_block``) and
+why small blocks made its swaps slow (the PagedAttention paper, §7.3).
 """
 from __future__ import annotations
 

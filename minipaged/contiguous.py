@@ -2,19 +2,32 @@
 
 Before paging, each request got one contiguous run of token slots in a fixed
 arena, sized for the worst case because its output length is unknown when it
-is admitted. Three kinds of memory then sit in the arena::
+is admitted. The PagedAttention paper (Kwon et al., SOSP 2023, section 3.1 and
+Fig. 3) names three ways such an arena wastes memory, and the simulator measures
+each of them separately::
 
     arena (token slots):
-    |AAAA............|BB......|          |CCCCCC..........|   |
-     ^live ^reserved-but-unused  ^free hole           ^free hole (too small for D)
-     A reserved max_model_len and holds 4 tokens: internal fragmentation
-     the two holes add up to enough for D but neither is big enough: external fragmentation
+    |AAAA++++++......|BB......|          |CCCCCC..........|   |
+     ^live ^reserved for   ^never  ^free hole         ^free hole (too small for D)
+           tokens still    used
+           to come
+     A reserved max_model_len, holds 4 tokens and will end with 10:
+       the 6 slots it will still fill are the *reservation* (future tokens);
+       the slots past its final length are *internal fragmentation* (never used);
+     the two holes add up to enough for D but neither is big enough: *external fragmentation*.
+
+A snapshot of the arena cannot tell the first two apart: only the request's final
+length (known once it finishes) says where its reservation ends and its internal
+fragmentation begins. ``internal_waste`` is the two together, "reserved but empty".
 
 ``ContiguousAllocator`` is a real first-fit allocator over such an arena: a
 sorted list of free extents, holes reused first-fit, neighbours coalesced on
-free. ``simulate_trace`` replays a ``workloads.Trace`` step by step on it, or on
-a paged pool (``block_pool.BlockPool``) of the same size, and records per step
-live tokens, internal waste, external waste, utilisation and refusals.
+free. (The paper's contiguous baselines use a buddy allocator instead; first fit
+is simpler to read and fragments the same way.) ``simulate_trace`` replays a
+``workloads.Trace`` step by step on it, or on a paged pool
+(``block_pool.BlockPool``) of the same size, and records per step live tokens,
+the reservation, internal fragmentation, external fragmentation, utilisation and
+refusals.
 
 Scheduling is the same for both, so only the allocator differs: FCFS, a
 request is admitted when the allocator has room for it, and admission stops at
@@ -36,7 +49,7 @@ import numpy as np
 
 from .block_pool import BlockPool, KVCacheBlock
 from .utils import cdiv, check_int
-from .workloads import SEED_002_BYTES_PER_TOKEN, Trace, TraceRequest, sharegpt_like_trace
+from .workloads import STATIC_VS_PAGED_BYTES_PER_TOKEN, Trace, TraceRequest, sharegpt_like_trace
 
 
 class ContiguousAllocator:
@@ -102,20 +115,20 @@ class ContiguousAllocator:
 
 
 def reservation_size(request: TraceRequest, policy: str, max_model_len: int) -> int:
-    """Slots a contiguous system reserves for ``request``.
+    """Slots a contiguous system reserves for ``request``: its prompt, plus room for its output.
 
     * ``"max"``: ``max_model_len``, the only safe choice when the output length is unknown;
-    * ``"pow2"``: the next power of two >= the final length (an allocator with size classes
-      that somehow knows the length to within 2x);
-    * ``"exact"``: exactly the final length, an oracle no real system has.
+    * ``"pow2"``: the prompt plus the output length rounded up to a power of two (25 output
+      tokens reserve 32), as if the output length were known to within 2x; at most ``max_model_len``;
+    * ``"exact"``: the prompt plus exactly the output length, an oracle no real system has.
 
-    These are the three reservation rules the vLLM paper's contiguous baselines use
-    (its Orca "Max", "Pow2" and "Oracle").
+    These are the reservation rules of the PagedAttention paper's three contiguous baselines
+    (section 6.1: Orca (Max), Orca (Pow2) and Orca (Oracle)).
     """
     if policy == "max":
         return max_model_len
     if policy == "pow2":
-        return min(1 << (request.total_len - 1).bit_length(), max_model_len)
+        return min(request.prompt_len + (1 << (request.output_len - 1).bit_length()), max_model_len)
     if policy == "exact":
         return request.total_len
     raise ValueError(f"unknown reservation policy {policy!r}: use 'max', 'pow2' or 'exact'")
@@ -123,14 +136,22 @@ def reservation_size(request: TraceRequest, policy: str, max_model_len: int) -> 
 
 @dataclass
 class TraceResult:
-    """Per-step measurements of one allocator replaying one trace (all arrays indexed by step)."""
+    """Per-step measurements of one allocator replaying one trace (all arrays indexed by step).
+
+    Every allocated slot either holds a token (``live_tokens``) or not (``internal_waste``), and the
+    empty ones split the way the PagedAttention paper (section 3.1, Fig. 2) splits them::
+
+        allocated_slots = live_tokens + internal_waste
+        internal_waste  = reservation + internal_fragmentation
+        num_slots       = allocated_slots + free_slots,   external_waste <= free_slots
+    """
 
     allocator: str
     num_slots: int
     step: np.ndarray
     live_tokens: np.ndarray       # tokens actually held by running requests
     allocated_slots: np.ndarray   # slots reserved (contiguous) or in allocated blocks (paged)
-    internal_waste: np.ndarray    # allocated but not (yet) holding a token
+    internal_waste: np.ndarray    # allocated but not (yet) holding a token: reservation + internal fragmentation
     external_waste: np.ndarray    # free, but in holes too small for the request waiting at the head
     num_running: np.ndarray
     num_waiting: np.ndarray
@@ -139,6 +160,11 @@ class TraceResult:
     admit_step: dict[str, int] = field(default_factory=dict)
     finish_step: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
+    # The two parts of internal_waste, which only the requests' final lengths tell apart:
+    reservation: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """allocated slots a running request will still fill before it finishes (its future tokens)"""
+    internal_fragmentation: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """allocated slots past the request's final length: they will never hold a token"""
 
     @property
     def free_slots(self) -> np.ndarray:
@@ -151,7 +177,9 @@ class TraceResult:
 
     def summary(self, saturated_only: bool = True) -> dict[str, float]:
         """Time averages; by default over the steps where a request was waiting (memory was the limit),
-        or over all steps if none was."""
+        or over all steps if none was. Shares of the arena: ``utilisation`` (token states),
+        ``reservation``, ``internal_fragmentation`` (the two add up to ``internal_waste``),
+        ``external_waste`` and ``free`` (all free slots, external fragmentation included)."""
         mask = self.num_waiting > 0 if saturated_only else np.ones_like(self.step, dtype=bool)
         if not mask.any():
             mask = np.ones_like(self.step, dtype=bool)
@@ -159,6 +187,8 @@ class TraceResult:
         return {
             "steps": int(self.step[-1] + 1) if len(self.step) else 0,
             "utilisation": per(self.live_tokens),
+            "reservation": per(self.reservation),
+            "internal_fragmentation": per(self.internal_fragmentation),
             "internal_waste": per(self.internal_waste),
             "external_waste": per(self.external_waste),
             "free": per(self.free_slots),
@@ -188,6 +218,9 @@ class _Contiguous:
 
     def allocated(self) -> int:
         return self.alloc.num_reserved_slots
+
+    def held(self, r: TraceRequest) -> int:
+        return self.alloc.reservations[r.req_id][1]
 
     def external(self, waiting_head: TraceRequest | None) -> int:
         return self.alloc.unusable_free_slots(self.size(waiting_head)) if waiting_head else 0
@@ -224,6 +257,9 @@ class _Paged:
 
     def allocated(self) -> int:
         return (self.pool.num_blocks - 1 - self.pool.get_num_free_blocks()) * self.block_size
+
+    def held(self, r: TraceRequest) -> int:
+        return len(self.blocks[r.req_id]) * self.block_size
 
     def external(self, waiting_head: TraceRequest | None) -> int:
         return 0  # any free block fits any request
@@ -297,19 +333,25 @@ def simulate_trace(trace: Trace, num_slots: int, allocator: str = "contiguous", 
             if rid in running:
                 entry[1] += 1
                 generated[rid] = entry[1]
-        live = sum(e[0].context_len(e[1]) for e in running.values())
+        live = future = never = 0
+        for r, done in running.values():
+            held, now = backend.held(r), r.context_len(done)
+            live += now
+            future += min(held, r.total_len) - now      # slots it will still fill: the reservation
+            never += max(held - r.total_len, 0)         # slots past its final length: internal fragmentation
         allocated = backend.allocated()
         rows.append((t, live, allocated, allocated - live, backend.external(waiting[0] if waiting else None),
-                     len(running), len(waiting), refused, refused_frag))
+                     len(running), len(waiting), refused, refused_frag, future, never))
         for rid in [rid for rid, e in running.items() if e[1] >= e[0].output_len]:
             backend.release(running.pop(rid)[0])
             res.finish_step[rid] = t + 1
         t += 1
         if len(rows) > max_steps:
             raise RuntimeError(f"trace did not finish in {max_steps} steps")
-    cols = np.array(rows, dtype=np.int64).reshape(-1, 9).T
+    cols = np.array(rows, dtype=np.int64).reshape(-1, 11).T
     (res.step, res.live_tokens, res.allocated_slots, res.internal_waste, res.external_waste,
-     res.num_running, res.num_waiting, res.refused, res.refused_fragmented) = cols
+     res.num_running, res.num_waiting, res.refused, res.refused_fragmented, res.reservation,
+     res.internal_fragmentation) = cols
     return res
 
 
@@ -320,37 +362,50 @@ def compare_on_trace(trace: Trace, num_slots: int, max_model_len: int = 2048, po
             simulate_trace(trace, num_slots, "paged", max_model_len, block_size=block_size))
 
 
-# ---- the paper's 20.4-38.2 % band ----------------------------------------------------------
-# 1000 ShareGPT-like requests (seed 0), max_model_len 2048, all queued at step 0 so the arena
-# stays full, in an arena of 64 x 2048 token slots. Utilisation is averaged over the steps
-# where a request waits (memory is the limit). See contiguous_utilisation_band for results.
+# ---- the paper's Fig. 2: where the KV memory of a contiguous system goes ---------------------
+# The PagedAttention paper (Kwon et al., SOSP 2023) measures, for OPT-13B on one 40 GB A100 serving
+# ShareGPT (its section 6.2), how much of the KV cache holds token states in its three contiguous
+# baselines and in vLLM: 20.4-38.2 % against 96.3 % (section 1 and Fig. 2). Its Fig. 2 splits the
+# rest three ways (section 3.1). The numbers printed on the bars, in % of the KV cache; the vLLM
+# bar prints only its token states (its other 3.7 % is not broken down, ``None`` here):
+PAPER_FIG2_CATEGORIES = ("token_states", "reservation", "internal_fragmentation", "external_and_other")
+PAPER_FIG2 = {
+    "Orca (Max)": (20.4, 13.3, 57.3, 8.9),
+    "Orca (Pow2)": (26.8, 17.9, 13.6, 41.6),
+    "Orca (Oracle)": (38.2, 25.2, 0.0, 36.6),
+    "vLLM": (96.3, None, None, None),
+}
+PAPER_BASELINE_OF = {"max": "Orca (Max)", "pow2": "Orca (Pow2)", "exact": "Orca (Oracle)", "paged": "vLLM"}
+
+# The same experiment here: 1000 ShareGPT-like requests (seed 0), max_model_len 2048, all queued at
+# step 0 so the arena stays full, in the paper's own arena: OPT-13B's 15.7K KV slots on that GPU
+# (its Table 1: 12 GB of KV cache at 800 KB per token; 12 GiB / 800 KiB = 15,728 slots).
+# Shares are averaged over the steps where a request waits (memory is the limit).
 BAND_NUM_REQUESTS = 1000
 BAND_SEED = 0
 BAND_MAX_MODEL_LEN = 2048
-BAND_NUM_SLOTS = 64 * 2048
+BAND_NUM_SLOTS = 15_728
 
 
 def contiguous_utilisation_band(num_requests: int = BAND_NUM_REQUESTS, seed: int = BAND_SEED,
                                 max_model_len: int = BAND_MAX_MODEL_LEN, num_slots: int = BAND_NUM_SLOTS,
                                 policies: tuple[str, ...] = ("max", "pow2", "exact"),
                                 block_size: int = 16) -> dict[str, dict[str, float]]:
-    """Saturated-arena utilisation of each contiguous reservation policy, and of paging, on one trace.
+    """Saturated-arena shares of each contiguous reservation policy, and of paging, on one trace.
 
-    With the defaults (1000 ShareGPT-like requests, seed 0, max_model_len 2048,
-    a 64 x 2048-slot arena)::
+    Each value is ``TraceResult.summary()``. With the defaults (the paper's Fig. 2 setting, see
+    ``BAND_NUM_SLOTS``), in % of the arena, beside the paper's bars::
 
-        policy   utilisation   internal   external
-        max         21.6 %       78.4 %      0.0 %
-        pow2        37.7 %       54.6 %      7.7 %
-        exact       50.6 %       38.0 %     11.4 %
-        paged       97.4 %        2.1 %      0.0 %
+        policy   token states  reservation  internal frag.  free (external & other)   paper's bar
+        max          20.1         13.7          57.4              8.9                  20.4 13.3 57.3  8.9
+        pow2         37.7         25.8          19.9             16.6                  26.8 17.9 13.6 41.6
+        exact        50.4         34.5           0.0             15.1                  38.2 25.2  0.0 36.6
+        paged        97.1          1.6           0.0              1.3                  96.3 (rest not split)
 
-    "max" and "pow2" land inside the 20.4-38.2 % band the seeds quote from the
-    vLLM paper for contiguous systems; paging lands above the "> 96 %" it quotes
-    for vLLM. Our oracle ("exact") does better than the band: here its only
-    losses are the not-yet-generated tail of each reservation and the holes, while
-    a real system has other overheads too. Other seeds (1-3) move each figure by
-    about +-1 point; a 32-request arena gives the same picture.
+    ``max`` reproduces the paper's Orca (Max) bar within half a point in every category. ``pow2``
+    and ``exact`` keep more of the arena busy than the paper's Orca (Pow2) and Orca (Oracle): the
+    paper's baselines place reservations with a buddy allocator, ours with first fit, and the paper's
+    extra loss sits entirely in the last category. Other random seeds (1-3) move each figure by about one point.
     """
     trace = sharegpt_like_trace(num_requests, seed=seed, max_model_len=max_model_len)
     out = {p: simulate_trace(trace, num_slots, "contiguous", max_model_len, p).summary() for p in policies}
@@ -358,9 +413,20 @@ def contiguous_utilisation_band(num_requests: int = BAND_NUM_REQUESTS, seed: int
     return out
 
 
+def waste_breakdown(band: dict[str, dict[str, float]]) -> dict[str, tuple[float, float, float, float]]:
+    """``contiguous_utilisation_band``'s result as the paper's four categories, in % of the arena.
+
+    ``(token states, reservation, internal fragmentation, free)``: the four add up to 100. The
+    paper's last category is "external fragmentation & others"; here it is every free slot (the
+    holes too small for the waiting request are ``external_waste``, a part of them).
+    """
+    keys = ("utilisation", "reservation", "internal_fragmentation", "free")
+    return {name: tuple(100 * s[k] for k in keys) for name, s in band.items()}
+
+
 # ---- one request over time, and the block size -----------------------------------------------
 def memory_vs_generated_tokens(max_model_len: int = 8192, block_size: int = 16, prompt_len: int = 0,
-                               bytes_per_token: int = SEED_002_BYTES_PER_TOKEN,
+                               bytes_per_token: int = STATIC_VS_PAGED_BYTES_PER_TOKEN,
                                num_points: int | None = None) -> dict[str, np.ndarray]:
     """KV bytes one request holds as it generates, contiguous vs paged.
 

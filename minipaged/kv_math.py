@@ -73,7 +73,7 @@ def dtype_bytes(dtype: str | int | Any) -> int:
 
 
 def format_bytes(n: float, unit: str | None = None, digits: int = 2) -> str:
-    """Human-readable binary units (KiB, MiB, GiB): the units the seeds' tables use."""
+    """Human-readable binary units (KiB, MiB, GiB). Say which unit you mean: 1 GiB is 1.074 GB."""
     units = [("GiB", GiB), ("MiB", MiB), ("KiB", KiB), ("B", 1)]
     if unit is not None:
         scale = dict(units)[unit]

@@ -193,3 +193,20 @@ def hf_greedy_generate(model: Any, tokenizer: Any, prompts: list[str], max_new_t
     """Answer each chat prompt with transformers' greedy ``generate`` (``hf_greedy_token_ids``), as text."""
     ids = hf_greedy_token_ids(model, [chat_prompt_ids(tokenizer, p) for p in prompts], max_new_tokens)
     return [tokenizer.decode(out, skip_special_tokens=True).strip() for out in ids]
+
+
+def save_tiny_llama(path: str | os.PathLike, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+                    hidden_size: int = 64, intermediate_size: int = 96, seed: int = 0) -> Path:
+    """A tiny random Llama (seeded: the same weights everywhere) saved as a model folder without a tokenizer,
+    whose prompts are token ids: for tests, and for the capstone's second model shape."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=96, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=2, num_attention_heads=num_attention_heads,
+                         num_key_value_heads=num_key_value_heads, max_position_embeddings=128,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    with quiet_transformers():
+        LlamaForCausalLM(config).save_pretrained(path)
+    return Path(path)

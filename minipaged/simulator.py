@@ -10,16 +10,33 @@ from a simple cost model::
 
     step time = max( (weights + KV bytes/token · tokens in context) / memory bandwidth ,   memory-bound
                      2 · params · new tokens / FLOP/s )                                    compute-bound
-              + swapped bytes / PCIe bandwidth                                             swap copies
+              + copies · latency per copy + swapped bytes / PCIe bandwidth                 swap copies
 
     weights read once per step, whatever the batch   →  big batches amortise them
     KV read once per token in context, per step      →  long contexts cost every step
     compute per new token                            →  prefill chunks are compute-bound
+    a fixed cost per copy, then the bytes            →  many small copies waste the bus
 
 (a roofline: a GPU overlaps memory traffic and arithmetic, so a step takes as
 long as the slower of the two). Decode steps of a few requests are dominated by
 reading the weights; long prefills by arithmetic. ``HARDWARE`` holds A100-,
 H100- and laptop-CPU-like numbers (peak figures from the data sheets).
+
+**Pricing a swap.** A swapped block is not one transfer. vLLM v0, whose swap
+mode the PagedAttention paper measured, kept one key and one value tensor per
+layer and issued one ``cudaMemcpyAsync`` per block for each of them
+(``swap_blocks`` in ``csrc/cache_kernels.cu``, called per layer by
+``vllm/worker/cache_engine.py`` and for K and for V by the attention backend):
+``2 · num_layers`` copies per block, each only ``block_size · bytes/token /
+(2 · num_layers)`` bytes. Every copy pays a fixed cost before its bytes move
+(the call, the DMA set-up, the bus round trip). We assume **5 µs per copy**:
+the DualPath paper (Wu et al., arXiv:2602.21548, §5.2) measured 5–7 µs per
+``cudaMemcpyAsync`` call on small chunks; it is an assumption here, not a
+measurement of ours. With it, the cost model reproduces the shape of the paper's
+§7.3 (Fig. 19): small blocks make swapping slow, because the fixed costs
+outweigh the bytes; at 16–64 tokens per block the two are of the same order.
+A copy engine that batches its copies (``CacheEngine`` does: one gather per
+layer for K and for V) sets ``copies_per_block`` lower.
 
 Beside it, the **static batching** baseline that continuous batching replaced:
 take up to ``B`` requests in arrival order, run them as one padded batch until
@@ -68,14 +85,17 @@ class Hardware:
     flops: float  # dense 16-bit matmul FLOP/s
     swap_bandwidth: float  # bytes/s between device and host memory (PCIe), used by swap copies
     memory_bytes: float
+    copy_latency: float = 5e-6  # fixed seconds per device↔host copy, before its bytes move (assumed: see above)
 
 
 HARDWARE: dict[str, Hardware] = {
-    # Data-sheet peaks: HBM bandwidth, dense BF16 tensor-core FLOP/s, PCIe x16 one direction.
-    "a100": Hardware("A100-SXM4 80 GB", 2.039e12, 312e12, 32e9, 80e9),
-    "h100": Hardware("H100-SXM5 80 GB", 3.35e12, 989e12, 64e9, 80e9),
-    # A laptop: dual-channel DDR4, two cores of AVX2 FMA in fp32; "swap" is a copy inside the same DRAM.
-    "cpu": Hardware("laptop CPU, 2 cores", 25e9, 100e9, 10e9, 16e9),
+    # Data-sheet peaks: HBM bandwidth, dense BF16 tensor-core FLOP/s, PCIe x16 one direction (4.0 on the
+    # A100, 5.0 on the H100); 5 µs per cudaMemcpyAsync call (assumed, see the module docstring).
+    "a100": Hardware("A100-SXM4 80 GB", 2.039e12, 312e12, 32e9, 80e9, 5e-6),
+    "h100": Hardware("H100-SXM5 80 GB", 3.35e12, 989e12, 64e9, 80e9, 5e-6),
+    # A laptop: dual-channel DDR4, two cores of AVX2 FMA in fp32; "swap" is a copy inside the same DRAM,
+    # about a microsecond of fixed cost per copy call (assumed).
+    "cpu": Hardware("laptop CPU, 2 cores", 25e9, 100e9, 10e9, 16e9, 1e-6),
 }
 
 
@@ -88,7 +108,12 @@ class CostModel:
     * ``kv_tokens``: tokens whose K/V the step reads: for each scheduled request,
       everything up to its last new token (context + new);
     * ``new_tokens``: tokens computed this step (prefill chunks + one per decode);
-    * ``swap_bytes``: bytes copied between device and host (swap out + swap in).
+    * ``swap_bytes``: bytes copied between device and host (swap out + swap in);
+    * ``swap_copies``: how many separate copies move them; each costs ``swap_latency`` seconds
+      on top of its bytes (``copies_per_block`` copies per swapped block).
+
+    A cost model built by hand (keywords) has no fixed cost per copy unless given one;
+    ``for_model`` takes the hardware's ``copy_latency`` and ``2 · num_layers`` copies per block.
     """
 
     weight_bytes: float
@@ -99,26 +124,41 @@ class CostModel:
     swap_bandwidth: float
     step_overhead: float = 0.0  # fixed seconds per step (kernel launches, sampling, scheduling)
     name: str = ""
+    swap_latency: float = 0.0  # fixed seconds per device↔host copy, on top of its bytes
+    copies_per_block: int = 1  # separate copies one swapped block takes (vLLM v0: 2 · num_layers)
 
     @classmethod
     def for_model(cls, model: str | KVSpec = "llama-3-8b", hardware: str | Hardware = "h100",
                   num_params: float | None = None, weight_bytes_per_param: float = 2.0,
-                  kv_dtype: str | int | None = None, step_overhead: float = 0.0) -> CostModel:
-        """A cost model for a preset (``kv_math.PRESETS``) or any ``KVSpec`` on a ``HARDWARE`` entry."""
+                  kv_dtype: str | int | None = None, step_overhead: float = 0.0,
+                  copy_latency: float | None = None, copies_per_block: int | None = None) -> CostModel:
+        """A cost model for a preset (``kv_math.PRESETS``) or any ``KVSpec`` on a ``HARDWARE`` entry.
+
+        ``copy_latency`` (default: the hardware's) and ``copies_per_block`` (default ``2 · num_layers``,
+        one copy per layer for K and one for V, as vLLM v0 swapped) price a swap's copies.
+        """
         spec = KVSpec.from_preset(model, dtype=kv_dtype) if isinstance(model, str) else model
         hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
         params = num_params if num_params is not None else spec.num_params
         if not params:
             raise ValueError(f"{spec.name or 'this spec'} has no num_params: pass num_params=")
+        copies = 2 * spec.num_layers if copies_per_block is None else copies_per_block
+        if not isinstance(copies, int) or copies < 1:
+            raise ValueError(f"copies_per_block must be a positive integer, got {copies!r}")
+        latency = hw.copy_latency if copy_latency is None else copy_latency
+        if latency < 0:
+            raise ValueError(f"copy_latency must be >= 0 seconds, got {latency!r}")
         return cls(weight_bytes=params * weight_bytes_per_param, kv_bytes_per_token=spec.bytes_per_token,
                    flops_per_token=2.0 * params, mem_bandwidth=hw.mem_bandwidth, flops=hw.flops,
                    swap_bandwidth=hw.swap_bandwidth, step_overhead=step_overhead,
-                   name=f"{spec.name} on {hw.name}")
+                   name=f"{spec.name} on {hw.name}", swap_latency=latency, copies_per_block=copies)
 
-    def step_time(self, kv_tokens: float, new_tokens: float, swap_bytes: float = 0.0) -> float:
+    def step_time(self, kv_tokens: float, new_tokens: float, swap_bytes: float = 0.0,
+                  swap_copies: float = 0.0) -> float:
         memory = (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) / self.mem_bandwidth
         compute = self.flops_per_token * new_tokens / self.flops
-        return self.step_overhead + (memory if memory > compute else compute) + swap_bytes / self.swap_bandwidth
+        return (self.step_overhead + (memory if memory > compute else compute)
+                + swap_copies * self.swap_latency + swap_bytes / self.swap_bandwidth)
 
     def step_times(self, kv_tokens: np.ndarray, new_tokens: np.ndarray) -> np.ndarray:
         """``step_time`` over arrays of steps (no swapping)."""
@@ -126,9 +166,34 @@ class CostModel:
         compute = self.flops_per_token * np.asarray(new_tokens, float) / self.flops
         return self.step_overhead + np.maximum(memory, compute)
 
-    def swap_time(self, num_blocks: int, block_size: int) -> float:
-        """Seconds to move ``num_blocks`` blocks one way over PCIe."""
-        return num_blocks * block_size * self.kv_bytes_per_token / self.swap_bandwidth
+    def swap_time(self, num_blocks: int, block_size: int, copies_per_block: int | None = None) -> float:
+        """Seconds to move ``num_blocks`` blocks of ``block_size`` tokens one way over PCIe.
+
+        Each block is ``copies_per_block`` copies (default: this model's), each paying
+        ``swap_latency`` before its share of the block's bytes moves at ``swap_bandwidth``.
+        """
+        copies = self.copies_per_block if copies_per_block is None else copies_per_block
+        return num_blocks * (copies * self.swap_latency + block_size * self.kv_bytes_per_token / self.swap_bandwidth)
+
+
+def swap_vs_recompute(cost: CostModel, num_tokens: int,
+                      block_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[dict[str, float]]:
+    """What bringing back a preempted request of ``num_tokens`` tokens costs, block size by block size.
+
+    One row per block size: ``blocks``, ``copies`` (both ways), ``swap_s`` (out and back in),
+    split into ``swap_fixed_s`` (the copies' fixed costs) and ``swap_data_s`` (the bytes), and
+    ``recompute_s``, a stand-alone prefill of the ``num_tokens`` tokens, which reads and writes
+    no swapped block and so is the same at every block size (the PagedAttention paper's §7.3).
+    """
+    rows = []
+    for bs in block_sizes:
+        blocks = cdiv(num_tokens, bs)
+        fixed = 2 * blocks * cost.copies_per_block * cost.swap_latency
+        data = 2 * blocks * bs * cost.kv_bytes_per_token / cost.swap_bandwidth
+        rows.append(dict(block_size=bs, blocks=blocks, copies=2 * blocks * cost.copies_per_block,
+                         swap_s=fixed + data, swap_fixed_s=fixed, swap_data_s=data,
+                         recompute_s=cost.step_time(num_tokens, num_tokens)))
+    return rows
 
 
 def kv_pool_blocks(model: str | KVSpec = "llama-3-8b", hardware: str | Hardware = "h100", block_size: int = 16,
@@ -400,7 +465,7 @@ def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config:
         if record_events:
             events.extend((now, "preempt", rid) for rid in out.preempted)
         swaps = len(out.swap_out) + len(out.swap_in)
-        dt = cost.step_time(kv_tokens, new_tokens, swaps * bytes_per_block)
+        dt = cost.step_time(kv_tokens, new_tokens, swaps * bytes_per_block, swaps * cost.copies_per_block)
         cols["time"].append(now)
         cols["duration"].append(dt)
         cols["num_running"].append(len(out.scheduled))
@@ -554,5 +619,5 @@ def format_table(rows: dict[str, dict[str, float]], keys: Iterable[tuple[str, st
 
 __all__ = ["HARDWARE", "CostModel", "Hardware", "RequestMetrics", "STEP_FIELDS", "SimConfig", "SimRequest",
            "SimResult", "compare", "fake_samples", "format_table", "kv_pool_blocks", "requests_from_trace",
-           "shared_prefix_requests", "simulate_continuous", "simulate_static"]
+           "shared_prefix_requests", "simulate_continuous", "simulate_static", "swap_vs_recompute"]
 

@@ -6,8 +6,8 @@ memory that wastes depends entirely on the shape of the length distribution, so
 every figure in chapter 02 starts from one of these:
 
 * ``lognormal_lengths``: most requests short, a long right tail (clipped);
-* ``chat_mix_lengths``: the seeds' chat mix, 50 / 30 / 15 / 5 % of requests in
-  100-1k / 1k-5k / 5k-20k / 20k-100k tokens;
+* ``chat_mix_lengths``: the chat mix of "Inference at scale" (section 23.1), 50 / 30 / 15 / 5 %
+  of requests in 100-1k / 1k-5k / 5k-20k / 20k-100k tokens;
 * ``sharegpt_like_pairs``: (prompt, output) pairs shaped like ShareGPT
   conversations, with a total that fits ``max_model_len``.
 
@@ -32,37 +32,42 @@ import numpy as np
 
 from .utils import check_int
 
-# ---- the seed-002 experiment (static vs paged for 100 lognormal requests) -----------------
-# The seed prints the totals but not the model constants; they follow from its own output:
+# ---- static vs paged for 100 lognormal requests ---------------------------------------------
+# The experiment of "Inference at scale", section 23.1 "KV cache + PagedAttention" (its C program
+# kv_cache.c): 100 concurrent requests with lognormal context lengths, each either reserving
+# MAX_CONTEXT slots (static) or holding 16-token blocks (paged). The text prints totals but not its
+# model constants; they follow from its own output:
 #   used   2.53 GB  / 19269 tokens        = 131 072 B/token = 2 x 32 layers x 8 KV heads x 128 x 2 B
 #   static 107.37 GB / (100 x 131 072 B)  = 8192 tokens of MAX_CONTEXT
 # i.e. a Llama-3-8B-shaped model in fp16, 16-token blocks.
-SEED_002_NUM_LAYERS = 32
-SEED_002_NUM_KV_HEADS = 8
-SEED_002_HEAD_DIM = 128
-SEED_002_DTYPE_BYTES = 2
-SEED_002_BYTES_PER_TOKEN = 2 * SEED_002_NUM_LAYERS * SEED_002_NUM_KV_HEADS * SEED_002_HEAD_DIM * SEED_002_DTYPE_BYTES
-SEED_002_MAX_CONTEXT = 8192
-SEED_002_BLOCK_SIZE = 16
-SEED_002_NUM_REQUESTS = 100
-SEED_002_MIN_CONTEXT = 16  # the C program clamps each draw to [16, MAX_CONTEXT]
-# The seed's C rand() draws cannot be replayed with numpy. We use a lognormal with the
-# seed's mean (193 tokens) and sigma 0.55, which puts +-2.5 sigma (the typical extremes of
-# 100 draws) at ~40 and ~650 tokens, like the seed's 34 and 631. The generator seed was
-# picked among 0..4999 as the draw whose min/mean/max/blocks come closest to the seed's:
-# its figures are one draw of a random program too.
-SEED_002_LOGNORMAL_MEAN = 193.0
-SEED_002_LOGNORMAL_SIGMA = 0.55
-SEED_002_RNG_SEED = 292
-# What the seed's program printed, for side-by-side tables.
-SEED_002_FIGURES = {
+STATIC_VS_PAGED_NUM_LAYERS = 32
+STATIC_VS_PAGED_NUM_KV_HEADS = 8
+STATIC_VS_PAGED_HEAD_DIM = 128
+STATIC_VS_PAGED_DTYPE_BYTES = 2
+STATIC_VS_PAGED_BYTES_PER_TOKEN = (2 * STATIC_VS_PAGED_NUM_LAYERS * STATIC_VS_PAGED_NUM_KV_HEADS
+                                   * STATIC_VS_PAGED_HEAD_DIM * STATIC_VS_PAGED_DTYPE_BYTES)
+STATIC_VS_PAGED_MAX_CONTEXT = 8192
+STATIC_VS_PAGED_BLOCK_SIZE = 16
+STATIC_VS_PAGED_NUM_REQUESTS = 100
+STATIC_VS_PAGED_MIN_CONTEXT = 16  # the C program clamps each draw to [16, MAX_CONTEXT]
+# Its C rand() draws cannot be replayed with numpy. We use a lognormal with the printed mean
+# (193 tokens) and sigma 0.55, which puts +-2.5 sigma (the typical extremes of 100 draws) at ~40
+# and ~650 tokens, like its printed 34 and 631. The generator seed was picked among 0..4999 as the
+# draw whose min/mean/max/blocks come closest to the printed ones: those are one draw of a random
+# program too.
+STATIC_VS_PAGED_LOGNORMAL_MEAN = 193.0
+STATIC_VS_PAGED_LOGNORMAL_SIGMA = 0.55
+STATIC_VS_PAGED_RNG_SEED = 292
+# What the program printed, as "Inference at scale" section 23.1 shows it, for side-by-side tables.
+STATIC_VS_PAGED_PRINTED = {
     "min": 34, "mean": 193, "max": 631, "total_tokens": 19269,
     "static_allocated_gb": 107.37, "static_used_gb": 2.53, "static_utilisation_pct": 2.4,
     "paged_blocks": 1253, "paged_allocated_gb": 2.63, "paged_utilisation_pct": 96.1,
     "saved_gb": 104.75, "ratio": 40.9,
 }
 
-# ---- the seeds' chat mix: (fraction of requests, shortest, longest) in tokens --------------
+# ---- a chat mix: (fraction of requests, shortest, longest) in tokens ------------------------
+# The length mix "Inference at scale" (section 23.1) gives for chat workloads.
 CHAT_MIX: tuple[tuple[float, int, int], ...] = (
     (0.50, 100, 1_000),
     (0.30, 1_000, 5_000),
@@ -270,26 +275,27 @@ def sharegpt_like_trace(n: int, seed: int = 0, arrival_rate: float | None = None
     return make_trace(p, o, arrival_rate, rng)
 
 
-# ---- the seed-002 table --------------------------------------------------------------------
-def seed_002_lengths(seed: int = SEED_002_RNG_SEED) -> np.ndarray:
-    """The 100 context lengths behind ``seed_table_100_lognormal``."""
-    return lognormal_lengths(SEED_002_NUM_REQUESTS, mean=SEED_002_LOGNORMAL_MEAN, sigma=SEED_002_LOGNORMAL_SIGMA,
-                             lo=SEED_002_MIN_CONTEXT, hi=SEED_002_MAX_CONTEXT, seed=seed)
+# ---- static vs paged for 100 lognormal requests: the table ------------------------------------
+def static_vs_paged_lengths(seed: int = STATIC_VS_PAGED_RNG_SEED) -> np.ndarray:
+    """The 100 context lengths behind ``static_vs_paged_table``."""
+    return lognormal_lengths(STATIC_VS_PAGED_NUM_REQUESTS, mean=STATIC_VS_PAGED_LOGNORMAL_MEAN,
+                             sigma=STATIC_VS_PAGED_LOGNORMAL_SIGMA, lo=STATIC_VS_PAGED_MIN_CONTEXT,
+                             hi=STATIC_VS_PAGED_MAX_CONTEXT, seed=seed)
 
 
-def seed_table_100_lognormal(seed: int = SEED_002_RNG_SEED, max_context: int = SEED_002_MAX_CONTEXT,
-                             block_size: int = SEED_002_BLOCK_SIZE,
-                             bytes_per_token: int = SEED_002_BYTES_PER_TOKEN) -> dict[str, float]:
+def static_vs_paged_table(seed: int = STATIC_VS_PAGED_RNG_SEED, max_context: int = STATIC_VS_PAGED_MAX_CONTEXT,
+                          block_size: int = STATIC_VS_PAGED_BLOCK_SIZE,
+                          bytes_per_token: int = STATIC_VS_PAGED_BYTES_PER_TOKEN) -> dict[str, float]:
     """Static (reserve ``max_context`` per request) vs paged (``block_size`` blocks) for 100 lognormal requests.
 
-    Same keys as ``SEED_002_FIGURES``, so a notebook can print ours beside the
-    seed's. GB are 10**9 bytes, as the seed prints them::
+    Same keys as ``STATIC_VS_PAGED_PRINTED``, so a notebook can print ours beside the
+    printed table of "Inference at scale" (section 23.1). GB are 10**9 bytes, as it prints them::
 
         static: 100 x max_context slots           utilisation = tokens / (100 x max_context)
         paged:  sum(ceil(len / block_size)) blocks  utilisation = tokens / (blocks x block_size)
         ratio = static slots / paged slots (how many more requests fit)
     """
-    lengths = seed_002_lengths(seed)
+    lengths = static_vs_paged_lengths(seed)
     lengths = np.minimum(lengths, max_context)
     total = int(lengths.sum())
     static_slots = len(lengths) * max_context

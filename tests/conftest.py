@@ -4,21 +4,9 @@
 # imports triton. minipaged.kernels sets it on import when there is no CUDA GPU, so import it first.
 import minipaged.kernels  # noqa: F401
 import pytest  # noqa: E402
-import torch  # noqa: E402
+import torch  # noqa: E402,F401
 
-
-def save_tiny_llama(path, num_attention_heads: int = 4, num_key_value_heads: int = 2, hidden_size: int = 64,
-                    intermediate_size: int = 96):
-    """A tiny random Llama (seeded) saved as a model folder, no tokenizer: prompts are token ids."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=2, num_attention_heads=num_attention_heads,
-                         num_key_value_heads=num_key_value_heads, max_position_embeddings=128,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+from minipaged.model_loader import save_tiny_llama  # noqa: E402,F401  (tests import it from here)
 
 
 @pytest.fixture(scope="module")

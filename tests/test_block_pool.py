@@ -189,12 +189,12 @@ def test_usage():
     assert pool.get_usage() == 0.0
 
 
-def test_ab_trace_of_the_seed():
-    """The seed's trace: block_size 4, a pool of 20 blocks. A takes one block, writes 5 tokens
+def test_ab_trace_of_the_capacity_article():
+    """The A/B trace of the KV-cache capacity article (chapter 03): block_size 4, a pool of 20 blocks. A takes one block, writes 5 tokens
     (the fifth opens a second block), B arrives (one block), A finishes: 19 blocks free.
 
-    Our pool reserves block 0 as the null block, so the seed's 20 usable blocks are
-    BlockPool(21). The seed's free list is a stack popped from the end (blocks 19, 18, 17);
+    Our pool reserves block 0 as the null block, so the article's 20 usable blocks are
+    BlockPool(21). The article's free list is a stack popped from the end (blocks 19, 18, 17);
     ours is a queue popped from the front (blocks 1, 2, 3): same counts, other ids."""
     block_size = 4
     pool = BlockPool(21, enable_caching=False)
@@ -205,12 +205,12 @@ def test_ab_trace_of_the_seed():
         if token_idx > 0 and token_idx % block_size == 0:
             table["A"] += pool.get_new_blocks(1)
         writes.append((table["A"][-1].block_id, token_idx % block_size))
-    assert writes == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0)]  # seed: (19,0) ... (19,3), (18,0)
+    assert writes == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0)]  # the article: (19,0) ... (19,3), (18,0)
     table["B"] = pool.get_new_blocks(1)
-    assert ids(table["B"]) == [3]  # seed: 17
+    assert ids(table["B"]) == [3]  # the article: 17
     assert pool.get_num_free_blocks() == 17
     pool.free_blocks(reversed(table.pop("A")))
-    assert pool.get_num_free_blocks() == 19  # the seed's "free blocks: 19"
+    assert pool.get_num_free_blocks() == 19  # the article's "free blocks: 19"
 
 
 # ---- hashing --------------------------------------------------------------------------------

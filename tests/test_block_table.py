@@ -5,7 +5,7 @@ import torch
 from minipaged.block_table import PAD_SLOT_ID, BlockTable, make_block_table_tensor, slot_mapping
 
 
-def test_resolve_the_seed_example():
+def test_resolve_the_docstring_example():
     table = BlockTable(4, [19, 18, 5])
     assert table.resolve(0) == (19, 0)
     assert table.resolve(3) == (19, 3)
@@ -35,7 +35,7 @@ def test_slot_is_block_times_block_size_plus_offset():
 
 
 def test_fifty_tokens_with_block_16():
-    """The seed's example: 50 tokens, block_size 16 -> 4 blocks, the last holding tokens 48-49."""
+    """The 50-token request of "Inference at scale" (section 23.1): block_size 16 -> 4 blocks, the last holding tokens 48-49."""
     table = BlockTable(16, [42, 17, 88, 5], num_tokens=50)
     assert table.num_blocks == 4 and table.capacity == 64
     assert {table.resolve(p)[0] for p in range(48, 50)} == {5}

@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from minipaged.contiguous import (ContiguousAllocator, block_size_tradeoff, compare_on_trace,
+from minipaged.contiguous import (PAPER_FIG2, ContiguousAllocator, block_size_tradeoff, compare_on_trace,
                                   contiguous_utilisation_band, memory_vs_generated_tokens, reservation_size,
-                                  simulate_trace)
-from minipaged.workloads import Trace, TraceRequest, seed_002_lengths, sharegpt_like_trace
+                                  simulate_trace, waste_breakdown)
+from minipaged.workloads import Trace, TraceRequest, sharegpt_like_trace, static_vs_paged_lengths
 
 
 # ---- the allocator ---------------------------------------------------------------------------
@@ -71,9 +71,11 @@ def test_allocator_errors():
 def test_reservation_policies():
     r = TraceRequest("r", 0, 100, 200)
     assert reservation_size(r, "max", 2048) == 2048
-    assert reservation_size(r, "pow2", 2048) == 512
-    assert reservation_size(TraceRequest("s", 0, 100, 156), "pow2", 2048) == 256  # exactly 256
-    assert reservation_size(TraceRequest("t", 0, 1500, 500), "pow2", 2048) == 2048  # capped
+    # pow2 rounds the output up to a power of two, as the paper's Orca (Pow2): 25 outputs reserve 32
+    assert reservation_size(TraceRequest("p", 0, 10, 25), "pow2", 2048) == 10 + 32
+    assert reservation_size(r, "pow2", 2048) == 100 + 256
+    assert reservation_size(TraceRequest("s", 0, 100, 256), "pow2", 2048) == 100 + 256  # exactly 256
+    assert reservation_size(TraceRequest("t", 0, 1600, 400), "pow2", 2048) == 2048  # 1600 + 512, capped
     assert reservation_size(r, "exact", 2048) == 300
     with pytest.raises(ValueError, match="policy"):
         reservation_size(r, "best", 2048)
@@ -86,8 +88,26 @@ def test_two_requests_that_fit_side_by_side():
     assert res.live_tokens.tolist() == [6, 8]
     assert res.allocated_slots.tolist() == [8, 8]
     assert res.internal_waste.tolist() == [2, 0]
+    assert res.reservation.tolist() == [2, 0] and res.internal_fragmentation.tolist() == [0, 0]
     assert res.finish_step == {"a": 2, "b": 2}
     assert res.utilisation.tolist() == [0.75, 1.0]
+
+
+def test_reserved_but_empty_splits_into_reservation_and_internal_fragmentation():
+    """The paper's section 3.1: slots a request will still fill (reservation) vs slots past its final
+    length (internal fragmentation). a reserves 8 and ends with 4 tokens; b reserves 8 and ends with 8."""
+    trace = Trace([TraceRequest("a", 0, 2, 2), TraceRequest("b", 0, 2, 6)])
+    res = simulate_trace(trace, 16, "contiguous", max_model_len=8)
+    assert res.live_tokens.tolist() == [6, 8, 5, 6, 7, 8]
+    assert res.reservation.tolist() == [1 + 5, 0 + 4, 3, 2, 1, 0]
+    assert res.internal_fragmentation.tolist() == [4, 4, 0, 0, 0, 0]  # a's 4 slots past its end, until it leaves
+    assert np.array_equal(res.internal_waste, res.reservation + res.internal_fragmentation)
+    s = res.summary(saturated_only=False)
+    assert s["reservation"] + s["internal_fragmentation"] == pytest.approx(s["internal_waste"])
+    paged = simulate_trace(trace, 16, "paged", max_model_len=8, block_size=4, watermark=0)
+    # a: 3 tokens in one block of 4 (1 reserved), then 4; b: 3 then 4 (full), then 5 in two blocks (3 reserved) ...
+    assert paged.reservation.tolist() == [1 + 1, 0 + 0, 3, 2, 1, 0]
+    assert paged.internal_fragmentation.sum() == 0  # every block is filled before its request ends
 
 
 def test_second_request_waits_for_a_hole():
@@ -104,6 +124,7 @@ def test_paged_fits_both_in_the_same_arena_and_finishes_sooner():
     res = simulate_trace(trace, 8, "paged", max_model_len=4, block_size=2, watermark=0)
     assert res.finish_step == {"a": 2, "b": 2}
     assert res.allocated_slots.tolist() == [8, 8] and res.internal_waste.tolist() == [2, 0]
+    assert res.reservation.tolist() == [2, 0] and res.internal_fragmentation.tolist() == [0, 0]
     short = Trace([TraceRequest("a", 0, 1, 1), TraceRequest("b", 0, 1, 1)])  # 2 tokens each
     cont = simulate_trace(short, 6, "contiguous", max_model_len=4)  # reserves 4 each: one at a time
     pag = simulate_trace(short, 6, "paged", max_model_len=4, block_size=2, watermark=0)  # one block each
@@ -151,6 +172,8 @@ def test_accounting_identities_hold_every_step(sharegpt_pair):
     trace, results = sharegpt_pair
     for res in results:
         assert np.all(res.allocated_slots == res.live_tokens + res.internal_waste)
+        assert np.all(res.internal_waste == res.reservation + res.internal_fragmentation)
+        assert np.all(res.reservation >= 0) and np.all(res.internal_fragmentation >= 0)
         assert np.all(res.allocated_slots <= res.num_slots)
         assert np.all(res.external_waste <= res.free_slots)
         assert np.all(res.internal_waste >= 0) and np.all(res.live_tokens >= 0)
@@ -169,13 +192,21 @@ def test_paged_waste_is_under_one_block_per_request(sharegpt_pair):
 
 
 def test_the_papers_band_for_contiguous_systems():
+    """The PagedAttention paper's Fig. 2 setting (OPT-13B's 15,728 slots, ShareGPT-like, max_model_len 2048)."""
     band = contiguous_utilisation_band()
-    assert 0.204 <= band["max"]["utilisation"] <= 0.382
+    assert 0.19 <= band["max"]["utilisation"] <= 0.382   # the paper's band is 20.4-38.2 %
     assert 0.204 <= band["pow2"]["utilisation"] <= 0.382
     assert band["max"]["utilisation"] < band["pow2"]["utilisation"] < band["exact"]["utilisation"]
-    assert band["max"]["external_waste"] == 0  # equal reservations never leave odd holes
+    assert band["max"]["external_waste"] == band["max"]["free"]  # 7 reservations of 2048 fit, the rest is a hole
+    assert band["exact"]["internal_fragmentation"] == 0  # the oracle never reserves past the end
     assert band["exact"]["refusals_fragmented"] > 0
     assert band["paged"]["utilisation"] > 0.96 and band["paged"]["external_waste"] == 0
+    ours = waste_breakdown(band)
+    for name, shares in ours.items():
+        assert sum(shares) == pytest.approx(100)
+    # Orca (Max): every one of the paper's four bars within one point
+    assert all(abs(a - b) < 1.0 for a, b in zip(ours["max"], PAPER_FIG2["Orca (Max)"]))
+    assert ours["paged"][0] > PAPER_FIG2["vLLM"][0]
 
 
 # ---- curves ---------------------------------------------------------------------------------
@@ -194,7 +225,7 @@ def test_memory_vs_generated_tokens():
 
 
 def test_block_size_tradeoff():
-    rows = block_size_tradeoff(seed_002_lengths())
+    rows = block_size_tradeoff(static_vs_paged_lengths())
     assert [r["block_size"] for r in rows] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert rows[0]["mean_waste_tokens"] == 0 and rows[0]["mean_table_entries"] == pytest.approx(193.0)
     for r in rows:
@@ -204,7 +235,7 @@ def test_block_size_tradeoff():
     assert waste == sorted(waste) and entries == sorted(entries, reverse=True)
     b16 = rows[4]
     assert 4 <= b16["mean_waste_tokens"] <= 11  # about half a block
-    assert b16["waste_pct"] == pytest.approx(100 - 96.1, abs=0.3)  # the seed's 96.1 % utilisation
+    assert b16["waste_pct"] == pytest.approx(100 - 96.1, abs=0.3)  # "Inference at scale" 23.1: 96.1 % utilisation
     fifty = block_size_tradeoff([50], block_sizes=(16,))[0]
     assert fifty["max_table_entries"] == 4 and fifty["max_waste_tokens"] == 14
     with pytest.raises(ValueError):

@@ -45,7 +45,7 @@ def test_watermark_fraction_like_vllm_v0():
 
 # ---- growth ----------------------------------------------------------------------------------
 def test_ab_trace_through_the_manager():
-    """The seed's A/B trace (block_size 4, 20 usable blocks = 21 with the null block):
+    """The capacity article's A/B trace (block_size 4, 20 usable blocks = 21 with the null block):
     A decodes 5 tokens one at a time, B starts, A finishes -> 19 free."""
     mgr = KVCacheManager(4, 21, enable_caching=False, watermark_blocks=0)
     a = Request("A", [0])
@@ -241,7 +241,7 @@ def test_free_is_tail_first_so_the_prefix_is_evicted_last():
 
 
 def test_thousand_token_system_prompt_shared():
-    """Seed 004: a 1000-token system prompt is 63 blocks of 16 (62 full + 8 tokens).
+    """The capacity article's example (chapter 08): a 1000-token system prompt is 63 blocks of 16 (62 full + 8 tokens).
     Requests sharing it reuse the 62 full blocks; each keeps its own partial tail."""
     mgr = KVCacheManager(16, 2000, watermark_blocks=0)
     system = list(range(1000))

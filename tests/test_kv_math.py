@@ -1,4 +1,4 @@
-"""KV byte math: the seeds' figures come out of the package, and bad input is refused clearly."""
+"""KV byte math: the figures the course quotes come out of the package, and bad input is refused clearly."""
 import json
 import math
 
@@ -7,22 +7,24 @@ import pytest
 from minipaged.kv_math import (GiB, KiB, MiB, PRESETS, KVSpec, MLASpec, RecurrentStateSpec,
                                attention_variants, dtype_bytes, format_bytes, num_blocks_at_startup)
 
-L80_GQA8 = KVSpec(80, 8, 128, 2, 64)  # the seeds' "80-layer, 8-KV-head" model, fp16
+L80_GQA8 = KVSpec(80, 8, 128, 2, 64)  # the "80-layer, 8-KV-head" model of the capacity article, fp16
 
 
 def test_llama3_70b_bytes_per_token_and_block():
     spec = KVSpec.from_preset("llama-3-70b")
-    assert spec.bytes_per_token == 327_680  # seed 002: "327680 bytes ≈ 320 KB/token"
-    assert spec.bytes_per_block(16) == 5 * MiB  # seed 002: "5 MB per block (for Llama 70B-class)"
+    assert spec.bytes_per_token == 327_680  # "Inference at scale" 23.1: "327680 bytes ≈ 320 KB/token"
+    assert spec.bytes_per_block(16) == 5 * MiB  # ibid.: "5 MB per block (for Llama 70B-class)"
     assert spec.attention_kind == "GQA"
 
 
 def test_80_layer_gqa8_at_4k_and_32k():
     assert L80_GQA8.bytes_for_tokens(4096) == 1.25 * GiB
     assert L80_GQA8.bytes_for_tokens(32 * 1024) == 10 * GiB
-    # seed 002: 1.3 / 10.5 / 42 GB at 4K / 32K / 128K (decimal gigabytes)
+    # "Inference at scale" 23.1: 1.3 / 10.5 / 42 GB at 4K / 32K / 128K. With K = 1,024 tokens the
+    # decimal gigabytes are 1.3 / 10.7 / 42.9; with K = 1,000 tokens they are the printed ones.
     assert [round(L80_GQA8.bytes_for_tokens(n) / 1e9, 1) for n in (4096, 32768)] == [1.3, 10.7]
     assert round(L80_GQA8.bytes_for_tokens(128 * 1024) / 1e9) == 43
+    assert [round(L80_GQA8.bytes_for_tokens(n) / 1e9, 1) for n in (4000, 32000, 128000)] == [1.3, 10.5, 41.9]
 
 
 def test_mha_gqa_mqa_at_4k():
@@ -65,7 +67,7 @@ def test_tp2_per_rank_8k_request_and_capacity():
     assert rank.num_kv_heads == 4
     per_request = rank.bytes_for_tokens(8192)
     assert per_request == 1.25 * GiB
-    assert f"{per_request * 1.04 / GiB:.2f}" == "1.30"  # seed 004: the paper's <4 % tail waste as an estimate
+    assert f"{per_request * 1.04 / GiB:.2f}" == "1.30"  # the capacity article: the paper's <4 % tail waste as an estimate
     assert math.floor(8 / (per_request * 1.04 / GiB)) == 6
     cap = rank.capacity(8 * GiB, block_size=16, request_tokens=8192)
     assert cap.full_requests == 6 and cap.blocks_per_request == 512 and cap.tail_waste_tokens == 0

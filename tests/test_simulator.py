@@ -6,7 +6,8 @@ import pytest
 
 from minipaged.kv_math import KVSpec
 from minipaged.simulator import (HARDWARE, CostModel, SimConfig, SimRequest, compare, kv_pool_blocks,
-                                 requests_from_trace, shared_prefix_requests, simulate_continuous, simulate_static)
+                                 requests_from_trace, shared_prefix_requests, simulate_continuous, simulate_static,
+                                 swap_vs_recompute)
 from minipaged.workloads import make_trace, sharegpt_like_trace
 
 # Every step takes exactly one second: time counts steps, which makes schedules easy to predict.
@@ -31,15 +32,45 @@ def test_cost_model_is_a_roofline_plus_swaps():
     assert H100.step_time(100, 1) == pytest.approx((weights + 100 * spec.bytes_per_token) / hw.mem_bandwidth)
     # a 2048-token prefill chunk: arithmetic dominates
     assert H100.step_time(2048, 2048) == pytest.approx(2 * spec.num_params * 2048 / hw.flops)
-    # swapping 10 blocks adds their bytes over PCIe
-    extra = 10 * 16 * spec.bytes_per_token / hw.swap_bandwidth
-    assert H100.step_time(100, 1, 10 * 16 * spec.bytes_per_token) == pytest.approx(H100.step_time(100, 1) + extra)
-    assert H100.swap_time(10, 16) == pytest.approx(extra)
+    # swapping 10 blocks adds their bytes over PCIe, and a fixed cost for each of their copies:
+    # one per layer for K and one for V (vLLM v0's swap_blocks), 5 µs each on the H100 entry
+    assert H100.copies_per_block == 2 * spec.num_layers == 64 and H100.swap_latency == hw.copy_latency == 5e-6
+    data = 10 * 16 * spec.bytes_per_token / hw.swap_bandwidth
+    fixed = 10 * 64 * 5e-6
+    assert H100.step_time(100, 1, 10 * 16 * spec.bytes_per_token) == pytest.approx(H100.step_time(100, 1) + data)
+    assert H100.step_time(100, 1, 10 * 16 * spec.bytes_per_token, 10 * 64) == pytest.approx(
+        H100.step_time(100, 1) + data + fixed)
+    assert H100.swap_time(10, 16) == pytest.approx(data + fixed)
+    assert H100.swap_time(10, 16, copies_per_block=1) == pytest.approx(data + 10 * 5e-6)
     assert np.allclose(H100.step_times(np.array([100, 2048]), np.array([1, 2048])),
                        [H100.step_time(100, 1), H100.step_time(2048, 2048)])
     assert kv_pool_blocks("llama-3-8b", "h100", 16) == int((80e9 * 0.9 - weights) // spec.bytes_per_block(16))
     with pytest.raises(ValueError, match="num_params"):
         CostModel.for_model(KVSpec(2, 2, 8, 2))
+    with pytest.raises(ValueError, match="copies_per_block"):
+        CostModel.for_model("llama-3-8b", "h100", copies_per_block=0)
+    with pytest.raises(ValueError, match="copy_latency"):
+        CostModel.for_model("llama-3-8b", "h100", copy_latency=-1.0)
+
+
+def test_swap_cost_falls_with_block_size_recompute_does_not():
+    """The PagedAttention paper's §7.3 (Fig. 19): small blocks make swapping slow (many small copies,
+    each with a fixed cost); recomputing does not touch the blocks, so its cost ignores the block size."""
+    a100 = CostModel.for_model("llama-3-8b", "a100")
+    tokens = 1024
+    swap = {bs: 2 * a100.swap_time(-(-tokens // bs), bs) for bs in (1, 4, 16, 64, 256)}
+    assert list(swap.values()) == sorted(swap.values(), reverse=True)  # fewer, larger copies: cheaper
+    data = 2 * tokens * a100.kv_bytes_per_token / a100.swap_bandwidth
+    assert swap[1] > 20 * data  # one token per block: the fixed costs dwarf the bytes
+    assert swap[256] < 1.5 * data  # 256 tokens per block: the bytes dominate
+    rows = swap_vs_recompute(a100, tokens, (1, 4, 16, 64, 256))
+    assert [r["swap_s"] for r in rows] == pytest.approx(list(swap.values()))
+    assert all(r["swap_s"] == pytest.approx(r["swap_fixed_s"] + r["swap_data_s"]) for r in rows)
+    assert len({r["recompute_s"] for r in rows}) == 1 and rows[0]["recompute_s"] == a100.step_time(tokens, tokens)
+    assert rows[2]["copies"] == 2 * 64 * 64  # 64 blocks of 16, 64 copies each, out and back in
+    # without the fixed cost, the block size would not matter at all
+    flat = CostModel.for_model("llama-3-8b", "a100", copy_latency=0.0)
+    assert all(2 * flat.swap_time(-(-tokens // bs), bs) == pytest.approx(data) for bs in (1, 2, 4, 8, 16))
 
 
 def test_static_vs_continuous_by_hand():
@@ -154,8 +185,10 @@ def test_a_small_pool_preempts_and_still_finishes(mode):
         # a step that swaps pays for the copies
         i = int(np.argmax(swapping))
         bytes_moved = (res.steps["swap_out_blocks"][i] + res.steps["swap_in_blocks"][i]) * 16 * H100.kv_bytes_per_token
+        copies = (res.steps["swap_out_blocks"][i] + res.steps["swap_in_blocks"][i]) * H100.copies_per_block
         plain = H100.step_time(res.steps["kv_tokens"][i], res.steps["tokens_scheduled"][i])
-        assert res.steps["duration"][i] == pytest.approx(plain + bytes_moved / H100.swap_bandwidth)
+        assert res.steps["duration"][i] == pytest.approx(plain + copies * H100.swap_latency
+                                                         + bytes_moved / H100.swap_bandwidth)
     else:
         assert s["swapped_blocks"] == 0
         assert s["computed_tokens"] > sum(r.total_len for r in reqs) - 120  # preempted work is recomputed

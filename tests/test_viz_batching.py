@@ -3,10 +3,12 @@ import re
 
 import pytest
 
-from minipaged.simulator import SimConfig, SimRequest, simulate_continuous, simulate_static
+from minipaged.simulator import (CostModel, SimConfig, SimRequest, simulate_continuous, simulate_static,
+                                 swap_vs_recompute)
 from minipaged.viz import BatchingPlayer, BatchingTimeline, PrefixSharingView
 from minipaged.viz.batching_viz import (PREEMPT_MARKER_NAME, SEGMENT_NAMES, SEVEN_CONFIG, SEVEN_REQUESTS, STEP_CLOCK,
-                                        batch_and_latency_figure, request_segments, watermark_sweep_figure)
+                                        batch_and_latency_figure, request_segments, swap_block_size_figure,
+                                        watermark_sweep_figure)
 from minipaged.viz.layout import check_layout, contrast_ratio
 
 
@@ -217,3 +219,17 @@ def test_prefix_view_shows_shared_blocks_and_ref_counts():
     assert v.history[-1]["label"].startswith("tenant-2 arrives: 0 prompt tokens")
     last = v.history[-1]["rows"]
     assert not set(c["block_id"] for c in last["late"]) & set(c["block_id"] for c in last["tenant-2"])
+
+
+def test_swap_block_size_figure():
+    rows = {"Llama-3-8B": swap_vs_recompute(CostModel.for_model("llama-3-8b", "a100"), 1024),
+            "Llama-2-7B": swap_vs_recompute(CostModel.for_model("llama-2-7b", "a100"), 1024)}
+    fig = swap_block_size_figure(rows, 1024)
+    assert check_layout(fig) == []
+    assert fig.layout.legend.x >= 1 and fig.layout.legend.xanchor == "left"
+    assert fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.tickvals) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert [d.name for d in fig.data] == ["Llama-3-8B: swap out + in", "Llama-3-8B: recompute",
+                                          "Llama-2-7B: swap out + in", "Llama-2-7B: recompute"]
+    swap, recompute = fig.data[0].y, fig.data[1].y
+    assert list(swap) == sorted(swap, reverse=True) and len(set(recompute)) == 1
+    assert swap[0] > recompute[0] > swap[-1]  # recompute wins at block size 1, swap at 256

@@ -20,7 +20,7 @@ def _grow(manager, request, n):
     request.num_computed_tokens += n
 
 
-def test_pool_grid_replays_the_seed_trace_with_history():
+def test_pool_grid_replays_the_ab_trace_with_history():
     mgr = KVCacheManager(block_size=4, num_blocks=20, enable_caching=False, watermark=0.0)
     a = Request("A", [11])
     grid = BlockPoolGrid(mgr, tokens={"A": a}, columns=10)
@@ -192,14 +192,14 @@ def test_block_table_view_resolves_positions_to_slots():
     _squares_readable(view.figure)
 
 
-def test_block_table_view_from_a_manager_and_the_seed_table():
+def test_block_table_view_from_a_manager_and_the_docstring_table():
     mgr = KVCacheManager(block_size=16, num_blocks=8, enable_caching=False, watermark=0.0)
     req = Request("r", list(range(50)))
     _grow(mgr, req, 50)
     view = BlockTableView.from_manager(mgr, num_tokens={"r": req}, position=49)
     assert view.resolved == dict(request="r", position=49, logical_block=3, offset=1, block=4, slot=4 * 16 + 1)
-    seed = BlockTableView({"A": BlockTable(4, [19, 18, 5], num_tokens=11)}, block_size=4, position=10)
-    assert (seed.resolved["block"], seed.resolved["offset"], seed.resolved["slot"]) == (5, 2, 22)
+    small = BlockTableView({"A": BlockTable(4, [19, 18, 5], num_tokens=11)}, block_size=4, position=10)
+    assert (small.resolved["block"], small.resolved["offset"], small.resolved["slot"]) == (5, 2, 22)
     with pytest.raises(ValueError):
         BlockTableView({"A": [30]}, block_size=4, num_blocks=8)
 
@@ -220,3 +220,27 @@ def test_memory_growth_figure_keeps_its_legend_off_the_lines():
         assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
             "contiguous (reserve max_model_len)", "paged (16-token blocks)", "reserved but empty"]
         plt.close(fig)
+
+
+def test_waste_breakdown_figure_puts_the_papers_bars_beside_ours():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minipaged.contiguous import PAPER_BASELINE_OF, PAPER_FIG2
+    from minipaged.viz.block_viz import WASTE_CATEGORIES, waste_breakdown_figure
+    from minipaged.viz.layout import check_mpl_layout
+
+    ours = {"max": (20.0, 14.0, 57.0, 9.0), "exact": (50.0, 35.0, 0.0, 15.0), "paged": (97.0, 2.0, 0.0, 1.0)}
+    fig = waste_breakdown_figure(ours, PAPER_FIG2, PAPER_BASELINE_OF)
+    ax = fig.axes[0]
+    assert check_mpl_layout(fig) == []
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "Orca (Max), the paper", "max, this course", "Orca (Oracle), the paper", "exact, this course",
+        "vLLM, the paper", "paged, this course"]
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [*WASTE_CATEGORIES, "not broken down in the paper"]
+    fig.canvas.draw()
+    assert legend.get_window_extent().y0 >= ax.get_window_extent().y1 - 1  # above the plot, off the bars
+    assert "57.3" in [t.get_text() for t in ax.texts] and "96.3" in [t.get_text() for t in ax.texts]
+    plt.close(fig)

@@ -1,12 +1,12 @@
-"""Length distributions, traces and the seed-002 table."""
+"""Length distributions, traces, and the static-vs-paged table of "Inference at scale" (section 23.1)."""
 import numpy as np
 import pytest
 
 from minipaged.kv_math import KVSpec
-from minipaged.workloads import (SEED_002_BYTES_PER_TOKEN, SEED_002_FIGURES, SEED_002_MAX_CONTEXT, Trace,
-                                 TraceRequest, chat_mix_lengths, lognormal_lengths, make_trace,
-                                 seed_002_lengths, seed_table_100_lognormal, sharegpt_like_pairs,
-                                 sharegpt_like_trace)
+from minipaged.workloads import (STATIC_VS_PAGED_BYTES_PER_TOKEN, STATIC_VS_PAGED_MAX_CONTEXT,
+                                 STATIC_VS_PAGED_PRINTED, Trace, TraceRequest, chat_mix_lengths,
+                                 lognormal_lengths, make_trace, sharegpt_like_pairs, sharegpt_like_trace,
+                                 static_vs_paged_lengths, static_vs_paged_table)
 
 
 # ---- lognormal ---------------------------------------------------------------------------------
@@ -115,37 +115,38 @@ def test_sharegpt_like_trace_is_seeded():
     assert a.requests == b.requests
 
 
-# ---- seed 002 ------------------------------------------------------------------------------
-def test_seed_002_constants_reproduce_the_seed_gigabytes():
-    """The seed prints GB, not the model; 131072 B/token and MAX_CONTEXT 8192 give its figures back."""
+# ---- static vs paged, 100 lognormal requests ----------------------------------------------------
+def test_static_vs_paged_constants_reproduce_the_printed_gigabytes():
+    """The text prints GB, not the model; 131072 B/token and MAX_CONTEXT 8192 give its figures back."""
     spec = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
-    assert spec.bytes_per_token == SEED_002_BYTES_PER_TOKEN == 131072
-    f = SEED_002_FIGURES
-    assert round(100 * SEED_002_MAX_CONTEXT * SEED_002_BYTES_PER_TOKEN / 1e9, 2) == f["static_allocated_gb"]
-    assert round(f["total_tokens"] * SEED_002_BYTES_PER_TOKEN / 1e9, 2) == f["static_used_gb"]
-    assert round(f["paged_blocks"] * 16 * SEED_002_BYTES_PER_TOKEN / 1e9, 2) == f["paged_allocated_gb"]
-    assert round(100 * SEED_002_MAX_CONTEXT / (f["paged_blocks"] * 16), 1) == f["ratio"]
+    assert spec.bytes_per_token == STATIC_VS_PAGED_BYTES_PER_TOKEN == 131072
+    f = STATIC_VS_PAGED_PRINTED
+    bpt, ctx = STATIC_VS_PAGED_BYTES_PER_TOKEN, STATIC_VS_PAGED_MAX_CONTEXT
+    assert round(100 * ctx * bpt / 1e9, 2) == f["static_allocated_gb"]
+    assert round(f["total_tokens"] * bpt / 1e9, 2) == f["static_used_gb"]
+    assert round(f["paged_blocks"] * 16 * bpt / 1e9, 2) == f["paged_allocated_gb"]
+    assert round(100 * ctx / (f["paged_blocks"] * 16), 1) == f["ratio"]
 
 
-def test_seed_table_100_lognormal_lands_on_the_seed():
-    ours = seed_table_100_lognormal()
-    seed = SEED_002_FIGURES
-    assert set(ours) == set(seed)
-    assert abs(ours["min"] - seed["min"]) <= 2 and abs(ours["max"] - seed["max"]) <= 10
-    assert round(ours["mean"]) == seed["mean"]
-    assert abs(ours["paged_blocks"] - seed["paged_blocks"]) <= 5
-    assert round(ours["static_utilisation_pct"], 1) == seed["static_utilisation_pct"]
-    assert round(ours["paged_utilisation_pct"], 1) == seed["paged_utilisation_pct"]
-    assert abs(ours["ratio"] - seed["ratio"]) < 0.3
+def test_static_vs_paged_table_lands_on_the_printed_one():
+    ours = static_vs_paged_table()
+    printed = STATIC_VS_PAGED_PRINTED
+    assert set(ours) == set(printed)
+    assert abs(ours["min"] - printed["min"]) <= 2 and abs(ours["max"] - printed["max"]) <= 10
+    assert round(ours["mean"]) == printed["mean"]
+    assert abs(ours["paged_blocks"] - printed["paged_blocks"]) <= 5
+    assert round(ours["static_utilisation_pct"], 1) == printed["static_utilisation_pct"]
+    assert round(ours["paged_utilisation_pct"], 1) == printed["paged_utilisation_pct"]
+    assert abs(ours["ratio"] - printed["ratio"]) < 0.3
     assert ours["static_allocated_gb"] == pytest.approx(107.37, abs=0.005)
     # internal consistency of the table
-    assert ours["total_tokens"] == int(seed_002_lengths().sum())
+    assert ours["total_tokens"] == int(static_vs_paged_lengths().sum())
     assert ours["paged_utilisation_pct"] == pytest.approx(100 * ours["total_tokens"] / (ours["paged_blocks"] * 16))
     assert ours["saved_gb"] == pytest.approx(ours["static_allocated_gb"] - ours["paged_allocated_gb"])
 
 
-def test_seed_table_paged_waste_is_under_one_block_per_request():
-    ours = seed_table_100_lognormal()
+def test_static_vs_paged_waste_is_under_one_block_per_request():
+    ours = static_vs_paged_table()
     assert ours["paged_blocks"] * 16 - ours["total_tokens"] < 100 * 16
-    other = seed_table_100_lognormal(seed=1)
+    other = static_vs_paged_table(seed=1)
     assert other["static_utilisation_pct"] < 3.5 and other["paged_utilisation_pct"] > 94

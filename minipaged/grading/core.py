@@ -63,11 +63,19 @@ def run_check(check: Check) -> CheckOutcome:
     return CheckOutcome(check, ok, got)
 
 
-def report(group: str, checks: Sequence[Check]) -> list[CheckOutcome]:
+class Outcomes(list):
+    """What a check group returned, one ``CheckOutcome`` per check: the grader scores these. In a notebook a check
+    cell's result shows nothing (the printed summary line is what a learner reads, and what nbval compares)."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def report(group: str, checks: Sequence[Check]) -> Outcomes:
     """Run a group of checks and print its summary line, then one block per failure."""
     if not SUMMARY_RE.match(f"{group}: 0/0 checks passed"):
         raise ValueError(f"check group name {group!r} must be letters, digits, '_', '.' or '-'")
-    outcomes = [run_check(c) for c in checks]
+    outcomes = Outcomes(run_check(c) for c in checks)
     passed = sum(o.passed for o in outcomes)
     lines = [f"{group}: {passed}/{len(outcomes)} checks passed"]
     for o in outcomes:

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import random
+import shutil
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +46,17 @@ PROMPTS = [
     "What is 12 times 12?",
 ]
 MAX_TOKENS = 12
+
+
+# The second model shape. SmolLM2 has 9 query heads over 3 KV heads (h // 3 is also h // num_kv_heads), its
+# engine runs 16-token blocks and tables without a spare column: a part can be right on it by accident. A tiny
+# random Llama with 8 query heads over 2 KV heads, 32-token blocks and ragged prompts that share one block tells
+# such parts apart; its reference is the package's own engine on the same model.
+SHAPE = dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=128, intermediate_size=192)
+SHAPE_SETTINGS = dict(block_size=32, num_gpu_blocks_override=5, max_num_batched_tokens=40, max_num_seqs=4,
+                      enable_prefix_caching=True, dtype="float32", max_model_len=96)
+SHAPE_TAILS = (9, 14, 38, 1)   # prompt tokens after the shared 32: prompts of 41, 46, 70 and 33 tokens
+SHAPE_LABEL = "8 query heads over 2 KV heads, blocks of 32"
 
 
 # ---- the learner's own code, from their exercise notebooks -------------------------------------------
@@ -103,6 +117,24 @@ def package_parts() -> dict[str, Callable[..., Any]]:
                 paged_decode_attention=reference.paged_decode_attention)
 
 
+def shape_model() -> Path:
+    """The tiny Llama of the second shape, made once (seeded) beside the converted SmolLM2."""
+    from ..model_loader import cache_dir, save_tiny_llama
+
+    folder = cache_dir() / "tiny-llama-8q-2kv"
+    if not (folder / "config.json").exists():
+        tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+        save_tiny_llama(tmp, seed=24, **SHAPE)
+        os.replace(tmp, folder) if not folder.exists() else shutil.rmtree(tmp)
+    return folder
+
+
+def shape_prompts() -> list[list[int]]:
+    rng = random.Random(24)
+    shared = [rng.randrange(1, 96) for _ in range(32)]
+    return [shared + [rng.randrange(1, 96) for _ in range(n)] for n in SHAPE_TAILS]
+
+
 # ---- one run, and the card ---------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -122,18 +154,25 @@ def serve(llm: Any, prompts: list[list[int]], plugged: dict[str, Callable[..., A
     llm.reset()
     run = Run(outputs=[[] for _ in prompts], steps=[[] for _ in prompts])
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    with parts.use(check=check, **plugged) as wrappers:
-        try:
-            for out in llm.stream(prompts, params):
-                i = int(out.request_id)
-                new = out.outputs[0].token_ids[len(run.outputs[i]):]
-                run.outputs[i] += new
-                run.steps[i] += [llm.num_steps] * len(new)
-        except Exception as exc:
-            step = getattr(exc, "step", None) or llm.num_steps
-            run.error = f"{exc}" if isinstance(exc, parts.PartError) else \
-                f"{type(exc).__name__} at engine step {step}: {exc}"
-        run.calls = {name: w.calls for name, w in wrappers.items()}
+    block = parts.use(check=check, **plugged)
+    try:
+        wrappers = block.__enter__()   # checked: the probes run here, before the engine does
+    except parts.PartError as exc:
+        run.error, run.calls = f"{exc}", {name: 0 for name in plugged}
+        return run
+    try:
+        for out in llm.stream(prompts, params):
+            i = int(out.request_id)
+            new = out.outputs[0].token_ids[len(run.outputs[i]):]
+            run.outputs[i] += new
+            run.steps[i] += [llm.num_steps] * len(new)
+    except Exception as exc:
+        step = getattr(exc, "step", None) or llm.num_steps
+        run.error = f"{exc}" if isinstance(exc, parts.PartError) else \
+            f"{type(exc).__name__} at engine step {step}: {exc}"
+    finally:
+        block.__exit__(None, None, None)
+    run.calls = {name: w.calls for name, w in wrappers.items()}
     run.num_preemptions = llm.scheduler.num_preemptions
     run.prefix_hit_tokens = llm.kv_cache_manager.prefix_cache_hits
     return run
@@ -156,10 +195,12 @@ class Row:
     part_names: list[str]
     calls: dict[str, int]
     verdict: str   # "token-exact", or what went wrong
+    title: str = ""   # for a row of all parts: what it ran them on
 
     def line(self) -> str:
         if len(self.part_names) > 2:   # all of them: the calls are the rows' above
-            return f"  {self.label:<5} {f'all {len(self.part_names)} parts together':<58} {self.verdict}"
+            title = self.title or f"all {len(self.part_names)} parts together"
+            return f"  {self.label:<5} {title:<58} {self.verdict}"
         calls = ", ".join(str(self.calls.get(n, 0)) for n in self.part_names)
         return f"  {self.label:<5} {', '.join(self.part_names):<40} calls {calls:<11} {self.verdict}"
 
@@ -219,7 +260,22 @@ def report_card(my_parts: dict[str, Callable[..., Any]], settings: dict[str, Any
         rows.append(Row(ex, names, run.calls, verdict))
     verdict, together = _verdict(llm, prompts, reference, dict(my_parts))
     rows.append(Row("all", list(parts.PARTS), together.calls, verdict))
+    rows.append(shape_row(my_parts))
     return ReportCard(rows, together.num_preemptions, together.prefix_hit_tokens, llm.num_blocks)
+
+
+def shape_row(my_parts: dict[str, Callable[..., Any]]) -> Row:
+    """All parts together on the second model shape, against the package's own engine on it."""
+    from ..engine import LLM
+    from ..sampling_params import SamplingParams
+
+    llm = LLM(shape_model(), **SHAPE_SETTINGS)
+    prompts = shape_prompts()
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS,
+                                                                                          temperature=0))]
+    verdict, run = _verdict(llm, prompts, reference, dict(my_parts))
+    return Row("shape", list(parts.PARTS), run.calls, verdict.replace("transformers", "the package's engine"),
+               title=f"all {len(parts.PARTS)} parts, {SHAPE_LABEL}")
 
 
 # ---- the checks ------------------------------------------------------------------------------------------
@@ -315,8 +371,10 @@ def check_report_card(my_parts: Callable[[], dict[str, Callable[..., Any]]],
     def row(i: int) -> str:
         return the_card().rows[i].verdict
 
-    labels = [*(f"{ex} alone" for ex in EXERCISES), "all parts together"]
-    checks = [Check(f"report card: {label}, {len(PROMPTS)} requests against transformers", lambda i=i: row(i),
+    labels = [*(f"{ex} alone, {len(PROMPTS)} requests against transformers" for ex in EXERCISES),
+              f"all parts together, {len(PROMPTS)} requests against transformers",
+              f"all parts, {SHAPE_LABEL}, {len(SHAPE_TAILS)} requests against the package's engine"]
+    checks = [Check(f"report card: {label}", lambda i=i: row(i),
                     "token-exact", hint="the verdict names the first request and token that differ, and the "
                     "first wrong call of your part; run that exercise's checks again")
               for i, label in enumerate(labels)]

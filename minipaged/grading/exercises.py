@@ -61,7 +61,7 @@ EXERCISES: dict[str, Exercise] = {e.key: e for e in (
         ("paged_decode_edges", "check_paged_decode_edges", "paged_decode_attention", 8)),
     _ex("ex10_capstone", ("capstone_parts", "check_parts", "my_parts", 10),
         ("capstone_engine", "check_engine_settings", "engine_settings", 6),
-        ("report_card", "check_report_card", "my_parts engine_settings", 10)),
+        ("report_card", "check_report_card", "my_parts engine_settings", 11)),
 )}
 
 _NAME = re.compile(r"^(ex\d\d)(?:_|\.ipynb$)")

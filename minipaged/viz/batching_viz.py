@@ -1,11 +1,13 @@
-"""Chapters 06-08 widgets: a continuous-batching player, static vs continuous timelines, shared prefix blocks.
+"""Chapters 06-08 widgets and figures: a continuous-batching player, static vs continuous timelines, shared
+prefix blocks, and the whole-run figures (batch and latency, the watermark sweep, swap against recompute).
 
 Every number shown comes from the real ``Scheduler`` / ``KVCacheManager`` (through
 ``minipaged.simulator``) and is kept in plain attributes (``state``, ``history``,
 ``segments``, ``markers``, ``rows``, ``summary``), so tests drive the widgets from
 Python and check what a learner sees::
 
-    BatchingPlayer()                  the seeds' "7 requests compete for a 48-block pool", step by step:
+    BatchingPlayer()                  "7 requests compete for a 48-block pool" (the vLLM Deep Dive site's
+                                      continuous-batching simulator), step by step:
                                       waiting queue, running batch, pool grid; step / play / reset
     BatchingTimeline(requests, ...)   one bar per request, static above continuous: waiting, running,
                                       padded (static), preempted; preemptions marked ✕
@@ -33,8 +35,9 @@ from .layout import aligned_ticks, label_style, legend_above, legend_right, padd
 STEP_CLOCK = CostModel(weight_bytes=1.0, kv_bytes_per_token=0.0, flops_per_token=0.0, mem_bandwidth=1.0, flops=1.0,
                        swap_bandwidth=1.0, name="one time unit per step")
 
-# The seeds' scene: 7 requests, a 48-block pool. The seed gives no lengths; these are ours: they ask for 81
-# blocks in all, so the queue waits, finishes free room at once, and the pool runs dry twice.
+# The scene of the "vLLM Deep Dive" site's continuous-batching simulator: 7 requests, a 48-block pool. The site
+# gives no lengths; these are ours: they ask for 81 blocks in all, so the queue waits, finishes free room at
+# once, and the pool runs dry twice.
 SEVEN_REQUESTS: tuple[tuple[str, int, int], ...] = (  # (id, prompt tokens, output tokens), all arriving at once
     ("A", 24, 24), ("B", 20, 40), ("C", 32, 8), ("D", 16, 32), ("E", 12, 20), ("F", 28, 16), ("G", 16, 36))
 SEVEN_CONFIG = SimConfig(block_size=4, num_blocks=49, max_num_seqs=8, max_num_batched_tokens=32,
@@ -567,5 +570,35 @@ def watermark_sweep_figure(sweep: dict[tuple[str, float], dict[str, float]],
     return fig
 
 
+MODEL_COLORS = ("#4c78a8", "#e45756", "#54a24b", "#b279a2")
+
+
+def swap_block_size_figure(rows_by_model: dict[str, list[dict[str, float]]], num_tokens: int) -> go.Figure:
+    """Chapter 07: bringing a preempted request back, swap (solid) against recompute (dotted), by block size.
+
+    ``rows_by_model`` maps a model's name to ``simulator.swap_vs_recompute`` rows. Both axes are
+    logarithmic: block sizes double, and the swap cost falls by orders of magnitude before it flattens
+    where the bytes, not the copies, dominate. The legend sits to the right of the plot.
+    """
+    fig = go.Figure()
+    for (name, rows), color in zip(rows_by_model.items(), MODEL_COLORS):
+        x = [r["block_size"] for r in rows]
+        fig.add_scatter(x=x, y=[r["swap_s"] * 1e3 for r in rows], name=f"{name}: swap out + in",
+                        mode="lines+markers", line_color=color,
+                        hovertemplate="block size %{x}: %{y:.1f} ms<extra></extra>")
+        fig.add_scatter(x=x, y=[r["recompute_s"] * 1e3 for r in rows], name=f"{name}: recompute",
+                        mode="lines", line_color=color, line_dash="dot",
+                        hovertemplate="block size %{x}: %{y:.1f} ms<extra></extra>")
+    sizes = sorted({r["block_size"] for rows in rows_by_model.values() for r in rows})
+    fig.update_layout(
+        height=380, margin=dict(l=70, r=10, t=50, b=50), legend=legend_right(),
+        title=dict(text=f"bringing back a preempted request of {num_tokens:,} tokens", x=0.0, xanchor="left"),
+        xaxis=dict(title="block size (tokens)", type="log", tickmode="array", tickvals=sizes,
+                   ticktext=[str(v) for v in sizes]),
+        yaxis=dict(title="time (ms)", type="log"))
+    return fig
+
+
 __all__ = ["BatchingPlayer", "BatchingTimeline", "PrefixSharingView", "SEVEN_CONFIG", "SEVEN_REQUESTS",
-           "STEP_CLOCK", "batch_and_latency_figure", "request_segments", "watermark_sweep_figure"]
+           "STEP_CLOCK", "batch_and_latency_figure", "request_segments", "swap_block_size_figure",
+           "watermark_sweep_figure"]

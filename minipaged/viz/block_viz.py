@@ -35,7 +35,7 @@ FREE_COLOR = "#e6e6e6"
 CACHED_FREE_COLOR = "#b9dcb4"  # free, but still holding a cached prefix block
 NULL_COLOR = "#303030"
 SHARED_COLOR = "#8c564b"
-UNUSED_COLOR = "#f4a3b4"  # pink: reserved (or allocated) but holding no token: internal fragmentation
+UNUSED_COLOR = "#f4a3b4"  # pink: reserved (or allocated) but holding no token (yet, or ever)
 HOLE_COLOR = "#d62728"    # red: free, but in a hole too small for the request waiting: external fragmentation
 # Owners: chapter 01's block colours, then four more; every pair and every status colour above stays apart
 # (CIELAB ΔE >= 30), so two requests never look alike. Text on them is black or white (``text_color``).
@@ -230,10 +230,14 @@ class ContiguousVsPaged:
 
     The slider picks a step. The top figure shows the memory at that step: the
     contiguous arena as it really is (each reservation where first fit put it:
-    live tokens dark, reserved-but-empty light, holes too small for the waiting
-    request red) and the paged pool by category (which physical blocks a request
-    holds does not matter: any block fits anywhere). The bottom figure is the
-    utilisation of both over time. ``state`` holds the numbers of the current step.
+    live tokens dark; reserved-but-empty light, hatched where it lies past the
+    request's final length and will never hold a token; holes too small for the
+    waiting request red) and the paged pool by category (which physical blocks a
+    request holds does not matter: any block fits anywhere). The bottom figure is
+    the utilisation of both over time. ``state`` holds the numbers of the current step:
+    ``internal`` (reserved but empty) is ``reservation`` (slots for tokens still to
+    come) plus ``internal_fragmentation`` (slots past the request's end), the PagedAttention
+    paper's split (section 3.1).
     """
 
     def __init__(self, trace: Trace, num_slots: int, max_model_len: int = 2048, policy: str = "max",
@@ -294,9 +298,11 @@ class ContiguousVsPaged:
         i = self._row(res, t)
         done = int(res.step[-1]) < t
         if i is None:
-            return dict(active=False, finished=done, live=0, internal=0, external=0, free=self.num_slots,
-                        utilisation=0.0, running=0, waiting=0, refusals_so_far=int(res.refused[res.step <= t].sum()))
+            return dict(active=False, finished=done, live=0, internal=0, reservation=0, internal_fragmentation=0,
+                        external=0, free=self.num_slots, utilisation=0.0, running=0, waiting=0,
+                        refusals_so_far=int(res.refused[res.step <= t].sum()))
         return dict(active=True, finished=False, live=int(res.live_tokens[i]), internal=int(res.internal_waste[i]),
+                    reservation=int(res.reservation[i]), internal_fragmentation=int(res.internal_fragmentation[i]),
                     external=int(res.external_waste[i]), free=int(res.free_slots[i]),
                     utilisation=float(res.utilisation[i]), running=int(res.num_running[i]),
                     waiting=int(res.num_waiting[i]), refusals_so_far=int(res.refused[: i + 1].sum()))
@@ -317,8 +323,10 @@ class ContiguousVsPaged:
         head = lay["waiting_head"]
         head_size = (reservation_size(next(r for r in self.trace if r.req_id == head), self.policy.value,
                                       self.max_model_len) if head else None)
+        never = "reserved, never used"
         bars: dict[str, dict[str, list]] = {k: dict(x=[], base=[], y=[], text=[]) for k in
-                                            ("live", "reserved, empty", "free hole (too small)", "free")}
+                                            ("live", "reserved, empty", never, "free hole (too small)", "free")}
+        final = {r.req_id: r.total_len for r in self.trace}
 
         def add(kind: str, start: int, length: int, row: str, text: str) -> None:
             if length > 0:
@@ -326,24 +334,33 @@ class ContiguousVsPaged:
                 b["x"].append(length), b["base"].append(start), b["y"].append(row), b["text"].append(text)
 
         for rid, start, length, live in lay["reservations"]:
+            end = min(length, final[rid])  # the request will fill its reservation up to here
             add("live", start, live, c_name, f"{rid}: {live} tokens")
-            add("reserved, empty", start + live, length - live, c_name, f"{rid}: {length - live} slots reserved, empty")
+            add("reserved, empty", start + live, end - live, c_name,
+                f"{rid}: {end - live} slots reserved for tokens still to come")
+            add(never, start + end, length - end, c_name,
+                f"{rid}: {length - end} slots past its final length ({final[rid]}): never used")
         for start, length in lay["free_extents"]:
             small = head_size is not None and length < head_size
             add("free hole (too small)" if small else "free", start, length, c_name,
                 f"hole of {length} slots" + (f" < {head} needs {head_size}" if small else ""))
         p = st["paged"]
         add("live", 0, p["live"], p_name, f"{p['live']} live tokens in {p['running']} requests")
-        add("reserved, empty", p["live"], p["internal"], p_name, f"{p['internal']} empty slots in last blocks")
+        add("reserved, empty", p["live"], p["reservation"], p_name,
+            f"{p['reservation']} empty slots in last blocks, for tokens still to come")
+        add(never, p["live"] + p["reservation"], p["internal_fragmentation"], p_name,
+            f"{p['internal_fragmentation']} slots in last blocks past their request's end")
         add("free", p["live"] + p["internal"], p["free"], p_name, f"{p['free']} free slots")
-        colors = {"live": BLOCK_COLORS[0], "reserved, empty": UNUSED_COLOR, "free hole (too small)": HOLE_COLOR,
-                  "free": FREE_COLOR}
+        colors = {"live": BLOCK_COLORS[0], "reserved, empty": UNUSED_COLOR, never: UNUSED_COLOR,
+                  "free hole (too small)": HOLE_COLOR, "free": FREE_COLOR}
         with self.memory.batch_update():
             self.memory.data = []
             for kind, b in bars.items():
+                marker = dict(color=colors[kind], line=dict(color="white", width=1))
+                if kind == never:  # the same pink, hatched: empty like the reservation, but for good
+                    marker["pattern"] = dict(shape="/", fgcolor=HOLE_COLOR, solidity=0.3)
                 self.memory.add_bar(x=b["x"], base=b["base"], y=b["y"], orientation="h", name=kind,
-                                    marker=dict(color=colors[kind], line=dict(color="white", width=1)),
-                                    hovertext=b["text"], hoverinfo="text")
+                                    marker=marker, hovertext=b["text"], hoverinfo="text")
             self.memory.layout.title = f"memory at step {t}"
             self.memory.layout.yaxis.update(categoryorder="array", categoryarray=[p_name, c_name])
         self.timeline.layout.shapes = [dict(type="line", x0=t, x1=t, y0=0, y1=1, yref="paper",
@@ -353,7 +370,8 @@ class ContiguousVsPaged:
             if not n["active"]:
                 return f"<b>{name}</b>: " + ("all requests finished" if n["finished"] else "idle this step")
             return (f"<b>{name}</b>: {n['running']} running, {n['waiting']} waiting · utilisation "
-                    f"{n['utilisation']:.1%} · internal {n['internal']:,} · external {n['external']:,} · free "
+                    f"{n['utilisation']:.1%} · reserved for tokens to come {n['reservation']:,} · internal "
+                    f"fragmentation {n['internal_fragmentation']:,} · external {n['external']:,} · free "
                     f"{n['free']:,} slots · refusals so far {n['refusals_so_far']}")
 
         self.caption.value = fmt(c_name, st["contiguous"]) + "<br>" + fmt(p_name, st["paged"])
@@ -540,4 +558,57 @@ def memory_growth_figure(curve: Mapping[str, Any], block_size: int | None = None
     return fig
 
 
-__all__ = ["BlockPoolGrid", "BlockTableView", "ContiguousVsPaged", "display_widget", "memory_growth_figure"]
+# ---- (e) where the KV memory goes: the paper's Fig. 2 beside our simulation (a static figure) -----------
+WASTE_CATEGORIES = ("token states", "reservation (tokens to come)", "internal fragmentation (never used)",
+                    "free: external fragmentation & other")
+
+
+def waste_breakdown_figure(ours: Mapping[str, Sequence[float]], paper: Mapping[str, Sequence[float | None]],
+                           names: Mapping[str, str], figsize=(9, 4.6)):
+    """Chapter 02: one stacked bar per allocator, the paper's bar above ours (matplotlib).
+
+    ``ours`` maps a policy (``"max"``, ...) to four shares in % (``contiguous.waste_breakdown``);
+    ``paper`` maps a system name to its four printed shares, ``None`` where the paper does not split
+    them (``contiguous.PAPER_FIG2``); ``names`` maps each policy to the paper's system
+    (``contiguous.PAPER_BASELINE_OF``). A segment of 6 % or more carries its number; the legend sits
+    above the plot, off the bars, and ``layout.check_mpl_layout`` holds.
+    """
+    import matplotlib.pyplot as plt
+
+    colors = [BLOCK_COLORS[0], UNUSED_COLOR, UNUSED_COLOR, FREE_COLOR]
+    hatches = ["", "", "///", ""]
+    rows: list[tuple[str, list[float | None]]] = []
+    for policy, shares in ours.items():
+        rows.append((f"{names[policy]}, the paper", list(paper[names[policy]])))
+        rows.append((f"{policy}, this course", list(shares)))
+    fig, ax = plt.subplots(figsize=figsize)
+    for i, (label, shares) in enumerate(rows):
+        y = len(rows) - 1 - i - 0.25 * (i // 2)  # a gap between pairs
+        left = 0.0
+        for k, share in enumerate(shares):
+            if share is None:
+                continue
+            ax.barh(y, share, left=left, color=colors[k], hatch=hatches[k], edgecolor="white",
+                    label=WASTE_CATEGORIES[k] if i == 0 or k == 2 and i == 1 else None)
+            if share >= 6:
+                ax.text(left + share / 2, y, f"{share:.1f}", ha="center", va="center", fontsize=8,
+                        color=text_color(colors[k]))
+            left += share
+        if left < 99.95:  # the part the paper does not break down
+            ax.barh(y, 100 - left, left=left, color="white", hatch="..", edgecolor="#9e9e9e",
+                    label="not broken down in the paper")
+    ticks = [len(rows) - 1 - i - 0.25 * (i // 2) for i in range(len(rows))]
+    ax.set_yticks(ticks, [label for label, _ in rows], fontsize=9)
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of the KV cache (%)")
+    ax.set_ylabel("allocator")
+    handles, labels = ax.get_legend_handles_labels()
+    by_label = dict(zip(labels, handles))
+    ax.legend(by_label.values(), by_label.keys(), loc="lower center", bbox_to_anchor=(0.5, 1.01), ncol=3,
+              fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["BlockPoolGrid", "BlockTableView", "ContiguousVsPaged", "display_widget", "memory_growth_figure",
+           "waste_breakdown_figure"]
