@@ -321,10 +321,30 @@ def _attention_verify(args: tuple[Any, ...], result: torch.Tensor, before: Any) 
             f"{float(err[seq, head].max()):.3g} from the reference")
 
 
+# ---- the requests a scheduler part must leave alone ------------------------------------------------------------
+def _requests_state(kv: Any, requests: Any) -> dict[str, tuple[Any, ...]]:
+    """Each request's block table (ids), computed tokens and status."""
+    return {r.request_id: (kv.get_block_ids(r.request_id), r.num_computed_tokens, r.status) for r in requests}
+
+
+def _untouched(kv: Any, requests: Any, before: dict[str, tuple[Any, ...]], why: str) -> str | None:
+    """The first request of ``before`` whose blocks, computed tokens or status changed, in words."""
+    now = _requests_state(kv, requests)
+    for rid, (blocks, computed, status) in before.items():
+        g_blocks, g_computed, g_status = now[rid]
+        if g_blocks != blocks:
+            return f"it changed the blocks of {rid!r} ({blocks} -> {g_blocks}), {why}"
+        if g_computed != computed or g_status != status:
+            return f"it changed {rid!r} (computed tokens {computed} -> {g_computed}, status {status.name} -> " \
+                   f"{g_status.name}), {why}"
+    return None
+
+
 # schedule_running(running, waiting, kv, token_budget, preempt)
 def _running_before(args: tuple[Any, ...]) -> Any:
-    running = args[0]
-    return list(running), {r.request_id: (r.num_computed_tokens, r.num_tokens) for r in running}
+    running, waiting, kv = args[0], args[1], args[2]
+    return (list(running), {r.request_id: (r.num_computed_tokens, r.num_tokens) for r in running}, list(waiting),
+            _requests_state(kv, waiting))
 
 
 def _running_accept(args: tuple[Any, ...], result: Any) -> tuple[list[tuple[str, int]], list[str]]:
@@ -338,8 +358,13 @@ def _running_accept(args: tuple[Any, ...], result: Any) -> tuple[list[tuple[str,
 def _running_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
     running, waiting, kv, budget, _ = args
     scheduled, preempted = result
-    before_list, sizes = before
+    before_list, sizes, waiting_before, waiting_state = before
     ids = [r.request_id for r in before_list]
+    if list(waiting)[len(waiting) - len(waiting_before):] != waiting_before:
+        return "it changed the waiting queue behind the victims it put at the front: it only serves running requests"
+    problem = _untouched(kv, waiting_before, waiting_state, "a waiting request: it only serves running requests")
+    if problem is not None:
+        return problem
     k, p = len(scheduled), len(preempted)
     if [rid for rid, _ in scheduled] != ids[:k]:
         return f"scheduled {[rid for rid, _ in scheduled]}; the running requests, oldest first, are {ids}"
@@ -361,15 +386,25 @@ def _running_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | No
 
 # preempt_recompute(victim, kv, waiting)
 def _preempt_before(args: tuple[Any, ...]) -> Any:
-    victim, _, waiting = args
-    return len(waiting), victim.num_preemptions
+    victim, kv, waiting = args
+    others = {rid: kv.get_block_ids(rid) for rid in kv.num_blocks_per_request if rid != victim.request_id}
+    return len(waiting), victim.num_preemptions, list(waiting), others, _requests_state(kv, waiting)
 
 
 def _preempt_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
     from .request import RequestStatus
 
     victim, kv, waiting = args
-    num_waiting, num_preemptions = before
+    num_waiting, num_preemptions, waiting_before, others, state = before
+    if list(waiting)[1:] != waiting_before:
+        return f"victim {victim.request_id!r}: the waiting queue behind it changed (it only goes to the front)"
+    for rid, blocks in others.items():
+        if kv.get_block_ids(rid) != blocks:
+            return f"it changed the blocks of {rid!r} ({blocks} -> {kv.get_block_ids(rid)}), not the victim " \
+                   f"{victim.request_id!r}"
+    problem = _untouched(kv, waiting_before, state, f"a waiting request, not the victim {victim.request_id!r}")
+    if problem is not None:
+        return problem
     problems = []
     if kv.get_num_blocks(victim.request_id):
         problems.append(f"it still holds {kv.get_num_blocks(victim.request_id)} blocks")
@@ -386,7 +421,9 @@ def _preempt_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | No
 
 # admit_waiting(waiting, kv, token_budget, free_seats)
 def _admit_before(args: tuple[Any, ...]) -> Any:
-    return list(args[0])
+    waiting, kv = args[0], args[1]
+    running = {rid: kv.get_block_ids(rid) for rid in kv.num_blocks_per_request}
+    return list(waiting), running, _requests_state(kv, waiting)
 
 
 def _admit_accept(args: tuple[Any, ...], result: Any) -> list[tuple[str, int]]:
@@ -398,8 +435,12 @@ def _admit_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None
     from .scheduler import num_seqs_when_running
 
     waiting, kv, budget, seats = args
+    before, running, waiting_state = before
     ids = [r.request_id for r in before]
     k = len(result)
+    for rid, blocks in running.items():
+        if kv.get_block_ids(rid) != blocks:
+            return f"it changed the blocks of {rid!r} ({blocks} -> {kv.get_block_ids(rid)}), a request already running"
     if [rid for rid, _ in result] != ids[:k] or list(waiting) != before[k:]:
         return (f"admitted {[rid for rid, _ in result]} and left {[r.request_id for r in waiting]} waiting, from "
                 f"the queue {ids}: admission takes the head of the queue, in order, and pops what it admits")
@@ -420,6 +461,10 @@ def _admit_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None
     for req in before[k:]:
         if kv.get_num_blocks(req.request_id):
             return f"{req.request_id!r} was not admitted but holds {kv.get_num_blocks(req.request_id)} blocks"
+    problem = _untouched(kv, before[k:], {r.request_id: waiting_state[r.request_id] for r in before[k:]},
+                         "a request it did not admit")
+    if problem is not None:
+        return problem
     if waiting and left > 0 and num_seqs_when_running(waiting[0]) <= seats:
         head = waiting[0]
         hits, hit_tokens = kv.get_computed_blocks(head)

@@ -1,6 +1,5 @@
 """The no-hub model loader: finds the GGUF, converts once into a cache, and the model answers."""
 import importlib.util
-import os
 import time
 
 import pytest

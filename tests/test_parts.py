@@ -192,7 +192,7 @@ import torch  # noqa: E402
 
 from minipaged.block_table import slot_mapping as package_slot_mapping  # noqa: E402
 from minipaged.kernels import reference  # noqa: E402
-from minipaged.kv_cache_manager import KVCacheManager, find_prefix_hits  # noqa: E402
+from minipaged.kv_cache_manager import find_prefix_hits  # noqa: E402
 
 
 def newest_duplicate_hits(pool, block_hashes, num_tokens, block_size):
@@ -393,3 +393,46 @@ def test_use_takes_a_bool_and_is_entered_once_at_a_time(solution_parts):
     with block as again:   # once left, it can be entered again
         assert parts.plugged("slot_mapping") is again["slot_mapping"]
     assert not parts._plugged
+
+
+# ---- the scheduler's parts: what they must leave alone ---------------------------------------------------------
+from minipaged.request import RequestStatus  # noqa: E402
+from minipaged.scheduler import admit_waiting, preempt_recompute, schedule_running  # noqa: E402
+
+
+def preempt_frees_a_bystander(victim, kv, waiting):
+    """Preempts the victim right, then also frees another running request's blocks."""
+    bystander = next((rid for rid in kv.num_blocks_per_request if rid != victim.request_id), None)
+    preempt_recompute(victim, kv, waiting)
+    if bystander is not None:
+        kv.free(bystander)   # MISTAKE: only the victim gives its blocks back
+
+
+def admit_marks_the_rest_waiting(waiting, kv, token_budget, free_seats):
+    """Admits right, then touches the requests it did not admit."""
+    admitted = admit_waiting(waiting, kv, token_budget, free_seats)
+    for req in waiting:
+        req.status = RequestStatus.PREEMPTED   # MISTAKE: a request it did not admit is not its business
+    return admitted
+
+
+def schedule_reorders_waiting(running, waiting, kv, token_budget, preempt):
+    """Serves the running requests right, then sorts the waiting queue by length."""
+    result = schedule_running(running, waiting, kv, token_budget, preempt)
+    ordered = sorted(waiting, key=lambda r: r.num_tokens)   # MISTAKE: the waiting queue is step 2's, in order
+    waiting.clear()
+    waiting.extend(ordered)
+    return result
+
+
+@pytest.mark.parametrize("name, fn, says", [
+    ("preempt_recompute", preempt_frees_a_bystander, "it changed the blocks of"),
+    ("admit_waiting", admit_marks_the_rest_waiting, "a request it did not admit"),
+    ("schedule_running", schedule_reorders_waiting, "waiting queue"),
+])
+def test_a_scheduler_part_must_leave_the_other_requests_alone(llm, expected, name, fn, says):
+    with pytest.raises(PartError, match=says) as caught:
+        run(llm, {name: fn})
+    assert caught.value.part == name and caught.value.step is not None, str(caught.value)
+    pool_is_sound(llm)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
