@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
 
-from . import parts
+from . import hooks
 from .utils import check_int
 
 if TYPE_CHECKING:  # only for type hints: request.py imports this module
@@ -95,7 +95,7 @@ class RequestBlockHasher:
 
     def __call__(self, request: Request) -> list[BlockHash]:
         done = len(request.block_hashes)
-        learners = parts.plugged("chain_block_hashes")
+        learners = hooks.plugged("chain_block_hashes")
         if learners is not None:   # a learner's part hashes the whole request again, from its first block
             return learners(request.all_token_ids, self.block_size, request.cache_salt)[done:]
         parent = request.block_hashes[-1] if request.block_hashes else None
@@ -346,7 +346,7 @@ class BlockPool:
             if block.is_null:
                 continue  # the null block has no owner and no count
             if block.ref_cnt == 0:
-                remove = parts.plugged("free_queue_remove")   # a learner's own remove (exercise 03)
+                remove = hooks.plugged("free_queue_remove")   # a learner's own remove (exercise 03)
                 if remove is not None:
                     remove(self.free_block_queue, block)
                 else:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import parts
+from . import hooks
 from .cache_engine import CacheEngine
 from .config import Config, model_config_dtype, resolve_dtype
 from .kv_cache_manager import KVCacheManager
@@ -316,9 +316,9 @@ class LLM:
         self.num_steps += 1
         # A learner's part may fail half-way through a section the package's own pieces never fail in: with
         # parts plugged in, the whole bookkeeping is saved first and put back if the step fails (see snapshot).
-        saved = Snapshot.take(self.scheduler.bookkeeping()) if parts.active() else None
+        saved = Snapshot.take(self.scheduler.bookkeeping()) if hooks.active() else None
         if saved is not None:
-            parts.at_exit(id(self), self._forget_prefix_cache_of_parts())
+            hooks.at_exit(id(self), self._forget_prefix_cache_of_parts())
         try:
             finished = self._step()
         except BaseException as exc:   # the step did not happen
@@ -326,7 +326,7 @@ class LLM:
                 saved.restore()
             else:   # no block hashed for it stays findable
                 self.kv_cache_manager.rollback_step()
-            if isinstance(exc, parts.PartError) and exc.step is None:
+            if isinstance(exc, hooks.PartError) and exc.step is None:
                 exc.step = self.num_steps
                 exc.add_note(f"(engine step {self.num_steps})")
             raise

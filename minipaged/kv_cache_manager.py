@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import parts
+from . import hooks
 from .block_pool import BlockHash, BlockPool, KVCacheBlock, get_request_block_hasher
 from .request import Request
 from .utils import cdiv, check_int  # noqa: F401  (chapters import cdiv from here)
@@ -138,7 +138,7 @@ class KVCacheManager:
             return [], 0
         self._attach_hasher(request)
         args = (self.block_pool, request.block_hashes, request.num_tokens, self.block_size)
-        learners = parts.plugged("find_prefix_hits")   # a learner's own lookup (exercise 08)
+        learners = hooks.plugged("find_prefix_hits")   # a learner's own lookup (exercise 08)
         hit_ids = learners(*args) if learners is not None else find_prefix_hits(*args)
         hits = [self.block_pool.blocks[i] for i in hit_ids]
         return hits, len(hits) * self.block_size
@@ -167,12 +167,12 @@ class KVCacheManager:
         need = self._need(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                           num_lookahead_tokens)
         fits = need.fits
-        would = parts.plugged("would_allocate")   # a learner's own admission rule (exercise 04)
+        would = hooks.plugged("would_allocate")   # a learner's own admission rule (exercise 04)
         if would is not None and not need.new_computed and not need.cow and not num_lookahead_tokens:
             fits = would(self, request, num_new_tokens)
             if fits and need.num_new_blocks > self.block_pool.get_num_free_blocks():
-                raise parts.PartError("would_allocate", f"said yes to {need.num_new_blocks} new blocks for "
-                                      f"{request.request_id!r}, but only {self.get_num_free_blocks()} are free")
+                raise would.fail(f"said yes to {need.num_new_blocks} new blocks for {request.request_id!r}, "
+                                 f"but only {self.get_num_free_blocks()} are free")
         if not fits:
             return None
         new_computed, cow, num_new_blocks = need.new_computed, need.cow, need.num_new_blocks

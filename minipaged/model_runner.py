@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import parts
+from . import hooks
 from .block_table import make_block_table_tensor, slot_mapping
 from .cache_engine import CacheEngine
 from .model import AttentionMetadata, LlamaForCausalLM
@@ -94,7 +94,7 @@ class ModelRunner:
             cu.append(cu[-1] + s.num_new_tokens)
             sample_rows += [cu[-1] - 1] * s.num_samples
         buf = self.buffers
-        slots = parts.plugged("slot_mapping") or slot_mapping   # a learner's own (exercise 04), if plugged in
+        slots = hooks.plugged("slot_mapping") or slot_mapping   # a learner's own (exercise 04), if plugged in
         meta = AttentionMetadata(
             slot_mapping=buf.fill("slot_mapping", slots([s.block_ids for s in out.scheduled], out.positions(),
                                                         out.block_size)),

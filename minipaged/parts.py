@@ -42,16 +42,14 @@ from typing import Any
 
 import torch
 
-
-class PartError(RuntimeError):
-    """A plugged-in part raised, returned the wrong kind of thing, or (checked) returned a wrong result."""
-
-    def __init__(self, part: str, message: str, call: int = 0, probe: str | None = None) -> None:
-        spec = PARTS[part]
-        where = f" on probe {probe!r}" if probe else f" on call {call}" if call else ""
-        super().__init__(f"part {part!r} (exercise {spec.exercise[2:]}){where}: {message}")
-        self.part, self.call, self.probe = part, call, probe
-        self.step: int | None = None   # the engine step, filled in by LLM.step
+from . import hooks
+from .block_pool import BlockHash, BlockPool, chain_block_hashes
+from .block_table import slot_mapping as package_slot_mapping
+from .hooks import PartError
+from .kernels import reference
+from .kv_cache_manager import KVCacheManager, find_prefix_hits
+from .request import Request, RequestStatus
+from .scheduler import num_seqs_when_running
 
 
 @dataclass(frozen=True)
@@ -212,9 +210,8 @@ def _slots_accept(args: tuple[Any, ...], result: Any) -> torch.Tensor:
 
 
 def _slots_verify(args: tuple[Any, ...], result: torch.Tensor, before: Any) -> str | None:
-    from .block_table import slot_mapping
 
-    want = slot_mapping(*args).tolist()
+    want = package_slot_mapping(*args).tolist()
     got = result.tolist()
     if got == want:
         return None
@@ -257,7 +254,6 @@ def _cache_before(args: tuple[Any, ...]) -> Any:
 
 
 def _cache_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
-    from .kernels import reference
 
     key, value, key_cache, value_cache, slots = args
     want_k, want_v = before
@@ -305,7 +301,6 @@ def _attention_before(args: tuple[Any, ...]) -> Any:
 
 
 def _attention_verify(args: tuple[Any, ...], result: torch.Tensor, before: Any) -> str | None:
-    from .kernels import reference
 
     for name, got, was in (("key_cache", args[1], before[0]), ("value_cache", args[2], before[1])):
         if not bool(((got == was) | (got.isnan() & was.isnan())).all()):
@@ -392,7 +387,6 @@ def _preempt_before(args: tuple[Any, ...]) -> Any:
 
 
 def _preempt_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
-    from .request import RequestStatus
 
     victim, kv, waiting = args
     num_waiting, num_preemptions, waiting_before, others, state = before
@@ -431,8 +425,6 @@ def _admit_accept(args: tuple[Any, ...], result: Any) -> list[tuple[str, int]]:
 
 
 def _admit_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
-    from .request import RequestStatus
-    from .scheduler import num_seqs_when_running
 
     waiting, kv, budget, seats = args
     before, running, waiting_state = before
@@ -476,7 +468,6 @@ def _admit_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None
 
 # chain_block_hashes(token_ids, block_size, cache_salt=None)
 def _hashes_accept(args: tuple[Any, ...], result: Any) -> list[bytes]:
-    from .block_pool import BlockHash
 
     token_ids, block_size = args[0], args[1]
     if not isinstance(result, (list, tuple)) or not all(isinstance(h, (bytes, bytearray)) for h in result):
@@ -488,7 +479,6 @@ def _hashes_accept(args: tuple[Any, ...], result: Any) -> list[bytes]:
 
 
 def _hashes_verify(args: tuple[Any, ...], result: list[bytes], before: Any) -> str | None:
-    from .block_pool import chain_block_hashes
 
     want = chain_block_hashes(*args)
     if result == want:
@@ -510,7 +500,6 @@ def _hits_accept(args: tuple[Any, ...], result: Any) -> list[int]:
 def _hits_verify(args: tuple[Any, ...], result: list[int], before: Any) -> str | None:
     """Right by meaning: as many blocks as the longest cached prefix, block i cached under hash i. Which block,
     when several hold the same hash (two requests computed one prefix at once), is the part's choice."""
-    from .kv_cache_manager import find_prefix_hits
 
     pool, block_hashes, num_tokens, _ = args
     want = find_prefix_hits(*args)
@@ -530,7 +519,6 @@ Probe = tuple[str, tuple[Any, ...]]
 
 
 def _free_queue_probes() -> list[Probe]:
-    from .block_pool import BlockPool, chain_block_hashes
 
     pool = BlockPool(8)
     for block, h in zip(pool.blocks[1:4], chain_block_hashes(list(range(48)), 16)):   # cached-but-free blocks
@@ -552,8 +540,6 @@ def _slot_probes() -> list[Probe]:
 
 
 def _would_probes() -> list[Probe]:
-    from .kv_cache_manager import KVCacheManager
-    from .request import Request
 
     # 11 usable blocks, 2 reserved, watermark 1 (for new requests only)
     roomy = KVCacheManager(16, 12, watermark_blocks=1, reserved_blocks=2, enable_caching=False)
@@ -623,7 +609,6 @@ def _hash_probes() -> list[Probe]:
 
 
 def _hit_probes() -> list[Probe]:
-    from .block_pool import BlockPool, chain_block_hashes
 
     hashes = chain_block_hashes(list(range(64)), 16)
 
@@ -687,6 +672,11 @@ class Plugged:
         self.calls += 1
         return self._run(args, self.calls, None)
 
+    def fail(self, message: str) -> PartError:
+        """The error for a wrong answer the engine itself noticed (e.g. a yes from ``would_allocate`` with too few
+        blocks free), naming this part and its last call."""
+        return PartError(self.spec.name, f"wrong: {message}", self.calls, None, self.spec.exercise)
+
     def probe(self) -> None:
         """Call the part on the probe shapes (see ``Part.probes``); the first wrong answer raises ``PartError``."""
         for label, args in self.spec.probes() if self.spec.probes else ():
@@ -710,43 +700,25 @@ class Plugged:
         except PartError:
             raise
         except Exception as exc:   # the learner's bug, named, not a traceback from inside the engine
-            raise PartError(spec.name, f"raised {type(exc).__name__}: {exc}", call, probe) from exc
+            raise PartError(spec.name, f"raised {type(exc).__name__}: {exc}", call, probe, spec.exercise) from exc
         try:
             result = spec.accept(args, result)
         except ValueError as exc:
-            raise PartError(spec.name, str(exc), call, probe) from None
+            raise PartError(spec.name, str(exc), call, probe, spec.exercise) from None
         if self.check:
             problem = spec.verify(args, result, before)
             if problem is None and spec.name == "schedule_running" and handed != result[1]:
                 problem = f"returned preempted={result[1]} but handed {handed} to preempt"
             if problem is not None:
-                raise PartError(spec.name, f"wrong: {problem}", call, probe)
+                raise PartError(spec.name, f"wrong: {problem}", call, probe, spec.exercise)
             if commit is not None:
                 commit()
         return result
 
 
-_plugged: dict[str, Plugged] = {}
 _PROBES = True   # the course's tests turn probes off to test the checks of the engine's own calls alone
-# Per active ``use`` block, innermost last: what to run when it ends (an engine forgetting its prefix cache).
-_exit_actions: list[dict[Any, Callable[[], None]]] = []
-
-
-def plugged(name: str) -> Plugged | None:
-    """The learner's function for part ``name`` if one is plugged in now, else None (the package's own runs)."""
-    return _plugged.get(name) if _plugged else None
-
-
-def active() -> bool:
-    """Whether any learner's part is plugged in now."""
-    return bool(_plugged)
-
-
-def at_exit(key: Any, action: Callable[[], None]) -> None:
-    """Run ``action`` when the innermost active ``use`` block ends (once per ``key``). An engine that ran a step
-    with parts plugged in registers here to forget what its prefix cache learned meanwhile."""
-    if _exit_actions:
-        _exit_actions[-1].setdefault(key, action)
+plugged, active, at_exit = hooks.plugged, hooks.active, hooks.at_exit   # the seam, as the engine sees it
+_plugged = hooks._plugged   # what is plugged in now (the same dict)
 
 
 def _check_signature(name: str, fn: Any) -> None:
@@ -783,27 +755,22 @@ class use:   # noqa: N801  (used as a function: ``with parts.use(...)``)
         for name, fn in parts.items():
             _check_signature(name, fn)
         self.check, self.parts = check, parts
-        self._saved: dict[str, Plugged] | None = None
+        self._active = False
 
     def __enter__(self) -> dict[str, Plugged]:
-        if self._saved is not None:
+        if self._active:
             raise RuntimeError("this parts.use(...) block is already active: leave it before entering it again")
         wrappers = {name: Plugged(name, fn, self.check) for name, fn in self.parts.items()}
         if self.check and _PROBES:
             for wrapper in wrappers.values():
                 wrapper.probe()
-        self._saved = dict(_plugged)
-        _plugged.update(wrappers)
-        _exit_actions.append({})
+        hooks.push(wrappers)
+        self._active = True
         return wrappers
 
     def __exit__(self, *exc: Any) -> None:
-        actions = _exit_actions.pop()
-        _plugged.clear()
-        _plugged.update(self._saved or {})
-        self._saved = None
-        for action in actions.values():
-            action()
+        self._active = False
+        hooks.pop()
 
 
 def table() -> str:

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import parts
+from . import hooks
 from .config import PREEMPTION_MODES
 from .kv_cache_manager import KVCacheManager
 from .utils import cdiv, check_int
@@ -260,7 +260,7 @@ class Scheduler:
         def preempt(victim: Request, kv: KVCacheManager, waiting: deque[Request]) -> None:
             self.preempt(victim, out)
 
-        running_fn = parts.plugged("schedule_running") or schedule_running
+        running_fn = hooks.plugged("schedule_running") or schedule_running
         scheduled, _ = running_fn(self.running, self.waiting, self.kv, budget, preempt)
         budget -= self._add_all(out, scheduled)
 
@@ -278,7 +278,7 @@ class Scheduler:
                 free_seats -= num_seqs_when_running(req)
                 budget -= self._add_all(out, [(req.request_id, num_new)])
             if not self.swapped and budget > 0 and free_seats > 0:
-                admit_fn = parts.plugged("admit_waiting") or admit_waiting
+                admit_fn = hooks.plugged("admit_waiting") or admit_waiting
                 admitted = admit_fn(self.waiting, self.kv, budget, free_seats)
                 self.running.extend(self.requests[rid] for rid, _ in admitted)
                 budget -= self._add_all(out, admitted)
@@ -313,7 +313,7 @@ class Scheduler:
             req.num_preemptions += 1
             self.swapped.appendleft(req)
         else:
-            (parts.plugged("preempt_recompute") or preempt_recompute)(req, self.kv, self.waiting)
+            (hooks.plugged("preempt_recompute") or preempt_recompute)(req, self.kv, self.waiting)
 
     def _swap_in(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate device blocks for a swapped request and schedule the CPU → device copies."""
@@ -408,3 +408,28 @@ class Scheduler:
     def finish_with_error(self, request_id: str, error: str) -> None:
         """A request that cannot go on (its sampling failed) finishes alone, with ``error`` set."""
         self.abort(request_id, reason="error", error=error)
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Block-pool and swap-space bookkeeping after a step: no leak, no double free, consistent ref counts.
+    ``assert`` statements, for tests and the simulator's ``check=True`` (do not run them under ``python -O``)."""
+    kv = sched.kv
+    pool = kv.block_pool
+    free = pool.free_block_queue.get_all_free_blocks()
+    free_ids = {b.block_id for b in free}
+    assert len(free_ids) == len(free) == pool.get_num_free_blocks()
+    refs: dict[int, int] = {}
+    for blocks in kv.req_to_blocks.values():
+        for b in blocks:
+            refs[b.block_id] = refs.get(b.block_id, 0) + 1
+    for b in pool.blocks[1:]:
+        assert b.ref_cnt == refs.get(b.block_id, 0), f"block {b.block_id}: ref_cnt {b.ref_cnt}"
+        assert (b.block_id in free_ids) == (b.ref_cnt == 0)
+    assert 0 not in free_ids and 0 not in refs  # the null block is never handed out
+    live = {r.request_id for r in sched.running}
+    assert set(kv.req_to_blocks) <= live | {r.request_id for r in sched.swapped}
+    assert all(r.status is RequestStatus.SWAPPED for r in sched.swapped)
+    assert not any(r.status is RequestStatus.SWAPPED for r in sched.waiting)
+    if kv.cpu_pool is not None:
+        in_cpu = sum(len(v) for v in kv.swapped_blocks.values())
+        assert in_cpu + kv.cpu_pool.get_num_free_blocks() == kv.num_cpu_blocks - 1

@@ -68,7 +68,7 @@ from .kv_cache_manager import KVCacheManager
 from .kv_math import KVSpec
 from .request import Request
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_invariants
 from .workloads import Trace
 from .utils import cdiv
 
@@ -404,7 +404,7 @@ def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config:
     """Serve ``requests`` with the real ``Scheduler``; the clock advances by ``cost.step_time`` per step.
 
     A request is added to the scheduler once the clock reaches its arrival. With
-    ``check=True`` the block-pool invariants (``minipaged.testing.check_invariants``)
+    ``check=True`` the block-pool invariants (``scheduler.check_invariants``)
     are asserted after every step (slower: for tests). ``on_step(scheduler, output,
     now, finished)`` is called after each step, e.g. to take snapshots for a widget;
     ``finished`` lists the requests that finished in that step, and those rejected on
@@ -412,9 +412,7 @@ def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config:
     """
     sched = config.make_scheduler()
     kv = sched.kv
-    checker = None
-    if check:
-        from .testing import check_invariants as checker
+    checker = check_invariants if check else None
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     metrics = {r.req_id: RequestMetrics(r.req_id, r.arrival, r.prompt_len, r.output_len) for r in requests}
     if len(metrics) != len(requests):

@@ -23,9 +23,9 @@ import torch
 from .block_table import slot_mapping
 from .cache_engine import CacheEngine
 from .kv_cache_manager import KVCacheManager
-from .request import Request, RequestStatus
+from .request import Request
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_invariants  # noqa: F401 (re-exported)
 from .simulator import fake_samples
 
 EOS = 0
@@ -37,30 +37,6 @@ def prefix_value(tokens: list[int]) -> float:
     for t in tokens:
         h = (h * 1_000_003 + t + 1) % 999_983
     return float(h)
-
-
-def check_invariants(sched: Scheduler) -> None:
-    """Block-pool and swap-space bookkeeping after a step: no leak, no double free, consistent ref counts."""
-    kv = sched.kv
-    pool = kv.block_pool
-    free = pool.free_block_queue.get_all_free_blocks()
-    free_ids = {b.block_id for b in free}
-    assert len(free_ids) == len(free) == pool.get_num_free_blocks()
-    refs: dict[int, int] = {}
-    for blocks in kv.req_to_blocks.values():
-        for b in blocks:
-            refs[b.block_id] = refs.get(b.block_id, 0) + 1
-    for b in pool.blocks[1:]:
-        assert b.ref_cnt == refs.get(b.block_id, 0), f"block {b.block_id}: ref_cnt {b.ref_cnt}"
-        assert (b.block_id in free_ids) == (b.ref_cnt == 0)
-    assert 0 not in free_ids and 0 not in refs  # the null block is never handed out
-    live = {r.request_id for r in sched.running}
-    assert set(kv.req_to_blocks) <= live | {r.request_id for r in sched.swapped}
-    assert all(r.status is RequestStatus.SWAPPED for r in sched.swapped)
-    assert not any(r.status is RequestStatus.SWAPPED for r in sched.waiting)
-    if kv.cpu_pool is not None:
-        in_cpu = sum(len(v) for v in kv.swapped_blocks.values())
-        assert in_cpu + kv.cpu_pool.get_num_free_blocks() == kv.num_cpu_blocks - 1
 
 
 def check_step_limits(sched: Scheduler, out: SchedulerOutput) -> None:

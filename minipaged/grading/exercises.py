@@ -29,14 +29,15 @@ class Exercise:
     key: str                  # "ex03"
     stem: str                 # "ex03_free_queue": the starter's file name without .ipynb
     groups: tuple[Group, ...]
+    triton: bool = False      # its code runs Triton kernels: without a GPU, the interpreter must be on first
 
     @property
     def total(self) -> int:
         return sum(g.total for g in self.groups)
 
 
-def _ex(stem: str, *groups: tuple[str, str, str, int]) -> Exercise:
-    return Exercise(stem[:4], stem, tuple(Group(n, c, tuple(a.split()), t) for n, c, a, t in groups))
+def _ex(stem: str, *groups: tuple[str, str, str, int], triton: bool = False) -> Exercise:
+    return Exercise(stem[:4], stem, tuple(Group(n, c, tuple(a.split()), t) for n, c, a, t in groups), triton)
 
 
 EXERCISES: dict[str, Exercise] = {e.key: e for e in (
@@ -50,7 +51,7 @@ EXERCISES: dict[str, Exercise] = {e.key: e for e in (
     _ex("ex04_slots_and_admission", ("slot_mapping", "check_slot_mapping", "slot_mapping", 8),
         ("would_allocate", "check_would_allocate", "would_allocate", 9)),
     _ex("ex05_scatter_write", ("scatter_write", "check_scatter_write", "reshape_and_cache", 8),
-        ("scatter_edges", "check_scatter_edges", "reshape_and_cache", 6)),
+        ("scatter_edges", "check_scatter_edges", "reshape_and_cache", 6), triton=True),
     _ex("ex06_admission", ("admit_waiting", "check_admit_waiting", "admit_waiting", 10),
         ("admission_state", "check_admission_state", "admit_waiting", 10)),
     _ex("ex07_preemption", ("preempt_recompute", "check_preempt_recompute", "preempt_recompute", 5),
@@ -58,10 +59,10 @@ EXERCISES: dict[str, Exercise] = {e.key: e for e in (
     _ex("ex08_prefix_hashing", ("chain_block_hashes", "check_chain_block_hashes", "chain_block_hashes", 7),
         ("find_prefix_hits", "check_find_prefix_hits", "find_prefix_hits", 8)),
     _ex("ex09_paged_decode", ("paged_decode", "check_paged_decode", "paged_decode_attention", 8),
-        ("paged_decode_edges", "check_paged_decode_edges", "paged_decode_attention", 8)),
+        ("paged_decode_edges", "check_paged_decode_edges", "paged_decode_attention", 8), triton=True),
     _ex("ex10_capstone", ("capstone_parts", "check_parts", "my_parts", 10),
         ("capstone_engine", "check_engine_settings", "engine_settings", 6),
-        ("report_card", "check_report_card", "my_parts engine_settings", 11)),
+        ("report_card", "check_report_card", "my_parts engine_settings", 11), triton=True),
 )}
 
 _NAME = re.compile(r"^(ex\d\d)(?:_|\.ipynb$)")

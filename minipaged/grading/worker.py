@@ -21,6 +21,7 @@ import io
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import IO, Any
 
 DETAIL_LINES = 9    # lines of a failing group's explanation kept for the details below the table (two failed checks)
@@ -40,7 +41,8 @@ def _missing(name: str, errors: list[str]) -> str:
     return f"`{name}` is not defined by the notebook's code cells{why}"
 
 
-def grade(path: str, exercise_key: str, emit: _Events) -> None:
+def grade(path: str, exercise_key: str, emit: Callable[..., None]) -> None:
+    """Run the notebook's code cells, then every check group of the exercise; report each through ``emit``."""
     from .core import describe_error
     from .exercises import EXERCISES
     from .runner import run_code_cells
@@ -75,7 +77,10 @@ def grade(path: str, exercise_key: str, emit: _Events) -> None:
 def main(argv: list[str]) -> int:
     path, exercise_key, events_path = argv
     os.environ.setdefault("MPLBACKEND", "Agg")   # a learner's plt.show() must not wait for a window
-    import minipaged.kernels  # noqa: F401  (first: without a GPU, Triton's interpreter must be on before triton)
+    from .exercises import EXERCISES
+
+    if EXERCISES[exercise_key].triton:   # first: without a GPU, Triton's interpreter must be on before triton
+        import minipaged.kernels  # noqa: F401
 
     # The path of the events file leaves argv before any learner code runs.
     sys.argv = [sys.argv[0], path]

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .. import parts
+from .. import hooks
 
 
 @dataclass
@@ -117,7 +117,7 @@ class PagedAttention:
             # Called on its own (chapter 09 runs one layer by hand): plan for this call. Inside the model the
             # metadata arrives built, once per step, from LlamaModel.forward.
             meta = self.build_metadata(meta, key_cache, value_cache, q.shape[1], q.dtype)
-        write, decode = parts.plugged("reshape_and_cache"), parts.plugged("paged_decode_attention")
+        write, decode = hooks.plugged("reshape_and_cache"), hooks.plugged("paged_decode_attention")
         if write is not None or decode is not None:   # a learner's own pieces (exercises 05 and 09)
             return self._with_parts(write, decode, q, k, v, key_cache, value_cache, meta, scale)
         if isinstance(meta, TorchAttentionMetadata):
