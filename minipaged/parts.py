@@ -9,8 +9,8 @@ package's own. ``use`` plugs them in, without editing the package, for as long a
     with parts.use(slot_mapping=my_slot_mapping, free_queue_remove=my_remove):
         outputs = llm.generate(prompts)          # the engine calls *your* functions
 
-Each place in the package where a part runs asks ``parts.plugged(name)`` first
-and calls the learner's function if one is plugged in::
+Each place in the engine where a part runs asks ``hooks.plugged(name)`` first (``minipaged.hooks``, the seam,
+imports nothing from the package; this module fills it) and calls the learner's function if one is plugged in::
 
     ex03  free_queue_remove       BlockPool.touch: a cached block leaves the middle of the free queue
     ex04  slot_mapping            ModelRunner.prepare_inputs: the slot of every new token
