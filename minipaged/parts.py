@@ -335,11 +335,30 @@ def _untouched(kv: Any, requests: Any, before: dict[str, tuple[Any, ...]], why: 
     return None
 
 
+def _blocks_state(kv: Any) -> dict[int, tuple[int, Any]]:
+    """Every block's ref count and hash."""
+    return {b.block_id: (b.ref_cnt, b.block_hash) for b in kv.block_pool.blocks}
+
+
+def _other_blocks_untouched(kv: Any, before: dict[int, tuple[int, Any]], exempt: set[int], whose: str) -> str | None:
+    """The blocks outside ``exempt`` (those of the requests the part works on) kept their ref counts and hashes."""
+    for b in kv.block_pool.blocks:
+        if b.block_id in exempt:
+            continue
+        ref, h = before[b.block_id]
+        if b.ref_cnt != ref:
+            return f"block {b.block_id}'s ref count went from {ref} to {b.ref_cnt}, and it is not {whose}"
+        if b.block_hash != h:
+            return (f"block {b.block_id}'s hash was {'cleared' if b.block_hash is None else 'changed'}, and it is "
+                    f"not {whose}")
+    return None
+
+
 # schedule_running(running, waiting, kv, token_budget, preempt)
 def _running_before(args: tuple[Any, ...]) -> Any:
     running, waiting, kv = args[0], args[1], args[2]
     return (list(running), {r.request_id: (r.num_computed_tokens, r.num_tokens) for r in running}, list(waiting),
-            _requests_state(kv, waiting))
+            _requests_state(kv, waiting), _blocks_state(kv), {b for r in running for b in kv.get_block_ids(r.request_id)})
 
 
 def _running_accept(args: tuple[Any, ...], result: Any) -> tuple[list[tuple[str, int]], list[str]]:
@@ -353,8 +372,12 @@ def _running_accept(args: tuple[Any, ...], result: Any) -> tuple[list[tuple[str,
 def _running_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
     running, waiting, kv, budget, _ = args
     scheduled, preempted = result
-    before_list, sizes, waiting_before, waiting_state = before
+    before_list, sizes, waiting_before, waiting_state, blocks_before, held_before = before
     ids = [r.request_id for r in before_list]
+    held = held_before | {b for r in before_list for b in kv.get_block_ids(r.request_id)}
+    problem = _other_blocks_untouched(kv, blocks_before, held, "a block of a running request")
+    if problem is not None:
+        return problem
     if list(waiting)[len(waiting) - len(waiting_before):] != waiting_before:
         return "it changed the waiting queue behind the victims it put at the front: it only serves running requests"
     problem = _untouched(kv, waiting_before, waiting_state, "a waiting request: it only serves running requests")
@@ -383,13 +406,17 @@ def _running_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | No
 def _preempt_before(args: tuple[Any, ...]) -> Any:
     victim, kv, waiting = args
     others = {rid: kv.get_block_ids(rid) for rid in kv.num_blocks_per_request if rid != victim.request_id}
-    return len(waiting), victim.num_preemptions, list(waiting), others, _requests_state(kv, waiting)
+    return (len(waiting), victim.num_preemptions, list(waiting), others, _requests_state(kv, waiting),
+            _blocks_state(kv), set(kv.get_block_ids(victim.request_id)))
 
 
 def _preempt_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
 
     victim, kv, waiting = args
-    num_waiting, num_preemptions, waiting_before, others, state = before
+    num_waiting, num_preemptions, waiting_before, others, state, blocks_before, victims_blocks = before
+    problem = _other_blocks_untouched(kv, blocks_before, victims_blocks, f"a block of the victim {victim.request_id!r}")
+    if problem is not None:
+        return problem
     if list(waiting)[1:] != waiting_before:
         return f"victim {victim.request_id!r}: the waiting queue behind it changed (it only goes to the front)"
     for rid, blocks in others.items():
@@ -417,7 +444,7 @@ def _preempt_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | No
 def _admit_before(args: tuple[Any, ...]) -> Any:
     waiting, kv = args[0], args[1]
     running = {rid: kv.get_block_ids(rid) for rid in kv.num_blocks_per_request}
-    return list(waiting), running, _requests_state(kv, waiting)
+    return list(waiting), running, _requests_state(kv, waiting), _blocks_state(kv)
 
 
 def _admit_accept(args: tuple[Any, ...], result: Any) -> list[tuple[str, int]]:
@@ -427,9 +454,13 @@ def _admit_accept(args: tuple[Any, ...], result: Any) -> list[tuple[str, int]]:
 def _admit_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
 
     waiting, kv, budget, seats = args
-    before, running, waiting_state = before
+    before, running, waiting_state, blocks_before = before
     ids = [r.request_id for r in before]
     k = len(result)
+    admitted = {b for rid, _ in result for b in kv.get_block_ids(rid)}
+    problem = _other_blocks_untouched(kv, blocks_before, admitted, "a block of a request it admitted")
+    if problem is not None:
+        return problem
     for rid, blocks in running.items():
         if kv.get_block_ids(rid) != blocks:
             return f"it changed the blocks of {rid!r} ({blocks} -> {kv.get_block_ids(rid)}), a request already running"

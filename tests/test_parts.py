@@ -425,8 +425,20 @@ def schedule_reorders_waiting(running, waiting, kv, token_budget, preempt):
     return result
 
 
+def admit_forgets_a_cached_block(waiting, kv, token_budget, free_seats):
+    """Admits right, then clears the hash of a cached block that none of the admitted requests holds."""
+    admitted = admit_waiting(waiting, kv, token_budget, free_seats)
+    mine = {b for rid, _ in admitted for b in kv.get_block_ids(rid)}
+    for block in kv.block_pool.blocks:
+        if block.block_hash is not None and block.block_id not in mine and block.ref_cnt == 0:
+            kv.block_pool.evict_cached_block(block)   # MISTAKE: the prefix cache is not admission's to prune
+            break
+    return admitted
+
+
 @pytest.mark.parametrize("name, fn, says", [
-    ("preempt_recompute", preempt_frees_a_bystander, "it changed the blocks of"),
+    ("preempt_recompute", preempt_frees_a_bystander, "ref count went from 1 to 0, and it is not a block of the victim"),
+    ("admit_waiting", admit_forgets_a_cached_block, "hash was cleared"),
     ("admit_waiting", admit_marks_the_rest_waiting, "a request it did not admit"),
     ("schedule_running", schedule_reorders_waiting, "waiting queue"),
 ])
