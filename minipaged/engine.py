@@ -298,9 +298,9 @@ class LLM:
             if rid not in self._requests:
                 continue
             for req in reversed(self._samples(rid)):   # forked samples first, then the request itself
-                self.scheduler.abort(req.request_id)
-                self.sampler.forget(req.sample_key)
+                self.scheduler.abort(req.request_id)   # the runner drops its state with the next step
             del self._requests[rid]
+        self._release_if_idle()
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -332,6 +332,11 @@ class LLM:
             raise
         return finished   # a step that ran is committed by the next schedule()
 
+    def _release_if_idle(self) -> None:
+        """With nothing left to schedule no next step will tell the runner who left: tell it now."""
+        if not self.scheduler.has_unfinished():
+            self.runner.release(self.scheduler.take_finished()[1])
+
     def _forget_prefix_cache_of_parts(self) -> Callable[[], None]:
         """What a ``parts.use`` block does to this engine when it ends: forget every prefix-cache entry, since a
         learner's code may have computed, hashed or (unchecked) written any of them. Holds the engine weakly."""
@@ -351,12 +356,9 @@ class LLM:
         result = self.runner.execute(out)
         t2 = time.perf_counter()
         for rid, why in result.errors.items():   # this request alone cannot go on
-            req = self.scheduler.requests[rid]
             self.scheduler.finish_with_error(rid, f"request {rid!r}: {why}")
-            self.sampler.forget(req.sample_key)
         finished = self.scheduler.update_from_output(out, result.sampled, now=self._now())
-        for r in finished:
-            self.sampler.forget(r.sample_key)
+        self._release_if_idle()
         timers = self.runner.timers
         timers["schedule"] += t1 - t0
         timers["update"] += time.perf_counter() - t2

@@ -89,7 +89,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         for s in out.scheduled:
             end = s.start + s.num_new_tokens
-            ids += s.request.all_token_ids[s.start:end]
+            ids += s.token_ids
             positions += range(s.start, end)
             cu.append(cu[-1] + s.num_new_tokens)
             sample_rows += [cu[-1] - 1] * s.num_samples
@@ -106,10 +106,16 @@ class ModelRunner:
         return (buf.fill("input_ids", torch.tensor(ids, dtype=torch.long)),
                 buf.fill("positions", torch.tensor(positions, dtype=torch.long)), meta, sample_rows)
 
+    def release(self, sample_keys: list[tuple[str, int]]) -> None:
+        """Drop what the runner keeps for requests that left: their random streams."""
+        for key in sample_keys:
+            self.sampler.forget(key)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step: block copies, the forward pass, and sampling (n tokens for an n > 1 first sample)."""
         result = RunnerOutput()
+        self.release(out.finished_sample_keys)   # first, before anything can fail: they are sent once
         if not out.scheduled:
             return result
         t0 = time.perf_counter()
@@ -125,11 +131,11 @@ class ModelRunner:
         t2 = time.perf_counter()
         keys, params, offsets, owners = [], [], [], []
         for s in out.scheduled:
-            root, first = s.request.sample_key
+            root, first = s.sample_key
             for j in range(s.num_samples):   # the j-th sample of a request draws from seed + j
                 keys.append((root, first + j))
                 offsets.append(first + j)
-                params.append(s.request.sampling_params)
+                params.append(s.sampling_params)
                 owners.append(s.request_id)
         tokens, errors = self.sampler.sample(logits, keys, params, offsets)
         for row, (rid, token) in enumerate(zip(owners, tokens)):

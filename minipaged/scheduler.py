@@ -36,12 +36,16 @@ and ``minipaged.parts`` can run a learner's version in their place.
 their blocks, forgets them (it returns them; the scheduler keeps only unfinished
 requests, so its state stays bounded however long it runs), and forks the extra samples of an ``n > 1`` request, which share
 the prompt's blocks until they write (copy-on-write).
+
+What ``schedule()`` returns is plain data (``scheduler_output.SchedulerOutput``): request ids, token ids,
+positions, block ids, and the ids that finished since the last step, never a live ``Request``, so it can be sent
+to another process as it is.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import hooks
@@ -49,6 +53,7 @@ from .config import PREEMPTION_MODES
 from .kv_cache_manager import KVCacheManager
 from .utils import cdiv, check_int
 from .request import Request, RequestStatus
+from .scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: F401  (re-exported)
 
 
 
@@ -64,45 +69,6 @@ class SchedulerConfig:
             check_int(name, getattr(self, name), 1)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step."""
-
-    request: Request
-    num_new_tokens: int  # a prefill chunk, or 1 for a decode
-    start: int  # position of its first new token (= tokens already computed)
-    block_ids: list[int]  # its block table after this step's allocation
-    num_samples: int  # tokens to sample after this step: 0 mid-prompt, n on an n > 1 request's first, else 1
-
-    @property
-    def samples(self) -> bool:
-        return self.num_samples > 0
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step will do, as plain data (no tensors): the model runner turns it into tensors, its
-    slot mapping included (``block_table.slot_mapping``), as vLLM's runner-side ``BlockTable`` does."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU block, device block)
-    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
-    preempted: list[str] = field(default_factory=list)
-    block_size: int = 16
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def positions(self) -> list[list[int]]:
-        return [list(range(s.start, s.start + s.num_new_tokens)) for s in self.scheduled]
 
 
 def num_seqs_when_running(req: Request) -> int:
@@ -204,6 +170,9 @@ class Scheduler:
         # again); whoever added it keeps the Request object, which holds its tokens and finish reason.
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Requests that left since the last step, and their random streams: sent with the next step, for the
+        # runner to drop what it keeps for them (bounded by the requests that finish between two steps).
+        self.finished_req_ids: dict[str, tuple[str, int]] = {}
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -284,7 +253,15 @@ class Scheduler:
                 budget -= self._add_all(out, admitted)
 
         out.copy_blocks = self.kv.take_pending_copies()
+        out.finished_req_ids, out.finished_sample_keys = self.take_finished()
         return out
+
+    def take_finished(self) -> tuple[list[str], list[tuple[str, int]]]:
+        """The requests that left since the last call, and their random streams; forgets them. ``schedule`` sends
+        them with the next step; an engine with nothing left to schedule hands them to its runner itself."""
+        ids, keys = list(self.finished_req_ids), list(self.finished_req_ids.values())
+        self.finished_req_ids.clear()
+        return ids, keys
 
     def _add_all(self, out: SchedulerOutput, scheduled: list[tuple[str, int]]) -> int:
         """Put each ``(request id, new tokens)`` in the step; return the tokens they use."""
@@ -295,10 +272,12 @@ class Scheduler:
                                    f"of {req.num_tokens} computed): scheduler state is broken")
             samples = req.num_computed_tokens + num_new == req.num_tokens  # every known token computed
             first = req.num_output_tokens == 0 and req.parent_id is None
+            start = req.num_computed_tokens
             out.scheduled.append(ScheduledRequest(
-                request=req, num_new_tokens=num_new, start=req.num_computed_tokens,
-                block_ids=self.kv.get_block_ids(rid),
-                num_samples=(req.sampling_params.n if first else 1) if samples else 0))
+                request_id=rid, num_new_tokens=num_new, start=start, block_ids=self.kv.get_block_ids(rid),
+                num_samples=(req.sampling_params.n if first else 1) if samples else 0,
+                token_ids=req.all_token_ids[start:start + num_new], sampling_params=req.sampling_params,
+                sample_key=req.sample_key, num_prompt_tokens=req.num_prompt_tokens))
         return sum(n for _, n in scheduled)
 
     # ---- preemption --------------------------------------------------------------------------
@@ -333,9 +312,9 @@ class Scheduler:
         sibling forked from it here. Returns the requests that finished this step.
         """
         # Check everything first, change nothing until it all holds: a step happens or it does not.
-        live = [s for s in out.scheduled if not s.request.is_finished]   # finished with an error mid-step: skip
-        for s in live:
-            req = s.request
+        # A request that finished with an error mid-step is gone from ``requests``: skip it.
+        live = [(s, self.requests[s.request_id]) for s in out.scheduled if s.request_id in self.requests]
+        for s, req in live:
             tokens = sampled.get(req.request_id)
             if not s.samples:
                 if tokens is not None:
@@ -344,8 +323,7 @@ class Scheduler:
                 raise ValueError(f"request {req.request_id!r} needs {s.num_samples} sampled token(s), "
                                  f"got {tokens!r}")
         finished: list[Request] = []
-        for s in live:
-            req = s.request
+        for s, req in live:
             req.num_computed_tokens += s.num_new_tokens
             if not s.samples:
                 continue
@@ -385,6 +363,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         del self.requests[req.request_id]
+        self.finished_req_ids[req.request_id] = req.sample_key
         return [req]
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> Request | None:
@@ -403,6 +382,7 @@ class Scheduler:
         self.kv.free_swapped(request_id)
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         del self.requests[request_id]
+        self.finished_req_ids[request_id] = req.sample_key
         return req
 
     def finish_with_error(self, request_id: str, error: str) -> None:

@@ -68,7 +68,7 @@ from .kv_cache_manager import KVCacheManager
 from .kv_math import KVSpec
 from .request import Request
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_invariants
+from .scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput, check_invariants
 from .workloads import Trace
 from .utils import cdiv
 
@@ -383,11 +383,13 @@ def _finish_steps(cols: dict[str, list]) -> dict[str, np.ndarray]:
     return {k: np.asarray(cols[k], dtype=float if k in ("time", "duration") else np.int64) for k in STEP_FIELDS}
 
 
-def fake_samples(out: SchedulerOutput, token: Callable[[Request], int] | int = FAKE_TOKEN) -> dict[str, list[int]]:
-    """The fake model: a token for every scheduled request that samples (``n`` on an n > 1 request's first)."""
+def fake_samples(out: SchedulerOutput, token: Callable[[ScheduledRequest], int] | int = FAKE_TOKEN
+                 ) -> dict[str, list[int]]:
+    """The fake model: a token for every scheduled request that samples (``n`` on an n > 1 request's first);
+    ``token`` is a fixed id or a function of the request's share of the step."""
     if isinstance(token, int):
         return {s.request_id: [token] * s.num_samples for s in out.scheduled if s.num_samples}
-    return {s.request_id: [token(s.request)] * s.num_samples for s in out.scheduled if s.num_samples}
+    return {s.request_id: [token(s)] * s.num_samples for s in out.scheduled if s.num_samples}
 
 
 # ---- continuous batching: the real scheduler ------------------------------------------------
@@ -447,7 +449,7 @@ def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config:
         for s in out.scheduled:
             new_tokens += s.num_new_tokens
             kv_tokens += s.start + s.num_new_tokens
-            req = s.request
+            req = sched.requests[s.request_id]
             if s.start < req.num_prompt_tokens:
                 prefill += s.num_new_tokens
             rid = s.request_id

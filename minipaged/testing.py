@@ -88,18 +88,19 @@ class Driver:
         slots = slot_mapping([s.block_ids for s in out.scheduled], out.positions(), bs)
         assert slots.numel() == out.total_num_scheduled_tokens and bool((slots >= 0).all())
         assert len(set(slots.tolist())) == slots.numel()  # no two tokens written to one slot
-        values = [prefix_value(s.request.all_token_ids[: p + 1]) for s in out.scheduled
+        requests = {s.request_id: self.sched.requests[s.request_id] for s in out.scheduled}   # the step's, by id
+        values = [prefix_value(requests[s.request_id].all_token_ids[: p + 1]) for s in out.scheduled
                   for p in range(s.start, s.start + s.num_new_tokens)]
         kcache[slots] = torch.tensor(values)
         # Like a model layer, a step writes its new K/V first, then attends: every position up to the
         # last new one must now hold its own prefix's value (prefix hits may read blocks written this step).
         for s in out.scheduled:
-            tokens = s.request.all_token_ids
+            tokens = requests[s.request_id].all_token_ids
             for p in range(s.start + s.num_new_tokens):
                 slot = s.block_ids[p // bs] * bs + p % bs
                 assert kcache[slot] == prefix_value(tokens[: p + 1]), (s.request_id, p, self.steps)
         # The first sample of each request comes from ``sample``; the extra samples of an n > 1 fork are random.
-        sampled = fake_samples(out, self.sample)
+        sampled = fake_samples(out, lambda s: self.sample(requests[s.request_id]))
         for rid, tokens in sampled.items():
             tokens[1:] = [self.rng.randrange(0, 40) for _ in tokens[1:]]
         finished = self.sched.update_from_output(out, sampled, now=float(self.steps))
@@ -107,7 +108,7 @@ class Driver:
         for r in finished:
             self.requests.setdefault(r.request_id, r)
         for s in out.scheduled:
-            for child in s.request.children:
+            for child in requests[s.request_id].children:
                 self.requests.setdefault(child.request_id, child)
         self.check_invariants()
         return out
@@ -158,7 +159,7 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
             assert d.steps < 50_000, "no progress"
             seen["swapped_blocks"] += len(out.swap_out)
             seen["cow_copies"] += len(out.copy_blocks)
-            seen["prefix_hit_tokens"] += sum(s.start for s in out.scheduled if s.request.num_output_tokens == 0)
+            seen["prefix_hit_tokens"] += sum(s.start for s in out.scheduled if d.requests[s.request_id].num_output_tokens == 0)
         assert d.kv.block_pool.get_num_free_blocks() == d.kv.num_blocks - 1  # nothing leaked
         assert not d.sched.requests   # the scheduler forgot every finished request
         for rid, req in d.requests.items():

@@ -257,13 +257,15 @@ def test_update_from_output_changes_nothing_when_a_token_is_missing(tiny_model):
     for p in PROMPTS[1:4]:
         llm.add_request(p, GREEDY)
     out = llm.scheduler.schedule()
-    before = [(s.request.num_computed_tokens, s.request.num_output_tokens) for s in out.scheduled]
+    reqs = llm.scheduler.requests   # the step names requests by id (plain data); the scheduler holds them
+    before = [(reqs[s.request_id].num_computed_tokens, reqs[s.request_id].num_output_tokens) for s in out.scheduled]
     sampled = {s.request_id: [1] for s in out.scheduled if s.samples}
     assert len(sampled) == 2
     sampled.pop(list(sampled)[-1])              # the last sampling request got nothing; the first was fine
     with pytest.raises(ValueError, match="needs 1 sampled token"):
         llm.scheduler.update_from_output(out, sampled)
-    assert [(s.request.num_computed_tokens, s.request.num_output_tokens) for s in out.scheduled] == before
+    assert [(reqs[s.request_id].num_computed_tokens, reqs[s.request_id].num_output_tokens)
+            for s in out.scheduled] == before
 
 
 def test_a_request_with_nothing_to_compute_is_never_scheduled(tiny_model):

@@ -225,3 +225,34 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                          derandomize=True)
+
+
+def test_scheduler_output_is_plain_data_that_pickles():
+    """What a step hands the runner names requests by id and carries their tokens: no live Request, so it can
+    cross a process boundary as it is (issue 25); finished ids and their random streams come with the next step."""
+    import dataclasses
+    import pickle
+
+    from minipaged.scheduler_output import SchedulerOutput
+
+    d = Driver(num_blocks=64, budget=16)
+    d.add("a", [1, 2, 3], max_tokens=1, ignore_eos=True)
+    d.add("b", list(range(1, 21)), max_tokens=3, ignore_eos=True, n=2)
+    first = d.step()
+    out = d.sched.schedule()
+
+    def values(obj):
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                yield from values(getattr(obj, f.name))
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                yield from values(x)
+        yield obj
+
+    for o in (first, out):
+        assert isinstance(o, SchedulerOutput)
+        assert not any(isinstance(v, Request) for v in values(o))
+        assert pickle.loads(pickle.dumps(o)) == o
+    assert out.finished_req_ids == ["a"] and out.finished_sample_keys == [("a", 0)]
+    assert [s.token_ids for s in first.scheduled] == [[1, 2, 3], list(range(1, 14))]   # a budget of 16 tokens
