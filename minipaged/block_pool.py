@@ -427,20 +427,15 @@ class BlockPool:
         """Forget every hash (e.g. after new weights). Only when no block is in use."""
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
-        self.cached_block_hash_to_block.clear()
-        for block in self.blocks:
-            block.reset_hash()
+        self.forget_cached_blocks()
         return True
 
-    def forget_cached_blocks(self) -> int:
+    def forget_cached_blocks(self) -> None:
         """Drop every hash, of free and in-use blocks alike: nothing computed so far can be hit again. (Unlike
-        ``reset_prefix_cache`` this works while requests run: their blocks stay theirs, only unshareable.)
-        Returns how many blocks lost a hash."""
-        hashed = [b for same in self.cached_block_hash_to_block.values() for b in same.values()]
+        ``reset_prefix_cache`` this works while requests run: their blocks stay theirs, only unshareable.)"""
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()
-        return len(hashed)
 
     def bookkeeping(self) -> Iterator[Any]:
         """Every object whose state allocation changes: the pool, its free queue (sentinels too), its blocks.

@@ -379,11 +379,11 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
-    def forget_prefix_cache(self) -> int:
+    def forget_prefix_cache(self) -> None:
         """Forget every cached hash now, in use or not (see ``BlockPool.forget_cached_blocks``). The running
         requests keep their blocks; ``uncommitted_blocks`` have nothing left to roll back."""
         self.uncommitted_blocks.clear()
-        return self.block_pool.forget_cached_blocks()
+        self.block_pool.forget_cached_blocks()
 
     def _attach_hasher(self, request: Request) -> None:
         if request.block_hasher is None or getattr(request.block_hasher, "block_size", None) != self.block_size:

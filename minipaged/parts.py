@@ -297,7 +297,8 @@ def _attention_accept(args: tuple[Any, ...], result: Any) -> torch.Tensor:
 
 
 def _attention_before(args: tuple[Any, ...]) -> Any:
-    return args[1].clone(), args[2].clone()
+    """The real caches, by reference: checked, the part only ever sees copies (``_read_only_caches``)."""
+    return args[1], args[2]
 
 
 def _attention_verify(args: tuple[Any, ...], result: torch.Tensor, before: Any) -> str | None:
