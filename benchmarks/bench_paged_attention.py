@@ -19,6 +19,7 @@ Results go to ``assets/benchmarks/paged_attention_<device>.json`` and ``.png``.
 Targets (issue 4): >= 80 % of peak HBM bandwidth when >= 64 MB of KV is read per step, and paged within 5 %
 of contiguous.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,11 +42,17 @@ PEAK_GBPS = [
     ("H200", 4800.0),
     ("H100 NVL", 3900.0),
     ("H100 PCIe", 2000.0),
-    ("H100", 3350.0),          # SXM5, "NVIDIA H100 80GB HBM3"
+    ("H100", 3350.0),  # SXM5, "NVIDIA H100 80GB HBM3"
     ("GH200", 4000.0),
-    ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
-    ("L40S", 864.0), ("L4", 300.0), ("A10G", 600.0), ("A10", 600.0),
-    ("RTX 4090", 1008.0), ("RTX 3090", 936.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),
+    ("L40S", 864.0),
+    ("L4", 300.0),
+    ("A10G", 600.0),
+    ("A10", 600.0),
+    ("RTX 4090", 1008.0),
+    ("RTX 3090", 936.0),
 ]
 TARGET_FRACTION, TARGET_MIN_BYTES, TARGET_PAGED_RATIO = 0.80, 64 * 2**20, 1.05
 
@@ -62,15 +69,24 @@ def slug(name: str) -> str:
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--interpret-smoke", action="store_true",
-                   help="tiny grid on CPU under TRITON_INTERPRET=1, to prove the script runs (no GPU needed)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--interpret-smoke",
+        action="store_true",
+        help="tiny grid on CPU under TRITON_INTERPRET=1, to prove the script runs (no GPU needed)",
+    )
     p.add_argument("--peak-gbps", type=float, default=None, help="peak HBM bandwidth in GB/s (default: by device name)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128],
-                   help="block-size sweep at --sweep-batch x --sweep-context")
+    p.add_argument(
+        "--block-sizes",
+        type=int,
+        nargs="+",
+        default=[8, 16, 32, 64, 128],
+        help="block-size sweep at --sweep-batch x --sweep-context",
+    )
     p.add_argument("--block-size", type=int, default=16, help="block size of the batch x context grid")
     p.add_argument("--sweep-batch", type=int, default=32)
     p.add_argument("--sweep-context", type=int, default=4096)
@@ -79,8 +95,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     p.add_argument("--max-kv-gib", type=float, default=8.0, help="skip grid points whose KV exceeds this")
-    p.add_argument("--out-dir", type=Path, default=None,
-                   help="default assets/benchmarks (a temporary folder for --interpret-smoke)")
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="default assets/benchmarks (a temporary folder for --interpret-smoke)",
+    )
     args = p.parse_args()
     if args.interpret_smoke:
         args.batches, args.contexts = [1, 3], [40, 100]
@@ -92,14 +112,19 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.interpret_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"      # before minipaged.kernels defines its kernels
+        os.environ["TRITON_INTERPRET"] = "1"  # before minipaged.kernels defines its kernels
     import torch
+
     if not args.interpret_smoke and not torch.cuda.is_available():
-        print("bench_paged_attention: no CUDA GPU here. This benchmark measures HBM bandwidth and needs one;\n"
-              "run it on a GPU machine, or pass --interpret-smoke to check the script on CPU (tiny grid, no timing "
-              "worth reading).", file=sys.stderr)
+        print(
+            "bench_paged_attention: no CUDA GPU here. This benchmark measures HBM bandwidth and needs one;\n"
+            "run it on a GPU machine, or pass --interpret-smoke to check the script on CPU (tiny grid, no timing "
+            "worth reading).",
+            file=sys.stderr,
+        )
         return 2
     import triton
+
     import minipaged
     from minipaged.kernels import paged_decode_attention
 
@@ -107,7 +132,7 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     elem = torch.tensor([], dtype=dtype).element_size()
     hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
-    scale = d ** -0.5
+    scale = d**-0.5
     name = "cpu-triton-interpreter" if args.interpret_smoke else torch.cuda.get_device_name(device)
     peak = args.peak_gbps if args.peak_gbps is not None else (None if args.interpret_smoke else peak_for(name))
     if peak is None and not args.interpret_smoke:
@@ -116,7 +141,7 @@ def main() -> int:
     def bench(fn) -> float:
         """Median milliseconds of fn()."""
         if device.type == "cuda":
-            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")   # flushes L2 per run
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # flushes L2 per run
         fn()
         times = []
         for _ in range(3):
@@ -133,7 +158,7 @@ def main() -> int:
         vc = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
         q = torch.randn((batch, hq, d), generator=gen, device=device, dtype=torch.float32).to(dtype)
         perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
-        paged = perm.reshape(batch, blocks_per_seq)             # sequence i's blocks scattered over the pool
+        paged = perm.reshape(batch, blocks_per_seq)  # sequence i's blocks scattered over the pool
         # The same tokens in a second pool where sequence i owns blocks i*n .. i*n+n-1: identity block table.
         kc_contig, vc_contig = kc[paged.flatten().long()], vc[paged.flatten().long()]
         contiguous = torch.arange(num_blocks, device=device, dtype=torch.int32).reshape(batch, blocks_per_seq)
@@ -157,8 +182,9 @@ def main() -> int:
         row = dict(batch=batch, context=ctx, block_size=block_size, kv_bytes=kv_bytes, bytes_read=total_bytes)
         for label in ("paged", "contiguous"):
             kc, vc, table = inputs[label]
-            row[f"{label}_ms"] = bench(lambda kc=kc, vc=vc, table=table:
-                                       paged_decode_attention(q, kc, vc, table, lens, scale))
+            row[f"{label}_ms"] = bench(
+                lambda kc=kc, vc=vc, table=table: paged_decode_attention(q, kc, vc, table, lens, scale)
+            )
         if with_sdpa:
             qs, ks, vs = sdpa_inputs(inputs, batch, ctx)
             sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True)
@@ -182,11 +208,15 @@ def main() -> int:
 
     def show(row: dict) -> None:
         frac = row.get("paged_frac_peak")
-        print(f"  batch {row['batch']:>4}  ctx {row['context']:>6}  bs {row['block_size']:>3}  "
-              f"KV {row['kv_bytes'] / 2**20:9.1f} MiB  paged {row['paged_ms'] * 1e3:9.1f} us "
-              f"{row['paged_gbps']:8.1f} GB/s" + (f" ({frac:5.1%} of peak)" if frac else "") +
-              f"  paged/contig {row['paged_over_contiguous']:.3f}" +
-              (f"  paged/sdpa {row['paged_over_sdpa']:.3f}" if "paged_over_sdpa" in row else ""), flush=True)
+        print(
+            f"  batch {row['batch']:>4}  ctx {row['context']:>6}  bs {row['block_size']:>3}  "
+            f"KV {row['kv_bytes'] / 2**20:9.1f} MiB  paged {row['paged_ms'] * 1e3:9.1f} us "
+            f"{row['paged_gbps']:8.1f} GB/s"
+            + (f" ({frac:5.1%} of peak)" if frac else "")
+            + f"  paged/contig {row['paged_over_contiguous']:.3f}"
+            + (f"  paged/sdpa {row['paged_over_sdpa']:.3f}" if "paged_over_sdpa" in row else ""),
+            flush=True,
+        )
 
     print(f"device: {name}   peak: {peak or 'unknown'} GB/s   {dtype}   heads {hq}/{hkv}   head_dim {d}")
     grid = []
@@ -206,12 +236,13 @@ def main() -> int:
         sweep.append(row)
         show(row)
 
-    min_bytes = 0 if args.interpret_smoke else TARGET_MIN_BYTES    # the smoke grid is tiny: summarise all of it
+    min_bytes = 0 if args.interpret_smoke else TARGET_MIN_BYTES  # the smoke grid is tiny: summarise all of it
     big = [r for r in grid if r["kv_bytes"] >= min_bytes]
     summary = {}
     if big:
         summary = dict(
-            summarised_points=len(big), summarised_min_kv_bytes=min_bytes,
+            summarised_points=len(big),
+            summarised_min_kv_bytes=min_bytes,
             max_abs_err_vs_sdpa=max(r["max_abs_err_vs_sdpa"] for r in big),
             paged_equals_contiguous=all(r["paged_equals_contiguous"] for r in grid + sweep),
             min_paged_frac_peak=min(r["paged_frac_peak"] for r in big) if peak else None,
@@ -225,22 +256,41 @@ def main() -> int:
     print("summary:", json.dumps(summary))
 
     result = dict(
-        benchmark="paged_decode_attention", device=name, date=dt.datetime.now(dt.timezone.utc).isoformat(
-            timespec="seconds"),
+        benchmark="paged_decode_attention",
+        device=name,
+        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         mode="triton-interpreter (smoke test, timings meaningless)" if args.interpret_smoke else "cuda",
-        peak_gbps=peak, peak_source="--peak-gbps" if args.peak_gbps is not None else "device-name table",
-        versions=dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
-                      cuda=torch.version.cuda, minipaged=minipaged.__version__),
-        config=dict(dtype=args.dtype, q_heads=hq, kv_heads=hkv, head_dim=d, grid_block_size=args.block_size,
-                    sweep_batch=args.sweep_batch, sweep_context=args.sweep_context,
-                    timing="triton.testing.do_bench median, L2 flushed" if device.type == "cuda" else
-                    "perf_counter median of 3"),
-        targets=dict(fraction_of_peak=TARGET_FRACTION, min_kv_bytes=TARGET_MIN_BYTES,
-                     paged_over_contiguous=TARGET_PAGED_RATIO),
-        summary=summary, grid=grid, block_size_sweep=sweep,
+        peak_gbps=peak,
+        peak_source="--peak-gbps" if args.peak_gbps is not None else "device-name table",
+        versions=dict(
+            python=platform.python_version(),
+            torch=torch.__version__,
+            triton=triton.__version__,
+            cuda=torch.version.cuda,
+            minipaged=minipaged.__version__,
+        ),
+        config=dict(
+            dtype=args.dtype,
+            q_heads=hq,
+            kv_heads=hkv,
+            head_dim=d,
+            grid_block_size=args.block_size,
+            sweep_batch=args.sweep_batch,
+            sweep_context=args.sweep_context,
+            timing="triton.testing.do_bench median, L2 flushed"
+            if device.type == "cuda"
+            else "perf_counter median of 3",
+        ),
+        targets=dict(
+            fraction_of_peak=TARGET_FRACTION, min_kv_bytes=TARGET_MIN_BYTES, paged_over_contiguous=TARGET_PAGED_RATIO
+        ),
+        summary=summary,
+        grid=grid,
+        block_size_sweep=sweep,
     )
-    out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="bench_paged_")) if args.interpret_smoke
-                               else REPO / "assets" / "benchmarks")
+    out_dir = args.out_dir or (
+        Path(tempfile.mkdtemp(prefix="bench_paged_")) if args.interpret_smoke else REPO / "assets" / "benchmarks"
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"paged_attention_{slug(name)}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -251,11 +301,12 @@ def main() -> int:
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     peak = result["peak_gbps"]
-    metric, ylabel = (("frac_peak", "fraction of peak HBM bandwidth") if peak else ("gbps", "GB/s"))
+    metric, ylabel = ("frac_peak", "fraction of peak HBM bandwidth") if peak else ("gbps", "GB/s")
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     ax = axes[0]
     batches = sorted({r["batch"] for r in result["grid"]})
@@ -284,7 +335,7 @@ def plot(result: dict, path: Path) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(TARGET_PAGED_RATIO, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log")
-    if max(r["paged_over_sdpa"] for r in rows) > 10:   # the interpreter smoke test: orders of magnitude
+    if max(r["paged_over_sdpa"] for r in rows) > 10:  # the interpreter smoke test: orders of magnitude
         ax.set_yscale("log")
     ax.set_xlabel("KV read per step (MiB)")
     ax.set_ylabel("time ratio (lower is faster)")
@@ -302,9 +353,11 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"block size (batch {cfg['sweep_batch']}, context {cfg['sweep_context']})")
     ax.legend(fontsize=7)
 
-    fig.suptitle(f"paged decode attention — {result['device']} — {result['date'][:10]} — {cfg['dtype']}, "
-                 f"{cfg['q_heads']}/{cfg['kv_heads']} heads, head_dim {cfg['head_dim']}"
-                 + (" — INTERPRETER SMOKE TEST" if "interpreter" in result["mode"] else ""))
+    fig.suptitle(
+        f"paged decode attention — {result['device']} — {result['date'][:10]} — {cfg['dtype']}, "
+        f"{cfg['q_heads']}/{cfg['kv_heads']} heads, head_dim {cfg['head_dim']}"
+        + (" — INTERPRETER SMOKE TEST" if "interpreter" in result["mode"] else "")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,4 +1,5 @@
 """What every benchmark records about the machine it ran on (stdlib only: the vLLM side imports it too)."""
+
 from __future__ import annotations
 
 import os
@@ -16,10 +17,27 @@ def machine() -> dict:
     except OSError:
         pass
     flags = set(info.get("flags", "").split())
-    simd = next((label for flag, label in (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx"),
-                                           ("sse4_2", "sse4_2"), ("asimd", "asimd")) if flag in flags), "unknown")
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]   # native bfloat16 products, if any
-    return {"platform": platform.platform(), "cpu": info.get("model name", platform.processor()),
-            "cpu_family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
-            "simd": simd, "bf16": "+".join(bf16) or "none", "cpu_count": os.cpu_count(),
-            "python": platform.python_version()}
+    simd = next(
+        (
+            label
+            for flag, label in (
+                ("avx512f", "avx512"),
+                ("avx2", "avx2"),
+                ("avx", "avx"),
+                ("sse4_2", "sse4_2"),
+                ("asimd", "asimd"),
+            )
+            if flag in flags
+        ),
+        "unknown",
+    )
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]  # native bfloat16 products, if any
+    return {
+        "platform": platform.platform(),
+        "cpu": info.get("model name", platform.processor()),
+        "cpu_family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
+        "simd": simd,
+        "bf16": "+".join(bf16) or "none",
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }

@@ -15,6 +15,7 @@ Results: ``assets/benchmarks/fuzz_scheduler.json``.
     python benchmarks/fuzz_scheduler.py                  # 100,000 steps, seed 0
     python benchmarks/fuzz_scheduler.py --steps 1000000 --seed 7
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common import machine  # noqa: E402
+
 from minipaged import __version__  # noqa: E402
 from minipaged.testing import fuzz  # noqa: E402
-
-from common import machine  # noqa: E402
 
 
 def main() -> None:
@@ -49,22 +50,32 @@ def main() -> None:
     except AssertionError as exc:
         raise SystemExit(f"fuzz FAILED (seed {args.seed}): {exc!r}") from exc
     elapsed = time.perf_counter() - t0
-    print(f"fuzz: {seen['steps']:,} steps in {seen['rounds']:,} random configurations, {elapsed:.1f} s "
-          f"({seen['steps'] / elapsed:,.0f} steps/s), all checks passed")
+    print(
+        f"fuzz: {seen['steps']:,} steps in {seen['rounds']:,} random configurations, {elapsed:.1f} s "
+        f"({seen['steps'] / elapsed:,.0f} steps/s), all checks passed"
+    )
     print("exercised:", ", ".join(f"{k}={v:,}" for k, v in seen.items() if k not in ("steps", "rounds")))
 
     import numpy
     import torch
+
     result = {
         "benchmark": "scheduler fuzz",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
-        "versions": {"minipaged": __version__, "python": platform.python_version(), "torch": torch.__version__,
-                     "numpy": numpy.__version__},
-        "config": {"steps_requested": args.steps, "seed": args.seed,
-                   "checks": "data read back through every block table each step; ref counts, free queue, swap "
-                             "space, token budget, max_num_seqs, one slot per token; each request finished once "
-                             "with its token count; no block leaked"},
+        "versions": {
+            "minipaged": __version__,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "numpy": numpy.__version__,
+        },
+        "config": {
+            "steps_requested": args.steps,
+            "seed": args.seed,
+            "checks": "data read back through every block table each step; ref counts, free queue, swap "
+            "space, token budget, max_num_seqs, one slot per token; each request finished once "
+            "with its token count; no block leaked",
+        },
         "result": {**seen, "seconds": round(elapsed, 1), "steps_per_s": round(seen["steps"] / elapsed)},
         "passed": True,
     }

@@ -7,6 +7,7 @@ Each module is one concept of the course (see README.md): ``kv_math`` (chapter 0
 
 ``LLM`` and ``SamplingParams`` are imported lazily so that ``import minipaged`` stays light.
 """
+
 import os
 from typing import Any
 
@@ -23,8 +24,10 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 def __getattr__(name: str) -> Any:
     if name == "LLM":
         from .engine import LLM
+
         return LLM
     if name == "SamplingParams":
         from .sampling_params import SamplingParams
+
         return SamplingParams
     raise AttributeError(f"module 'minipaged' has no attribute {name!r}")

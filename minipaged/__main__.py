@@ -10,6 +10,7 @@
 * ``kernels [--arch sm_80,sm_90] [--json]``: compile every Triton kernel for an NVIDIA GPU (no GPU needed)
   and print registers, spills, shared memory and occupancy per configuration.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,20 +32,36 @@ DEMO_PROMPTS = [
 ]
 
 
-def kv_budget_table(spec, budget_bytes: int = 1 << 30, request_tokens: int = 2048,
-                    block_size: int = 16, dtypes: tuple[str, ...] = ("fp32", "bf16", "fp8")) -> str:
+def kv_budget_table(
+    spec,
+    budget_bytes: int = 1 << 30,
+    request_tokens: int = 2048,
+    block_size: int = 16,
+    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp8"),
+) -> str:
     """The KV budget of one model as a small text table, one row per cache dtype."""
     from .kv_math import format_bytes
 
-    header = ("KV dtype", "bytes/token", f"per {block_size}-token block", f"one {request_tokens}-token request",
-              f"{request_tokens}-token requests in {format_bytes(budget_bytes, digits=0)}")
+    header = (
+        "KV dtype",
+        "bytes/token",
+        f"per {block_size}-token block",
+        f"one {request_tokens}-token request",
+        f"{request_tokens}-token requests in {format_bytes(budget_bytes, digits=0)}",
+    )
     rows = [header]
     for dt in dtypes:
         s = spec.with_dtype(dt)
         cap = s.capacity(budget_bytes, block_size, request_tokens)
-        rows.append((dt, f"{s.bytes_per_token:,} B", format_bytes(s.bytes_per_block(block_size)),
-                     format_bytes(s.paged_bytes_for_tokens(request_tokens, block_size)),
-                     f"{cap.full_requests} ({cap.num_blocks:,} blocks)"))
+        rows.append(
+            (
+                dt,
+                f"{s.bytes_per_token:,} B",
+                format_bytes(s.bytes_per_block(block_size)),
+                format_bytes(s.paged_bytes_for_tokens(request_tokens, block_size)),
+                f"{cap.full_requests} ({cap.num_blocks:,} blocks)",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -65,25 +82,37 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def _engine(args: argparse.Namespace):
     from .engine import LLM
 
-    return LLM(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-               enable_prefix_caching=args.prefix_caching, max_num_seqs=args.max_num_seqs)
+    return LLM(
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+    )
 
 
 def _params(args: argparse.Namespace):
     from .sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, n=args.n)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        n=args.n,
+    )
 
 
 def _pool_report(llm) -> str:
     stats = llm.step_stats
     peak = max((s["blocks_used"] for s in stats), default=0)
     tokens = sum(s["tokens"] for s in stats)
-    return (f"{llm.describe()}\n"
-            f"steps {len(stats)}, tokens computed {tokens:,}, peak blocks in use {peak:,} of {llm.num_blocks - 1:,} "
-            f"({peak / (llm.num_blocks - 1):.1%}), peak batch {max((s['running'] for s in stats), default=0)}, "
-            f"preemptions {llm.scheduler.num_preemptions}")
+    return (
+        f"{llm.describe()}\n"
+        f"steps {len(stats)}, tokens computed {tokens:,}, peak blocks in use {peak:,} of {llm.num_blocks - 1:,} "
+        f"({peak / (llm.num_blocks - 1):.1%}), peak batch {max((s['running'] for s in stats), default=0)}, "
+        f"preemptions {llm.scheduler.num_preemptions}"
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -93,23 +122,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     llm = _engine(args)
     print(f"Loaded SmolLM2-135M-Instruct into the minipaged engine in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    outs = llm.generate([[{"role": "user", "content": p}] for p in DEMO_PROMPTS],
-                        SamplingParams(max_tokens=args.max_tokens, temperature=0), use_tqdm=False)
+    outs = llm.generate(
+        [[{"role": "user", "content": p}] for p in DEMO_PROMPTS],
+        SamplingParams(max_tokens=args.max_tokens, temperature=0),
+        use_tqdm=False,
+    )
     seconds = time.perf_counter() - t0
     for prompt, out in zip(DEMO_PROMPTS, outs):
         print(f"\nQ: {prompt}\nA: {out.outputs[0].text.strip()}")
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"\n{len(outs)} prompts served together, greedy: {generated} tokens in {seconds:.1f} s "
-          f"({generated / seconds:.1f} tokens/s)")
+    print(
+        f"\n{len(outs)} prompts served together, greedy: {generated} tokens in {seconds:.1f} s "
+        f"({generated / seconds:.1f} tokens/s)"
+    )
     print(_pool_report(llm))
-    print(f"\nKV cache of SmolLM2-135M-Instruct: {llm.spec.num_layers} layers × {llm.spec.num_kv_heads} KV heads × "
-          f"head_dim {llm.spec.head_dim} ({llm.spec.attention_kind}, {llm.spec.num_attention_heads} query heads)")
+    print(
+        f"\nKV cache of SmolLM2-135M-Instruct: {llm.spec.num_layers} layers × {llm.spec.num_kv_heads} KV heads × "
+        f"head_dim {llm.spec.head_dim} ({llm.spec.attention_kind}, {llm.spec.num_attention_heads} query heads)"
+    )
     print(kv_budget_table(llm.spec))
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = _params(args)   # bad sampling flags fail before the model loads
+    params = _params(args)  # bad sampling flags fail before the model loads
     llm = _engine(args)
     prompts = args.prompts if args.raw else [[{"role": "user", "content": p}] for p in args.prompts]
     if args.stream and len(prompts) == 1:
@@ -170,10 +206,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     ttfts = sorted(o.metrics.ttft for o in outs)
-    print(f"{args.num_prompts} requests, prompts {min(prompt_lens)}-{max(prompt_lens)} tokens, "
-          f"outputs {min(output_lens)}-{max(output_lens)} tokens")
-    print(f"{generated:,} output tokens in {seconds:.1f} s: {generated / seconds:.1f} tokens/s; "
-          f"median TTFT {ttfts[len(ttfts) // 2]:.2f} s")
+    print(
+        f"{args.num_prompts} requests, prompts {min(prompt_lens)}-{max(prompt_lens)} tokens, "
+        f"outputs {min(output_lens)}-{max(output_lens)} tokens"
+    )
+    print(
+        f"{generated:,} output tokens in {seconds:.1f} s: {generated / seconds:.1f} tokens/s; "
+        f"median TTFT {ttfts[len(ttfts) // 2]:.2f} s"
+    )
     print(_pool_report(llm))
     total = sum(llm.profile().values())
     print("time split: " + ", ".join(f"{k} {v / total:.1%}" for k, v in llm.profile().items()))
@@ -224,6 +264,7 @@ def _csv(kind: type, name: str):
             return [kind(x.strip()) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a comma-separated list, got {text!r}") from None
+
     return parse
 
 
@@ -231,13 +272,20 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     """Compile the Triton kernels for NVIDIA GPUs ahead of time; exit 1 if any fails or spills."""
     from .kernels import report
 
-    configs = report.default_configs(archs=args.arch, block_sizes=args.block_sizes, groups=args.groups,
-                                     dtypes=args.dtypes, head_dims=args.head_dims, kernels=args.kernels,
-                                     addressing=args.addressing, tile_n=args.tile_n)
+    configs = report.default_configs(
+        archs=args.arch,
+        block_sizes=args.block_sizes,
+        groups=args.groups,
+        dtypes=args.dtypes,
+        head_dims=args.head_dims,
+        kernels=args.kernels,
+        addressing=args.addressing,
+        tile_n=args.tile_n,
+    )
     t0 = time.perf_counter()
     try:
         rows = report.compile_report(configs, processes=args.jobs)
-    except RuntimeError as exc:   # no bundled ptxas, a crashed worker: say so, no traceback
+    except RuntimeError as exc:  # no bundled ptxas, a crashed worker: say so, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -249,8 +297,9 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minipaged", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m minipaged", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="convert the SmolLM2 GGUF into the local cache once")
     engine = argparse.ArgumentParser(add_help=False)
@@ -277,30 +326,61 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--num-prompts", type=_positive, default=32)
     bench.add_argument("--seed", type=int, default=0)
     grade = sub.add_parser("grade", help="grade a folder of exercise notebooks")
-    grade.add_argument("paths", nargs="*", default=["exercises"], metavar="PATH",
-                       help="folders of exercise notebooks (not their subfolders) or notebooks; default: exercises")
-    grade.add_argument("--timeout", type=_positive_float, default=DEFAULT_GRADE_TIMEOUT_S, metavar="SECONDS",
-                       help="time limit for each notebook, its cells and its checks together "
-                            f"(default {DEFAULT_GRADE_TIMEOUT_S} s)")
-    kernels = sub.add_parser("kernels", help="compile the Triton kernels for NVIDIA GPUs (no GPU needed): registers, "
-                                            "spills, shared memory, occupancy")
+    grade.add_argument(
+        "paths",
+        nargs="*",
+        default=["exercises"],
+        metavar="PATH",
+        help="folders of exercise notebooks (not their subfolders) or notebooks; default: exercises",
+    )
+    grade.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_GRADE_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"time limit for each notebook, its cells and its checks together (default {DEFAULT_GRADE_TIMEOUT_S} s)",
+    )
+    kernels = sub.add_parser(
+        "kernels",
+        help="compile the Triton kernels for NVIDIA GPUs (no GPU needed): registers, spills, shared memory, occupancy",
+    )
     kernels.add_argument("--arch", type=_csv(str, "--arch"), default=["sm_80", "sm_90"], help="default sm_80,sm_90")
     kernels.add_argument("--block-sizes", type=_csv(int, "--block-sizes"), default=[16], help="default 16; e.g. 16,32")
-    kernels.add_argument("--groups", type=_csv(int, "--groups"), default=[4],
-                         help="query heads per KV head, default 4 (SmolLM2's 3 is always included)")
+    kernels.add_argument(
+        "--groups",
+        type=_csv(int, "--groups"),
+        default=[4],
+        help="query heads per KV head, default 4 (SmolLM2's 3 is always included)",
+    )
     kernels.add_argument("--dtypes", type=_csv(str, "--dtypes"), default=["float16", "bfloat16", "float32"])
     kernels.add_argument("--head-dims", type=_csv(int, "--head-dims"), default=[64, 128])
-    kernels.add_argument("--kernels", type=_csv(str, "--kernels"),
-                         default=["reshape_and_cache", "paged_decode", "paged_prefill"])
-    kernels.add_argument("--addressing", choices=["block", "token"], default="block",
-                         help="token: the first version's per-token table lookups, for comparison")
-    kernels.add_argument("--tile-n", type=int, default=None,
-                         help="keys per K/V tile instead of the kernels' table (e.g. 64: the first version's)")
+    kernels.add_argument(
+        "--kernels", type=_csv(str, "--kernels"), default=["reshape_and_cache", "paged_decode", "paged_prefill"]
+    )
+    kernels.add_argument(
+        "--addressing",
+        choices=["block", "token"],
+        default="block",
+        help="token: the first version's per-token table lookups, for comparison",
+    )
+    kernels.add_argument(
+        "--tile-n",
+        type=int,
+        default=None,
+        help="keys per K/V tile instead of the kernels' table (e.g. 64: the first version's)",
+    )
     kernels.add_argument("--jobs", type=_positive, default=None, help="compile processes (default: one per core)")
     kernels.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
-    commands = {"prepare": cmd_prepare, "demo": cmd_demo, "generate": cmd_generate, "chat": cmd_chat,
-                "bench": cmd_bench, "grade": cmd_grade, "kernels": cmd_kernels}
+    commands = {
+        "prepare": cmd_prepare,
+        "demo": cmd_demo,
+        "generate": cmd_generate,
+        "chat": cmd_chat,
+        "bench": cmd_bench,
+        "grade": cmd_grade,
+        "kernels": cmd_kernels,
+    }
     try:
         return commands[args.command](args)
     except ValueError as exc:  # bad input: a clear message, not a traceback

@@ -36,9 +36,11 @@ free queue at start-up and is never handed out, freed or cached, so a pool of
        block id:   0    1    2    3    4    5   ...   num_blocks-1
                  [nul][   usable, initially free in id order       ]
 """
+
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -58,8 +60,9 @@ BlockHash = NewType("BlockHash", bytes)
 NONE_HASH: BlockHash = BlockHash(hashlib.sha256(b"minipaged-none-hash").digest())
 
 
-def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[int],
-                      extra_keys: tuple[Any, ...] | None = None) -> BlockHash:
+def hash_block_tokens(
+    parent_block_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None = None
+) -> BlockHash:
     """Hash one full block, chained to the hash of the block before it.
 
     Chaining makes the hash name the whole prefix, not just this block: two blocks
@@ -96,15 +99,17 @@ class RequestBlockHasher:
     def __call__(self, request: Request) -> list[BlockHash]:
         done = len(request.block_hashes)
         learners = hooks.plugged("chain_block_hashes")
-        if learners is not None:   # a learner's part hashes the whole request again, from its first block
+        if learners is not None:  # a learner's part hashes the whole request again, from its first block
             return learners(request.all_token_ids, self.block_size, request.cache_salt)[done:]
         parent = request.block_hashes[-1] if request.block_hashes else None
-        return chain_block_hashes(request.all_token_ids[done * self.block_size:], self.block_size,
-                                  request.cache_salt, parent)
+        return chain_block_hashes(
+            request.all_token_ids[done * self.block_size :], self.block_size, request.cache_salt, parent
+        )
 
 
-def chain_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                       parent_block_hash: BlockHash | None = None) -> list[BlockHash]:
+def chain_block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, parent_block_hash: BlockHash | None = None
+) -> list[BlockHash]:
     """The chained hash of every full block of ``token_ids`` (a partial last block has none).
 
     The chain continues from ``parent_block_hash`` (None: these are a request's first
@@ -114,7 +119,7 @@ def chain_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: st
     parent = parent_block_hash
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         extra = (("cache_salt", cache_salt),) if parent is None and cache_salt else None
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         hashes.append(parent)
     return hashes
 
@@ -160,8 +165,10 @@ class KVCacheBlock:
         prev_id = self.prev_free_block.block_id if self.prev_free_block else None
         next_id = self.next_free_block.block_id if self.next_free_block else None
         h = self._block_hash.hex()[:8] if self._block_hash else None
-        return (f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, block_hash={h}, "
-                f"prev_free_block={prev_id}, next_free_block={next_id}, is_null={self.is_null})")
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, block_hash={h}, "
+            f"prev_free_block={prev_id}, next_free_block={next_id}, is_null={self.is_null})"
+        )
 
 
 class FreeKVCacheBlockQueue:
@@ -185,7 +192,7 @@ class FreeKVCacheBlockQueue:
         self.fake_free_list_head = KVCacheBlock(block_id=-1)
         self.fake_free_list_tail = KVCacheBlock(block_id=-1)
         chain = [self.fake_free_list_head, *blocks, self.fake_free_list_tail]
-        for left, right in zip(chain, chain[1:]):
+        for left, right in itertools.pairwise(chain):
             left.next_free_block, right.prev_free_block = right, left
 
     def popleft(self) -> KVCacheBlock:
@@ -308,8 +315,7 @@ class BlockPool:
         """
         check_int("num_blocks", num_blocks, 0)
         if num_blocks > self.free_block_queue.num_free_blocks:
-            raise ValueError(f"cannot get {num_blocks} blocks: only "
-                             f"{self.free_block_queue.num_free_blocks} are free")
+            raise ValueError(f"cannot get {num_blocks} blocks: only {self.free_block_queue.num_free_blocks} are free")
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             if self.enable_caching:
@@ -346,7 +352,7 @@ class BlockPool:
             if block.is_null:
                 continue  # the null block has no owner and no count
             if block.ref_cnt == 0:
-                remove = hooks.plugged("free_queue_remove")   # a learner's own remove (exercise 03)
+                remove = hooks.plugged("free_queue_remove")  # a learner's own remove (exercise 03)
                 if remove is not None:
                     remove(self.free_block_queue, block)
                 else:
@@ -377,8 +383,10 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} does not belong to this pool")
             drops[block.block_id] = drops.get(block.block_id, 0) + 1
             if drops[block.block_id] > block.ref_cnt:
-                raise ValueError(f"block {block.block_id} freed {drops[block.block_id]} time(s) with ref_cnt "
-                                 f"{block.ref_cnt} (double free?)")
+                raise ValueError(
+                    f"block {block.block_id} freed {drops[block.block_id]} time(s) with ref_cnt "
+                    f"{block.ref_cnt} (double free?)"
+                )
         released: list[KVCacheBlock] = []
         for block in blocks:
             block.ref_cnt -= 1
@@ -392,8 +400,14 @@ class BlockPool:
         same_hash = self.cached_block_hash_to_block.get(block_hash)
         return next(iter(same_hash.values())) if same_hash else None
 
-    def cache_full_blocks(self, request: Request, blocks: Sequence[KVCacheBlock], num_cached_blocks: int,
-                          num_full_blocks: int, block_size: int) -> None:
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+    ) -> None:
         """Record the hashes of blocks that have just become full.
 
         ``blocks`` is the request's whole block list; ``blocks[:num_cached_blocks]``
@@ -412,9 +426,11 @@ class BlockPool:
         if num_full_blocks > len(blocks):
             raise ValueError(f"num_full_blocks={num_full_blocks} but the request has {len(blocks)} blocks")
         if len(request.block_hashes) < num_full_blocks:
-            raise ValueError(f"request {request.request_id} has {len(request.block_hashes)} block hashes, "
-                             f"{num_full_blocks} needed: are its tokens appended and hashed with "
-                             f"block_size={block_size}?")
+            raise ValueError(
+                f"request {request.request_id} has {len(request.block_hashes)} block hashes, "
+                f"{num_full_blocks} needed: are its tokens appended and hashed with "
+                f"block_size={block_size}?"
+            )
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:

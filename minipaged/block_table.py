@@ -19,11 +19,13 @@ The attention kernels never see blocks: each step, the write side gets a
 what vLLM passes to ``reshape_and_cache``), and the read side gets the block
 tables of the batch as one padded 2-D tensor.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
 import torch
+
 from .utils import check_int
 
 # vLLM's name for "this token is padding, write it nowhere".
@@ -49,8 +51,10 @@ class BlockTable:
         self.append(block_ids)
         self.num_tokens = num_tokens
         if num_tokens is not None and not 0 <= num_tokens <= self.capacity:
-            raise ValueError(f"num_tokens={num_tokens} does not fit in {len(self.block_ids)} blocks "
-                             f"of {block_size} (capacity {self.capacity})")
+            raise ValueError(
+                f"num_tokens={num_tokens} does not fit in {len(self.block_ids)} blocks "
+                f"of {block_size} (capacity {self.capacity})"
+            )
 
     def append(self, block_ids: int | Iterable[int]) -> None:
         """Add blocks at the end (a request only ever grows its table at the end)."""
@@ -74,8 +78,11 @@ class BlockTable:
             raise IndexError(f"position must be a non-negative integer, got {position!r}")
         limit = self.capacity if self.num_tokens is None else self.num_tokens
         if position >= limit:
-            what = f"{self.num_tokens} tokens" if self.num_tokens is not None else \
-                f"{len(self.block_ids)} blocks x {self.block_size} = {self.capacity} slots"
+            what = (
+                f"{self.num_tokens} tokens"
+                if self.num_tokens is not None
+                else f"{len(self.block_ids)} blocks x {self.block_size} = {self.capacity} slots"
+            )
             raise IndexError(f"position {position} is past the end of the block table ({what})")
         logical_block, offset = divmod(position, self.block_size)
         return self.block_ids[logical_block], offset
@@ -96,8 +103,12 @@ def _ids(table: BlockTable | Sequence[int]) -> list[int]:
     return table.block_ids if isinstance(table, BlockTable) else [int(b) for b in table]
 
 
-def slot_mapping(block_tables: Sequence[BlockTable | Sequence[int]], positions: Sequence[Sequence[int]],
-                 block_size: int, pad_to: int | None = None) -> torch.Tensor:
+def slot_mapping(
+    block_tables: Sequence[BlockTable | Sequence[int]],
+    positions: Sequence[Sequence[int]],
+    block_size: int,
+    pad_to: int | None = None,
+) -> torch.Tensor:
     """Flat pool slot of every token a step writes, for a whole batch.
 
     ``positions[i]`` are the positions request ``i`` writes this step (a prefill
@@ -119,8 +130,7 @@ def slot_mapping(block_tables: Sequence[BlockTable | Sequence[int]], positions: 
         for p in pos:
             p = int(p)
             if p < 0 or p >= len(ids) * bs:
-                raise IndexError(f"request {i}: position {p} is past its block table "
-                                 f"({len(ids)} blocks x {bs} slots)")
+                raise IndexError(f"request {i}: position {p} is past its block table ({len(ids)} blocks x {bs} slots)")
             slots.append(ids[p // bs] * bs + p % bs)
     if pad_to is not None:
         if pad_to < len(slots):
@@ -129,8 +139,12 @@ def slot_mapping(block_tables: Sequence[BlockTable | Sequence[int]], positions: 
     return torch.tensor(slots, dtype=torch.int64)
 
 
-def make_block_table_tensor(block_tables: Sequence[BlockTable | Sequence[int]], max_num_blocks: int | None = None,
-                            pad_id: int = NULL_BLOCK_ID, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+def make_block_table_tensor(
+    block_tables: Sequence[BlockTable | Sequence[int]],
+    max_num_blocks: int | None = None,
+    pad_id: int = NULL_BLOCK_ID,
+    dtype: torch.dtype = torch.int32,
+) -> torch.Tensor:
     """The batch's block tables as one ``[batch, max_num_blocks]`` tensor, the read side's input.
 
     Short rows are padded with the null block (id 0): the kernel only reads as
@@ -147,5 +161,5 @@ def make_block_table_tensor(block_tables: Sequence[BlockTable | Sequence[int]], 
     out = torch.full((len(rows), width), pad_id, dtype=dtype)
     for i, r in enumerate(rows):
         if r:
-            out[i, :len(r)] = torch.tensor(r, dtype=dtype)
+            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
     return out

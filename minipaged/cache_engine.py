@@ -24,6 +24,7 @@ per layer, for K and for V (``swap_blocks`` in ``csrc/cache_kernels.cu``), which
 is what the simulator's cost model prices (``CostModel.copies_per_block``) and
 why small blocks made its swaps slow (the PagedAttention paper, §7.3).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,11 +33,24 @@ from .kv_math import KVSpec, dtype_bytes
 
 
 class CacheEngine:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 num_cpu_blocks: int = 0) -> None:
-        for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
-                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        num_cpu_blocks: int = 0,
+    ) -> None:
+        for name, v in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
@@ -49,12 +63,21 @@ class CacheEngine:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.gpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(num_layers)]
+            for _ in range(num_layers)
+        ]
         pin = self.device.type == "cuda"  # pinned host memory makes device↔host copies asynchronous
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
-        self.cpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
-            for _ in range(num_layers)] if num_cpu_blocks else []
+        self.cpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = (
+            [
+                (
+                    torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                    torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                )
+                for _ in range(num_layers)
+            ]
+            if num_cpu_blocks
+            else []
+        )
 
     @property
     def bytes_per_block(self) -> int:
@@ -62,20 +85,28 @@ class CacheEngine:
         return self.spec.bytes_per_block(self.block_size)
 
     @staticmethod
-    def _pairs(pairs: list[tuple[int, int]], src_blocks: int, dst_blocks: int, what: str
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pairs(
+        pairs: list[tuple[int, int]], src_blocks: int, dst_blocks: int, what: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
-        if len(pairs) and (int(src.min()) < 0 or int(src.max()) >= src_blocks or int(dst.min()) < 0
-                           or int(dst.max()) >= dst_blocks):
-            raise ValueError(f"{what}: block id out of range in {pairs} (source has {src_blocks} blocks, "
-                             f"destination {dst_blocks})")
+        if len(pairs) and (
+            int(src.min()) < 0 or int(src.max()) >= src_blocks or int(dst.min()) < 0 or int(dst.max()) >= dst_blocks
+        ):
+            raise ValueError(
+                f"{what}: block id out of range in {pairs} (source has {src_blocks} blocks, destination {dst_blocks})"
+            )
         if len(set(dst.tolist())) != len(pairs):
             raise ValueError(f"{what}: two copies write the same destination block in {pairs}")
         return src, dst
 
-    def _copy(self, src_cache: list[tuple[torch.Tensor, torch.Tensor]],
-              dst_cache: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]], what: str) -> None:
+    def _copy(
+        self,
+        src_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        dst_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        pairs: list[tuple[int, int]],
+        what: str,
+    ) -> None:
         if not pairs:
             return
         src, dst = self._pairs(pairs, src_cache[0][0].shape[0], dst_cache[0][0].shape[0], what)

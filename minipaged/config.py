@@ -7,12 +7,14 @@ refused here with a message naming the argument, in a few milliseconds instead o
 load. What needs the model (``max_model_len`` against its ``max_position_embeddings``, a pool too
 small for one block) is checked by ``LLM`` right after it loads.
 """
+
 from __future__ import annotations
 
 import logging
 import math
 import os
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,74 @@ import torch
 from .kv_math import GiB
 from .utils import check_int
 
-DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _one_of(choices: Sequence[str]) -> Callable[[str, object], None]:
+    def check(name: str, value: object) -> None:
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+    return check
+
+
+def _boolean(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+# The one rule for each knob, whichever config holds it (``Config``, the ``SchedulerConfig`` derived from it, the
+# simulator's ``SimConfig``). A knob whose default is None may be left None.
+_RULES: dict[str, Callable[[str, Any], Any]] = {
+    "dtype": _one_of(tuple(DTYPES)),
+    "block_size": lambda n, v: check_int(n, v, 1),
+    "max_num_seqs": lambda n, v: check_int(n, v, 1),
+    "max_num_batched_tokens": lambda n, v: check_int(n, v, 1),
+    "max_model_len": lambda n, v: check_int(n, v, 1),
+    "num_gpu_blocks_override": lambda n, v: check_int(n, v, 2),  # the null block and at least one more
+    "num_cpu_blocks_override": lambda n, v: check_int(n, v, 0),
+    "preemption_mode": _one_of(PREEMPTION_MODES),
+    "attention_backend": _one_of(ATTENTION_BACKENDS),
+    "gpu_memory_utilization": lambda n, v: _fraction(n, v, low_open=True, high_closed=True),
+    "watermark": lambda n, v: _fraction(n, v, low_open=False, high_closed=False),
+    "allow_long_max_model_len": _boolean,
+    "enable_prefix_caching": _boolean,
+}
+
+
+def check_knobs(config: object) -> None:
+    """Apply each knob's rule to the fields of a config dataclass (a ValueError names the first bad one)."""
+    for f in fields(config):  # type: ignore[arg-type]  # every caller is a dataclass
+        rule = _RULES.get(f.name)
+        if rule is None or not f.init:
+            continue
+        value = getattr(config, f.name)
+        if not (value is None and f.default is None):
+            rule(f.name, value)
+
+
+@dataclass
+class SchedulerConfig:
+    """The scheduler's four knobs, derived from a ``Config`` by ``Config.scheduler_config`` (the engine, the
+    simulator), or written directly by a test; either way checked by the same rules."""
+
+    max_num_seqs: int = 256  # requests in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step: the token budget
+    max_model_len: int = 8192  # prompt + output, per request
+    preemption_mode: str = "recompute"  # "swap" needs swap space: KVCacheManager(num_cpu_blocks=...)
+
+    def __post_init__(self) -> None:
+        check_knobs(self)
 
 
 @dataclass
@@ -39,12 +106,13 @@ class Config:
         block_size: tokens per KV block.
         kv_cache_memory: the pool's byte budget (CPU default 1 GiB), e.g. "512MiB".
         gpu_memory_utilization: on a GPU without kv_cache_memory, the share of the card to use.
-        num_gpu_blocks_override: an exact pool size in blocks (tests use tiny pools to force preemption).
+        num_gpu_blocks_override: an exact pool size in blocks, the null block included (tests use tiny pools to
+            force preemption; the simulator gives its pool this way).
         max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits. ``max_model_len`` may not
             exceed the model's ``max_position_embeddings`` unless ``allow_long_max_model_len=True``; left unset,
             it is the model's (at most 8192), lowered with a warning to what the KV pool can hold.
         enable_prefix_caching (on by default, as in vLLM v1), preemption_mode ("recompute" | "swap"),
-        swap_space (CPU bytes or "1GiB").
+        swap_space (CPU bytes or "1GiB"), or num_cpu_blocks_override (the CPU swap pool in blocks).
         attention_backend: "auto" (Triton on CUDA, PyTorch on CPU), "torch" or "triton".
         watermark: the share of the pool a new request may not take (admission headroom).
     """
@@ -60,9 +128,10 @@ class Config:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     allow_long_max_model_len: bool = False
-    enable_prefix_caching: bool = True   # as in vLLM v1: a chat's requests share the template's system prompt
+    enable_prefix_caching: bool = True  # as in vLLM v1: a chat's requests share the template's system prompt
     preemption_mode: str = "recompute"
     swap_space: int | float | str = 0
+    num_cpu_blocks_override: int | None = None
     attention_backend: str = "auto"
     watermark: float = 0.01
     # resolved by __post_init__
@@ -71,48 +140,45 @@ class Config:
     kv_cache_bytes: int | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        from .kernels import BACKENDS
-
-        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            check_int(name, getattr(self, name), 1)
-        if self.max_model_len is not None:
-            check_int("max_model_len", self.max_model_len, 1)
-        if self.num_gpu_blocks_override is not None:
-            check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 2)
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        check_knobs(self)
         self.swap_space_bytes = parse_memory(self.swap_space, "swap_space")
-        if self.preemption_mode == "swap" and not self.swap_space_bytes:
-            raise ValueError("preemption_mode='swap' needs swap space on the CPU: pass swap_space, e.g. "
-                             "swap_space='1GiB'")
-        self.kv_cache_bytes = (None if self.kv_cache_memory is None
-                               else parse_memory(self.kv_cache_memory, "kv_cache_memory"))
-        _fraction("gpu_memory_utilization", self.gpu_memory_utilization, low_open=True, high_closed=True)
-        _fraction("watermark", self.watermark, low_open=False, high_closed=False)
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
-        for name in ("allow_long_max_model_len", "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.preemption_mode == "swap" and not (self.swap_space_bytes or self.num_cpu_blocks_override):
+            raise ValueError(
+                "preemption_mode='swap' needs swap space on the CPU: pass swap_space, e.g. swap_space='1GiB' "
+                "(or num_cpu_blocks_override, a number of blocks)"
+            )
+        self.kv_cache_bytes = (
+            None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory, "kv_cache_memory")
+        )
         self.torch_device = resolve_device(self.device)
 
+    def scheduler_config(self, max_model_len: int | None = None) -> SchedulerConfig:
+        """The scheduler's knobs; ``max_model_len`` as resolved against the model and the pool, when it was."""
+        length = max_model_len if max_model_len is not None else self.max_model_len
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=8192 if length is None else length,
+            preemption_mode=self.preemption_mode,
+        )
+
     @classmethod
-    def from_kwargs(cls, model: str | os.PathLike | None, kwargs: dict[str, Any]) -> "Config":
+    def from_kwargs(cls, model: str | os.PathLike | None, kwargs: dict[str, Any]) -> Config:
         """``Config(model, **kwargs)``, with an unknown keyword refused by name (not a TypeError)."""
         known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"unknown engine argument(s) {', '.join(map(repr, unknown))}; the engine takes "
-                             f"{', '.join(sorted(known - {'model'}))}")
+            raise ValueError(
+                f"unknown engine argument(s) {', '.join(map(repr, unknown))}; the engine takes "
+                f"{', '.join(sorted(known - {'model'}))}"
+            )
         return cls(model, **kwargs)
 
 
 def _fraction(name: str, value: object, low_open: bool, high_closed: bool) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and (value > 0 if low_open else value >= 0) and (value <= 1 if high_closed else value < 1):
-        return
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if (value > 0 if low_open else value >= 0) and (value <= 1 if high_closed else value < 1):
+            return
     interval = ("(0" if low_open else "[0") + ", 1" + ("]" if high_closed else ")")
     raise ValueError(f"{name} must be a fraction in {interval}, got {value!r}")
 
@@ -128,8 +194,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was asked for, but this torch ({torch.__version__}) sees no CUDA GPU; "
-                         "use device='cpu', or leave device unset to pick CUDA only when it is there")
+        raise ValueError(
+            f"device={device!r} was asked for, but this torch ({torch.__version__}) sees no CUDA GPU; "
+            "use device='cpu', or leave device unset to pick CUDA only when it is there"
+        )
     return dev
 
 
@@ -146,8 +214,12 @@ def resolve_dtype(dtype: str, config_dtype: Any, device: torch.device) -> torch.
         if DTYPES[dtype] == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
             logging.getLogger("minipaged").warning(
                 "minipaged: dtype=%r on a CPU without AVX512-BF16 or AMX: its bfloat16 products are emulated, "
-                "expect them slower than float32", dtype)
-        return DTYPES[dtype]
+                "expect them slower than float32",
+                dtype,
+            )
+        chosen = DTYPES[dtype]
+        assert chosen is not None  # only "auto" maps to None
+        return chosen
     if device.type != "cuda":
         return torch.float32
     if isinstance(config_dtype, str):
@@ -174,12 +246,26 @@ def model_config_dtype(path: str | os.PathLike) -> Any:
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
-        return None   # LlamaForCausalLM.from_pretrained says what is wrong with the folder
+        return None  # LlamaForCausalLM.from_pretrained says what is wrong with the folder
     return config.get("dtype") or config.get("torch_dtype")
 
 
-MEMORY_UNITS = {"tib": 2**40, "tb": 10**12, "t": 2**40, "gib": GiB, "gb": 10**9, "g": GiB, "mib": 2**20, "mb": 10**6,
-                "m": 2**20, "kib": 1024, "kb": 1000, "k": 1024, "b": 1, "": 1}
+MEMORY_UNITS = {
+    "tib": 2**40,
+    "tb": 10**12,
+    "t": 2**40,
+    "gib": GiB,
+    "gb": 10**9,
+    "g": GiB,
+    "mib": 2**20,
+    "mb": 10**6,
+    "m": 2**20,
+    "kib": 1024,
+    "kb": 1000,
+    "k": 1024,
+    "b": 1,
+    "": 1,
+}
 
 
 def parse_memory(value: int | float | str, name: str = "memory size") -> int:
@@ -187,8 +273,10 @@ def parse_memory(value: int | float | str, name: str = "memory size") -> int:
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
         if m is None or m.group(2) not in MEMORY_UNITS:
-            raise ValueError(f"cannot read a {name} from {value!r}: write a number of bytes or e.g. '2GiB', "
-                             "'512MiB', '1.5GB', '64KiB', '1TB'")
+            raise ValueError(
+                f"cannot read a {name} from {value!r}: write a number of bytes or e.g. '2GiB', "
+                "'512MiB', '1.5GB', '64KiB', '1TB'"
+            )
         num = float(m.group(1)) * MEMORY_UNITS[m.group(2)]
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         num = float(value)

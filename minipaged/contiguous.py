@@ -38,6 +38,7 @@ a request's last block is full and, when the pool runs dry, preempts the most
 recently admitted request (its blocks are freed; it resumes later by
 recomputing its KV, as vLLM's recompute preemption does).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -149,13 +150,13 @@ class TraceResult:
     allocator: str
     num_slots: int
     step: np.ndarray
-    live_tokens: np.ndarray       # tokens actually held by running requests
-    allocated_slots: np.ndarray   # slots reserved (contiguous) or in allocated blocks (paged)
-    internal_waste: np.ndarray    # allocated but not (yet) holding a token: reservation + internal fragmentation
-    external_waste: np.ndarray    # free, but in holes too small for the request waiting at the head
+    live_tokens: np.ndarray  # tokens actually held by running requests
+    allocated_slots: np.ndarray  # slots reserved (contiguous) or in allocated blocks (paged)
+    internal_waste: np.ndarray  # allocated but not (yet) holding a token: reservation + internal fragmentation
+    external_waste: np.ndarray  # free, but in holes too small for the request waiting at the head
     num_running: np.ndarray
     num_waiting: np.ndarray
-    refused: np.ndarray           # 1 where the head of the queue was refused for lack of room
+    refused: np.ndarray  # 1 where the head of the queue was refused for lack of room
     refused_fragmented: np.ndarray  # ... although the free slots in total would have been enough
     admit_step: dict[str, int] = field(default_factory=dict)
     finish_step: dict[str, int] = field(default_factory=dict)
@@ -183,7 +184,7 @@ class TraceResult:
         mask = self.num_waiting > 0 if saturated_only else np.ones_like(self.step, dtype=bool)
         if not mask.any():
             mask = np.ones_like(self.step, dtype=bool)
-        per = lambda a: float(np.mean(a[mask]) / self.num_slots)  # noqa: E731
+        per = lambda a: float(np.mean(a[mask]) / self.num_slots)
         return {
             "steps": int(self.step[-1] + 1) if len(self.step) else 0,
             "utilisation": per(self.live_tokens),
@@ -230,6 +231,17 @@ class _Contiguous:
 
 
 class _Paged:
+    """The paged side of chapter 02's comparison: the real ``BlockPool``, with admission and growth written
+    here rather than through ``KVCacheManager`` and ``Scheduler``, on purpose.
+
+    Chapter 02 compares two *allocators* on one trace, so everything else must be the same on both sides: one
+    step rule (every running request grows by one token, FCFS admission, the newest preempted first), applied
+    by ``simulate_trace`` to both. The real scheduler brings its own step rule (a token budget, chunked
+    prefill, ``max_num_seqs``, prefix caching) that the contiguous arena has no counterpart for, and it needs
+    requests with token ids where a trace has only lengths. What is shared is what the comparison is about:
+    blocks from the real pool, and the watermark rule of ``KVCacheManager`` (new admissions only).
+    """
+
     def __init__(self, num_slots: int, block_size: int, watermark: float) -> None:
         self.block_size = block_size
         # Same number of token slots as the contiguous arena, plus the null block.
@@ -268,9 +280,16 @@ class _Paged:
         return False  # a paged refusal is never fragmentation
 
 
-def simulate_trace(trace: Trace, num_slots: int, allocator: str = "contiguous", max_model_len: int = 2048,
-                   policy: str = "max", block_size: int = 16, watermark: float = 0.01,
-                   max_steps: int = 1_000_000) -> TraceResult:
+def simulate_trace(
+    trace: Trace,
+    num_slots: int,
+    allocator: str = "contiguous",
+    max_model_len: int = 2048,
+    policy: str = "max",
+    block_size: int = 16,
+    watermark: float = 0.01,
+    max_steps: int = 1_000_000,
+) -> TraceResult:
     """Replay ``trace`` on a ``num_slots``-slot arena with ``allocator`` = ``"contiguous"`` or ``"paged"``.
 
     Each step: arrivals join the queue; queued requests are admitted FCFS while
@@ -281,25 +300,28 @@ def simulate_trace(trace: Trace, num_slots: int, allocator: str = "contiguous", 
     """
     if trace.max_total_len > max_model_len:
         raise ValueError(f"the trace has a request of {trace.max_total_len} tokens > max_model_len={max_model_len}")
+    backend: _Contiguous | _Paged
     if allocator == "contiguous":
-        backend: _Contiguous | _Paged = _Contiguous(num_slots, policy, max_model_len)
-        biggest = max((backend.size(r) for r in trace), default=0)
+        backend = arena = _Contiguous(num_slots, policy, max_model_len)
+        biggest = max((arena.size(r) for r in trace), default=0)
+        capacity = num_slots
     elif allocator == "paged":
         check_int("block_size", block_size, 1)
-        backend = _Paged(num_slots, block_size, watermark)
+        backend = paged = _Paged(num_slots, block_size, watermark)
         biggest = cdiv(trace.max_total_len, block_size) * block_size
+        capacity = (paged.pool.num_blocks - 1) * block_size
     else:
         raise ValueError(f"allocator must be 'contiguous' or 'paged', got {allocator!r}")
-    capacity = num_slots if allocator == "contiguous" else (backend.pool.num_blocks - 1) * block_size
     if biggest > capacity:
         raise ValueError(f"a request needs {biggest} slots but the arena holds {capacity}: it could never run")
 
     pending = deque(trace.requests)
     waiting: deque[TraceRequest] = deque()
-    running: dict[str, list] = {}            # req_id -> [request, tokens generated so far]; insertion = admission order
-    generated: dict[str, int] = {}           # survives preemption: outputs are kept, their KV is recomputed
+    running: dict[str, list] = {}  # req_id -> [request, tokens generated so far]; insertion = admission order
+    generated: dict[str, int] = {}  # survives preemption: outputs are kept, their KV is recomputed
     rows: list[tuple[int, ...]] = []
-    res = TraceResult(allocator, num_slots, *([np.zeros(0, dtype=np.int64)] * 9))
+    empty = np.zeros(0, dtype=np.int64)
+    res = TraceResult(allocator, num_slots, empty, empty, empty, empty, empty, empty, empty, empty, empty)
     t = 0
     while pending or waiting or running:
         if not running and not waiting and pending[0].arrival > t:
@@ -337,11 +359,24 @@ def simulate_trace(trace: Trace, num_slots: int, allocator: str = "contiguous", 
         for r, done in running.values():
             held, now = backend.held(r), r.context_len(done)
             live += now
-            future += min(held, r.total_len) - now      # slots it will still fill: the reservation
-            never += max(held - r.total_len, 0)         # slots past its final length: internal fragmentation
+            future += min(held, r.total_len) - now  # slots it will still fill: the reservation
+            never += max(held - r.total_len, 0)  # slots past its final length: internal fragmentation
         allocated = backend.allocated()
-        rows.append((t, live, allocated, allocated - live, backend.external(waiting[0] if waiting else None),
-                     len(running), len(waiting), refused, refused_frag, future, never))
+        rows.append(
+            (
+                t,
+                live,
+                allocated,
+                allocated - live,
+                backend.external(waiting[0] if waiting else None),
+                len(running),
+                len(waiting),
+                refused,
+                refused_frag,
+                future,
+                never,
+            )
+        )
         for rid in [rid for rid, e in running.items() if e[1] >= e[0].output_len]:
             backend.release(running.pop(rid)[0])
             res.finish_step[rid] = t + 1
@@ -349,17 +384,30 @@ def simulate_trace(trace: Trace, num_slots: int, allocator: str = "contiguous", 
         if len(rows) > max_steps:
             raise RuntimeError(f"trace did not finish in {max_steps} steps")
     cols = np.array(rows, dtype=np.int64).reshape(-1, 11).T
-    (res.step, res.live_tokens, res.allocated_slots, res.internal_waste, res.external_waste,
-     res.num_running, res.num_waiting, res.refused, res.refused_fragmented, res.reservation,
-     res.internal_fragmentation) = cols
+    (
+        res.step,
+        res.live_tokens,
+        res.allocated_slots,
+        res.internal_waste,
+        res.external_waste,
+        res.num_running,
+        res.num_waiting,
+        res.refused,
+        res.refused_fragmented,
+        res.reservation,
+        res.internal_fragmentation,
+    ) = cols
     return res
 
 
-def compare_on_trace(trace: Trace, num_slots: int, max_model_len: int = 2048, policy: str = "max",
-                     block_size: int = 16) -> tuple[TraceResult, TraceResult]:
+def compare_on_trace(
+    trace: Trace, num_slots: int, max_model_len: int = 2048, policy: str = "max", block_size: int = 16
+) -> tuple[TraceResult, TraceResult]:
     """The same trace on a contiguous arena and on a paged pool of the same size."""
-    return (simulate_trace(trace, num_slots, "contiguous", max_model_len, policy),
-            simulate_trace(trace, num_slots, "paged", max_model_len, block_size=block_size))
+    return (
+        simulate_trace(trace, num_slots, "contiguous", max_model_len, policy),
+        simulate_trace(trace, num_slots, "paged", max_model_len, block_size=block_size),
+    )
 
 
 # ---- the paper's Fig. 2: where the KV memory of a contiguous system goes ---------------------
@@ -387,10 +435,14 @@ BAND_MAX_MODEL_LEN = 2048
 BAND_NUM_SLOTS = 15_728
 
 
-def contiguous_utilisation_band(num_requests: int = BAND_NUM_REQUESTS, seed: int = BAND_SEED,
-                                max_model_len: int = BAND_MAX_MODEL_LEN, num_slots: int = BAND_NUM_SLOTS,
-                                policies: tuple[str, ...] = ("max", "pow2", "exact"),
-                                block_size: int = 16) -> dict[str, dict[str, float]]:
+def contiguous_utilisation_band(
+    num_requests: int = BAND_NUM_REQUESTS,
+    seed: int = BAND_SEED,
+    max_model_len: int = BAND_MAX_MODEL_LEN,
+    num_slots: int = BAND_NUM_SLOTS,
+    policies: tuple[str, ...] = ("max", "pow2", "exact"),
+    block_size: int = 16,
+) -> dict[str, dict[str, float]]:
     """Saturated-arena shares of each contiguous reservation policy, and of paging, on one trace.
 
     Each value is ``TraceResult.summary()``. With the defaults (the paper's Fig. 2 setting, see
@@ -420,14 +472,20 @@ def waste_breakdown(band: dict[str, dict[str, float]]) -> dict[str, tuple[float,
     paper's last category is "external fragmentation & others"; here it is every free slot (the
     holes too small for the waiting request are ``external_waste``, a part of them).
     """
-    keys = ("utilisation", "reservation", "internal_fragmentation", "free")
-    return {name: tuple(100 * s[k] for k in keys) for name, s in band.items()}
+    return {
+        name: (100 * s["utilisation"], 100 * s["reservation"], 100 * s["internal_fragmentation"], 100 * s["free"])
+        for name, s in band.items()
+    }
 
 
 # ---- one request over time, and the block size -----------------------------------------------
-def memory_vs_generated_tokens(max_model_len: int = 8192, block_size: int = 16, prompt_len: int = 0,
-                               bytes_per_token: int = STATIC_VS_PAGED_BYTES_PER_TOKEN,
-                               num_points: int | None = None) -> dict[str, np.ndarray]:
+def memory_vs_generated_tokens(
+    max_model_len: int = 8192,
+    block_size: int = 16,
+    prompt_len: int = 0,
+    bytes_per_token: int = STATIC_VS_PAGED_BYTES_PER_TOKEN,
+    num_points: int | None = None,
+) -> dict[str, np.ndarray]:
     """KV bytes one request holds as it generates, contiguous vs paged.
 
     Contiguous is flat at ``max_model_len`` from the first token; paged climbs in
@@ -444,7 +502,7 @@ def memory_vs_generated_tokens(max_model_len: int = 8192, block_size: int = 16, 
     n = max_model_len - prompt_len
     gen = np.arange(1, n + 1) if num_points is None else np.unique(np.linspace(1, n, num_points).astype(np.int64))
     tokens = prompt_len + gen
-    paged_slots = cdiv(tokens, block_size) * block_size
+    paged_slots = -(-tokens // block_size) * block_size  # cdiv, element by element
     return {
         "generated_tokens": gen,
         "context_tokens": tokens,
@@ -454,9 +512,11 @@ def memory_vs_generated_tokens(max_model_len: int = 8192, block_size: int = 16, 
     }
 
 
-def block_size_tradeoff(lengths: np.ndarray | list[int],
-                        block_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
-                        bytes_per_entry: int = 4) -> list[dict[str, float]]:
+def block_size_tradeoff(
+    lengths: np.ndarray | list[int],
+    block_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+    bytes_per_entry: int = 4,
+) -> list[dict[str, float]]:
     """For each block size: tail waste (tokens and % of allocated slots) and block-table size.
 
     Small blocks waste little (under one block per request, ``(block_size - 1) / 2``
@@ -476,20 +536,23 @@ def block_size_tradeoff(lengths: np.ndarray | list[int],
         blocks = -(-x // bs)  # x is a numpy array here: cdiv vectorised
         allocated = blocks * bs
         waste = allocated - x
-        rows.append({
-            "block_size": int(bs),
-            "mean_waste_tokens": float(waste.mean()),
-            "max_waste_tokens": int(waste.max()),
-            "waste_pct": 100.0 * float(waste.sum() / allocated.sum()),
-            "mean_table_entries": float(blocks.mean()),
-            "max_table_entries": int(blocks.max()),
-            "mean_table_bytes": float(blocks.mean() * bytes_per_entry),
-        })
+        rows.append(
+            {
+                "block_size": int(bs),
+                "mean_waste_tokens": float(waste.mean()),
+                "max_waste_tokens": int(waste.max()),
+                "waste_pct": 100.0 * float(waste.sum() / allocated.sum()),
+                "mean_table_entries": float(blocks.mean()),
+                "max_table_entries": int(blocks.max()),
+                "mean_table_bytes": float(blocks.mean() * bytes_per_entry),
+            }
+        )
     return rows
 
 
-def contiguous_layouts(trace: Trace, result: TraceResult, max_model_len: int,
-                       policy: str = "max") -> list[dict[str, Any]]:
+def contiguous_layouts(
+    trace: Trace, result: TraceResult, max_model_len: int, policy: str = "max"
+) -> list[dict[str, Any]]:
     """The arena after each measured step of ``result`` (a contiguous run of ``simulate_trace``).
 
     ``simulate_trace`` records totals only; this replays its admissions and
@@ -519,10 +582,12 @@ def contiguous_layouts(trace: Trace, result: TraceResult, max_model_len: int,
             if alloc.allocate(rid, reservation_size(by_id[rid], policy, max_model_len)) is None:
                 raise RuntimeError(f"replay diverged from the simulation at step {t}: {rid} does not fit")
             held[rid] = t
-        reservations = sorted(((rid, *alloc.reservations[rid], by_id[rid].context_len(t - a + 1))
-                               for rid, a in held.items()), key=lambda x: x[1])
-        head = next((r.req_id for r in trace.requests
-                     if r.arrival <= t and result.admit_step.get(r.req_id, t + 1) > t), None)
-        out.append(dict(step=t, reservations=reservations, free_extents=list(alloc.free_extents),
-                        waiting_head=head))
+        reservations = sorted(
+            ((rid, *alloc.reservations[rid], by_id[rid].context_len(t - a + 1)) for rid, a in held.items()),
+            key=lambda x: x[1],
+        )
+        head = next(
+            (r.req_id for r in trace.requests if r.arrival <= t and result.admit_step.get(r.req_id, t + 1) > t), None
+        )
+        out.append(dict(step=t, reservations=reservations, free_extents=list(alloc.free_extents), waiting_head=head))
     return out

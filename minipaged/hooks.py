@@ -10,9 +10,10 @@ The engine knows nothing else about learners: what is plugged in, how calls are 
 answer says all live in ``minipaged.parts`` (the classroom), which fills this module through ``push``/``pop``.
 Keeping the seam here, below everything, is what lets the engine's modules import it without an import circle.
 """
+
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # What is plugged in now, by part name; and, per active ``parts.use`` block (innermost last), what to run when it
@@ -24,13 +25,21 @@ _stack: list[tuple[dict[str, Callable[..., Any]], dict[Any, Callable[[], None]]]
 class PartError(RuntimeError):
     """A plugged-in part raised, returned the wrong kind of thing, or (checked) returned a wrong result."""
 
-    def __init__(self, part: str, message: str, call: int = 0, probe: str | None = None,
-                 exercise: str | None = None) -> None:
+    def __init__(
+        self, part: str, message: str, call: int = 0, probe: str | None = None, exercise: str | None = None
+    ) -> None:
         which = f" (exercise {exercise[2:]})" if exercise else ""
         where = f" on probe {probe!r}" if probe else f" on call {call}" if call else ""
         super().__init__(f"part {part!r}{which}{where}: {message}")
         self.part, self.call, self.probe, self.exercise = part, call, probe, exercise
-        self.step: int | None = None   # the engine step, filled in by LLM.step
+        self.step: int | None = None  # the engine step, filled in by step.run_step
+
+    def in_step(self, step: int) -> None:
+        """Name the engine step it failed in, once (a note under the message; Python 3.10 has no notes)."""
+        if self.step is None:
+            self.step = step
+            if hasattr(self, "add_note"):  # Python >= 3.11
+                self.add_note(f"(engine step {step})")
 
 
 def plugged(name: str) -> Any:
@@ -49,7 +58,7 @@ def at_exit(key: Any, action: Callable[[], None]) -> None:
         _stack[-1][1].setdefault(key, action)
 
 
-def push(parts: dict[str, Callable[..., Any]]) -> None:
+def push(parts: Mapping[str, Callable[..., Any]]) -> None:
     """Plug ``parts`` in, on top of (and overriding) what is plugged in already."""
     _stack.append((dict(_plugged), {}))
     _plugged.update(parts)

@@ -26,6 +26,7 @@ The token layout ``allocate_slots`` reasons about (vLLM draws the same)::
     new       = num_new_tokens
     lookahead = num_lookahead_tokens
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -35,14 +36,13 @@ from typing import Any
 from . import hooks
 from .block_pool import BlockHash, BlockPool, KVCacheBlock, get_request_block_hasher
 from .request import Request
-from .utils import cdiv, check_int  # noqa: F401  (chapters import cdiv from here)
+from .utils import cdiv, check_int
 
 
-def find_prefix_hits(pool: BlockPool, block_hashes: Sequence[BlockHash], num_tokens: int, block_size: int
-                     ) -> list[int]:
+def find_prefix_hits(pool: BlockPool, block_hashes: Sequence[BlockHash], num_tokens: int, block_size: int) -> list[int]:
     """Ids of the cached blocks that hold a prompt's longest cached prefix (see ``get_computed_blocks``)."""
     hits: list[int] = []
-    for block_hash in block_hashes[:(num_tokens - 1) // block_size]:
+    for block_hash in block_hashes[: (num_tokens - 1) // block_size]:
         block = pool.get_cached_block(block_hash)
         if block is None:  # chained hashes: the first miss ends the prefix
             break
@@ -53,13 +53,14 @@ def find_prefix_hits(pool: BlockPool, block_hashes: Sequence[BlockHash], num_tok
 @dataclass
 class _Need:
     """What one ``allocate_slots`` call would take (``KVCacheManager._need``)."""
+
     fits: bool
-    new_computed: list[KVCacheBlock]   # prefix-cache hits to touch
-    num_new_blocks: int                # fresh blocks, the copy-on-write block included
-    cow: bool                          # the block the first new token goes to is shared: copy it first
-    write_idx: int                     # which of the request's blocks that is
+    new_computed: list[KVCacheBlock]  # prefix-cache hits to touch
+    num_new_blocks: int  # fresh blocks, the copy-on-write block included
+    cow: bool  # the block the first new token goes to is shared: copy it first
+    write_idx: int  # which of the request's blocks that is
     is_new_admission: bool
-    num_computed_tokens: int           # computed + prefix-hit tokens
+    num_computed_tokens: int  # computed + prefix-hit tokens
 
 
 class KVCacheManager:
@@ -82,8 +83,16 @@ class KVCacheManager:
     free; running requests may dig into that reserve.
     """
 
-    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True, watermark: float = 0.01,
-                 watermark_blocks: int | None = None, reserved_blocks: int = 0, num_cpu_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        enable_caching: bool = True,
+        watermark: float = 0.01,
+        watermark_blocks: int | None = None,
+        reserved_blocks: int = 0,
+        num_cpu_blocks: int = 0,
+    ) -> None:
         check_int("block_size", block_size, 1)
         check_int("num_blocks (block 0 is the null block)", num_blocks, 2)
         if not 0.0 <= watermark < 1.0:
@@ -95,8 +104,10 @@ class KVCacheManager:
         if not isinstance(reserved_blocks, int) or reserved_blocks < 0:
             raise ValueError(f"reserved_blocks must be a non-negative integer, got {reserved_blocks!r}")
         if watermark_blocks + reserved_blocks >= num_blocks - 1:
-            raise ValueError(f"watermark ({watermark_blocks}) + reserved ({reserved_blocks}) blocks leave nothing "
-                             f"to admit a request with in a pool of {num_blocks - 1} usable blocks")
+            raise ValueError(
+                f"watermark ({watermark_blocks}) + reserved ({reserved_blocks}) blocks leave nothing "
+                f"to admit a request with in a pool of {num_blocks - 1} usable blocks"
+            )
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -111,12 +122,12 @@ class KVCacheManager:
         # Copy-on-write copies (source block, destination block) for the cache engine to perform.
         self.pending_copies: list[tuple[int, int]] = []
         self.uncommitted_blocks: list[KVCacheBlock] = []  # hashed while scheduling the step not yet run
-        self.prefix_cache_queries = 0   # prompt tokens of every admission (readmissions too) ...
-        self.prefix_cache_hits = 0      # ... and how many of them the prefix cache held
+        self.prefix_cache_queries = 0  # prompt tokens of every admission (readmissions too) ...
+        self.prefix_cache_hits = 0  # ... and how many of them the prefix cache held
         # Swap space (chapter 07): a second pool, on the CPU, whose block 0 is unused as on the device.
         self.num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, 0)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False) if num_cpu_blocks >= 2 else None
-        self.swapped_blocks: dict[str, list[int]] = {}   # request id -> its CPU blocks, in logical order
+        self.swapped_blocks: dict[str, list[int]] = {}  # request id -> its CPU blocks, in logical order
 
     # ---- prefix cache lookup -----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -138,15 +149,20 @@ class KVCacheManager:
             return [], 0
         self._attach_hasher(request)
         args = (self.block_pool, request.block_hashes, request.num_tokens, self.block_size)
-        learners = hooks.plugged("find_prefix_hits")   # a learner's own lookup (exercise 08)
+        learners = hooks.plugged("find_prefix_hits")  # a learner's own lookup (exercise 08)
         hit_ids = learners(*args) if learners is not None else find_prefix_hits(*args)
         hits = [self.block_pool.blocks[i] for i in hit_ids]
         return hits, len(hits) * self.block_size
 
     # ---- allocation --------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Sequence[KVCacheBlock] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``; return the new blocks.
 
         Returns ``None``, changing nothing, when the pool cannot supply them::
@@ -164,15 +180,16 @@ class KVCacheManager:
         its later ``scheduler_reserve_full_isl`` option (``vllm/config/scheduler.py``)
         passes ``full_sequence_must_fit`` to require room for the whole input.
         """
-        need = self._need(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                          num_lookahead_tokens)
+        need = self._need(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens)
         fits = need.fits
-        would = hooks.plugged("would_allocate")   # a learner's own admission rule (exercise 04)
+        would = hooks.plugged("would_allocate")  # a learner's own admission rule (exercise 04)
         if would is not None and not need.new_computed and not need.cow and not num_lookahead_tokens:
             fits = would(self, request, num_new_tokens)
             if fits and need.num_new_blocks > self.block_pool.get_num_free_blocks():
-                raise would.fail(f"said yes to {need.num_new_blocks} new blocks for {request.request_id!r}, "
-                                 f"but only {self.get_num_free_blocks()} are free")
+                raise would.fail(
+                    f"said yes to {need.num_new_blocks} new blocks for {request.request_id!r}, "
+                    f"but only {self.get_num_free_blocks()} are free"
+                )
         if not fits:
             return None
         new_computed, cow, num_new_blocks = need.new_computed, need.cow, need.num_new_blocks
@@ -193,7 +210,7 @@ class KVCacheManager:
         blocks.extend(new_blocks)
 
         if self.enable_caching:
-            if is_new_admission:   # vLLM's prefix-cache stats: tokens asked for, tokens found
+            if is_new_admission:  # vLLM's prefix-cache stats: tokens asked for, tokens found
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(new_computed) * self.block_size
             # Prefix hits are cached already; so are the blocks cached in earlier steps.
@@ -203,31 +220,50 @@ class KVCacheManager:
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             num_full_blocks = num_tokens_to_cache // self.block_size
             self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full_blocks, self.block_size)
-            self.uncommitted_blocks.extend(blocks[num_cached:num_full_blocks])   # their K/V come in this step
+            self.uncommitted_blocks.extend(blocks[num_cached:num_full_blocks])  # their K/V come in this step
             self.num_cached_block[request.request_id] = max(num_cached, num_full_blocks)
         return new_blocks
 
-    def can_allocate(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                     new_computed_blocks: Sequence[KVCacheBlock] | None = None,
-                     num_lookahead_tokens: int = 0) -> bool:
+    def can_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
         """Would ``allocate_slots`` with these arguments give blocks now? Changes nothing."""
-        return self._need(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                          num_lookahead_tokens).fits
+        return self._need(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens
+        ).fits
 
-    def _need(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int,
-              new_computed_blocks: Sequence[KVCacheBlock] | None, num_lookahead_tokens: int) -> _Need:
+    def _need(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] | None,
+        num_lookahead_tokens: int,
+    ) -> _Need:
         """The arguments of ``allocate_slots`` checked, and what it would take from the pool."""
-        for name, v in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
-                        ("num_lookahead_tokens", num_lookahead_tokens)):
+        for name, v in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+        ):
             check_int(name, v, 0)
         new_computed = list(new_computed_blocks or [])
         if num_new_computed_tokens != len(new_computed) * self.block_size:
-            raise ValueError(f"num_new_computed_tokens={num_new_computed_tokens} must equal "
-                             f"{len(new_computed)} computed blocks x block_size {self.block_size}")
+            raise ValueError(
+                f"num_new_computed_tokens={num_new_computed_tokens} must equal "
+                f"{len(new_computed)} computed blocks x block_size {self.block_size}"
+            )
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         if new_computed and (req_blocks or not self.enable_caching):
-            raise ValueError("new_computed_blocks are prefix-cache hits: only for a request that holds no "
-                             "blocks yet, and only with enable_caching=True")
+            raise ValueError(
+                "new_computed_blocks are prefix-cache hits: only for a request that holds no "
+                "blocks yet, and only with enable_caching=True"
+            )
         if self.enable_caching:
             self._attach_hasher(request)  # before any change: it refuses a hasher of another block size
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
@@ -239,18 +275,24 @@ class KVCacheManager:
         # Copy-on-write: the first new token lands in a partly filled block that a forked
         # sibling (n > 1) shares. That block must be copied first, which takes one more block.
         write_idx = request.num_computed_tokens // self.block_size
-        cow = (num_new_tokens > 0 and request.num_computed_tokens % self.block_size != 0
-               and write_idx < len(req_blocks) and req_blocks[write_idx].ref_cnt > 1)
+        cow = (
+            num_new_tokens > 0
+            and request.num_computed_tokens % self.block_size != 0
+            and write_idx < len(req_blocks)
+            and req_blocks[write_idx].ref_cnt > 1
+        )
         num_new_blocks += cow
 
         is_new_admission = not req_blocks
         watermark = self.watermark_blocks if is_new_admission else 0
         capacity = self.num_blocks - 1 - self.reserved_blocks - watermark
         if num_required > capacity:
-            raise ValueError(f"request {request.request_id!r} needs {num_required} blocks for "
-                             f"{num_tokens_need_slot} tokens; the pool can never give it more than {capacity} "
-                             f"({self.num_blocks - 1} usable - {self.reserved_blocks} reserved "
-                             f"- {watermark} watermark)")
+            raise ValueError(
+                f"request {request.request_id!r} needs {num_required} blocks for "
+                f"{num_tokens_need_slot} tokens; the pool can never give it more than {capacity} "
+                f"({self.num_blocks - 1} usable - {self.reserved_blocks} reserved "
+                f"- {watermark} watermark)"
+            )
         available = self.block_pool.get_num_free_blocks() - self.reserved_blocks
         fits = num_new_blocks + num_evictable_computed + watermark <= available
         return _Need(fits, new_computed, num_new_blocks, cow, write_idx, is_new_admission, num_computed_tokens)
@@ -288,7 +330,7 @@ class KVCacheManager:
         """
         request_id = request if isinstance(request, str) else request.request_id
         blocks = self.req_to_blocks.get(request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))   # checks first: raises with nothing changed
+        self.block_pool.free_blocks(reversed(blocks))  # checks first: raises with nothing changed
         self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
 

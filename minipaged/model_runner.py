@@ -1,4 +1,6 @@
-"""The model runner: turn one ``SchedulerOutput`` into tensors, run the model, sample: token ids out.
+"""The model runner: the model's side of the engine. At start-up it loads the weights, sizes the KV pool and
+allocates the cache tensors (``ModelRunner(config)``); each step it turns one ``SchedulerOutput`` into tensors,
+runs the model and samples: token ids out.
 
 The scheduler speaks in requests and block ids; the model wants flat tensors.
 For a step with a 5-token prefill chunk of ``a`` and decodes of ``b`` and ``c``::
@@ -20,27 +22,24 @@ the largest size a step can need, and filled in place each step (a step uses a p
 of each). On a GPU that saves an allocation per tensor per step, and it is what a CUDA
 graph will need later: the same addresses every step.
 """
+
 from __future__ import annotations
 
 import time
+import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 
 from . import hooks
 from .block_table import make_block_table_tensor, slot_mapping
 from .cache_engine import CacheEngine
+from .config import Config, model_config_dtype, resolve_dtype
+from .kv_math import GiB, KVSpec, format_bytes, num_blocks_at_startup
 from .model import AttentionMetadata, LlamaForCausalLM
 from .sampler import Sampler
-from .scheduler import SchedulerOutput
-
-
-@dataclass
-class RunnerOutput:
-    """What a step produced: the sampled token ids of each request that samples, or why it could not."""
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
+from .scheduler_output import RunnerOutput, SchedulerOutput
+from .utils import cdiv
 
 
 class InputBuffers:
@@ -63,25 +62,169 @@ class InputBuffers:
     def fill(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """Copy ``values`` (a CPU tensor) into the front of buffer ``name``; return that view."""
         buf = getattr(self, name)
-        if any(v > b for v, b in zip(values.shape, buf.shape)):   # larger than planned: grow, keep going
-            buf = torch.zeros([max(v, b) for v, b in zip(values.shape, buf.shape)], dtype=buf.dtype,
-                              device=self.device)
+        if any(v > b for v, b in zip(values.shape, buf.shape)):  # larger than planned: grow, keep going
+            buf = torch.zeros([max(v, b) for v, b in zip(values.shape, buf.shape)], dtype=buf.dtype, device=self.device)
             setattr(self, name, buf)
         view = buf[tuple(slice(0, n) for n in values.shape)]
         view.copy_(values, non_blocking=True)
         return view
 
 
+def resolve_max_model_len(config: Config, max_pos: int | None, num_blocks: int) -> int:
+    """``max_model_len`` as asked (not past the model's positions unless allowed), or the model's (at most
+    8192), lowered with a warning to what the pool can hold."""
+    block_size, usable = config.block_size, num_blocks - 1
+    asked = config.max_model_len
+    if asked is not None and max_pos is not None and asked > max_pos and not config.allow_long_max_model_len:
+        raise ValueError(
+            f"max_model_len={asked} is longer than the model's max_position_embeddings="
+            f"{max_pos}: positions past it were never trained. Lower it, or pass "
+            "allow_long_max_model_len=True if you know the model extrapolates"
+        )
+    max_model_len = asked or min(max_pos or 8192, 8192)
+    if asked is None and max_model_len > usable * block_size:
+        # Not asked for: fit the longest sequence the pool can hold (a small CPU budget is a fine choice).
+        warnings.warn(
+            f"max_model_len lowered from {max_model_len} to {usable * block_size} tokens: the KV "
+            f"pool holds {usable} blocks of {block_size}. Give the cache more memory for longer "
+            "sequences",
+            stacklevel=4,
+        )
+        max_model_len = usable * block_size
+    if cdiv(max_model_len, block_size) > usable:
+        raise ValueError(
+            f"max_model_len={max_model_len} needs {cdiv(max_model_len, block_size)} "
+            f"blocks of {block_size} tokens but the KV pool has only {usable}: lower "
+            "max_model_len or give the cache more memory"
+        )
+    return max_model_len
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, max_blocks_per_seq: int = 64) -> None:
-        self.model = model
-        self.cache = cache
-        self.device = cache.device
-        self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, cache.device)
+    """The model's side of the engine (nano-vllm's ``ModelRunner``): it loads the weights, sizes the KV pool
+    from the memory they leave, holds the cache tensors, and runs steps.
+
+    Pool size, in blocks (the null block included): ``num_gpu_blocks_override`` if given; else, on a CPU or
+    with ``kv_cache_memory``, what that byte budget (default 1 GiB) holds; else, on a GPU, what is left of
+    ``gpu_memory_utilization`` of the card after the weights and the activation peak of one full-budget
+    prefill, measured on a throw-away cache (chapter 01's start-up formula).
+    """
+
+    def __init__(self, config: Config) -> None:
+        from .kernels import get_attention_backend
+        from .model_loader import ensure_converted, quiet_transformers
+
+        self.path = ensure_converted(progress=True) if config.model is None else config.model
+        self.device = config.torch_device
+        self.dtype = resolve_dtype(config.dtype, model_config_dtype(self.path), self.device)
+        backend = get_attention_backend(config.attention_backend).name
+        if backend == "triton":  # refuse a block size the kernels cannot tile now, not at the first step
+            from .kernels.launch import kv_tile_n
+
+            kv_tile_n(config.block_size, 16)
+        with quiet_transformers():
+            self.model = LlamaForCausalLM.from_pretrained(
+                self.path, dtype=self.dtype, device=self.device, backend=backend
+            )
+        hf = self.model.config
+        self.spec = KVSpec(
+            hf.num_hidden_layers,
+            hf.num_key_value_heads,
+            self.model.head_dim,
+            dtype_bytes=self.dtype.itemsize,
+            num_attention_heads=hf.num_attention_heads,
+            name=getattr(hf, "name_or_path", "") or "model",
+        )
+        self.block_size = config.block_size
+        self.num_blocks = self._size_pool(config)
+        self.max_model_len = resolve_max_model_len(
+            config, getattr(hf, "max_position_embeddings", None), self.num_blocks
+        )
+        self.num_cpu_blocks = self._num_cpu_blocks(config)
+        self.cache = CacheEngine(
+            hf.num_hidden_layers,
+            self.num_blocks,
+            self.block_size,
+            hf.num_key_value_heads,
+            self.model.head_dim,
+            self.dtype,
+            self.device,
+            num_cpu_blocks=self.num_cpu_blocks,
+        )
+        self.buffers = InputBuffers(
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            cdiv(self.max_model_len, self.block_size),
+            self.device,
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every request: a new sampler (no random streams) and zeroed timers. The cache tensors stay:
+        a slot is always written before it is read."""
         self.sampler = Sampler()
         self.timers: dict[str, float] = defaultdict(float)  # seconds spent per phase, for profiling
 
+    def describe(self) -> str:
+        """The pool in one line: blocks, bytes, the longest sequence, the device."""
+        b, n = self.spec.bytes_per_block(self.block_size), self.num_blocks - 1
+        return (
+            f"KV pool: {n:,} blocks × {self.block_size} tokens ({format_bytes(b)} per block, {format_bytes(b * n)} "
+            f"in all), {self.spec.bytes_per_token:,} B/token, max_model_len {self.max_model_len}, device {self.device}"
+        )
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def _size_pool(self, config: Config) -> int:
+        if config.num_gpu_blocks_override is not None:
+            return config.num_gpu_blocks_override
+        if config.kv_cache_bytes is not None or self.device.type != "cuda":
+            budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else GiB
+            return self.spec.capacity(budget, config.block_size).num_blocks  # raises if < one block
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        activation_peak = self._profile_activation_peak(config.max_num_batched_tokens, config.block_size)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return num_blocks_at_startup(
+            total, config.gpu_memory_utilization, weights, activation_peak, self.spec, config.block_size
+        )
+
+    def _num_cpu_blocks(self, config: Config) -> int:
+        """The CPU swap pool: as asked, or what ``swap_space`` holds (plus the unused block 0), or none."""
+        if config.num_cpu_blocks_override is not None:
+            return config.num_cpu_blocks_override
+        bytes_per_block = self.spec.bytes_per_block(self.block_size)
+        num = config.swap_space_bytes // bytes_per_block + 1 if config.swap_space_bytes else 0
+        if config.preemption_mode == "swap" and num < 2:
+            raise ValueError(
+                f"swap_space={config.swap_space!r} holds no block of {bytes_per_block:,} bytes: give it at "
+                f"least {bytes_per_block:,} bytes"
+            )
+        return num
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self, num_tokens: int, block_size: int) -> int:
+        """Run one dummy prefill of ``num_tokens`` tokens on a throw-away cache; measure the memory peak."""
+        nb = cdiv(num_tokens, block_size) + 1
+        cfg = self.model.config
+        cache = CacheEngine(
+            cfg.num_hidden_layers, nb, block_size, cfg.num_key_value_heads, self.model.head_dim, self.dtype, self.device
+        )
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=pos + block_size,
+            block_tables=torch.arange(1, nb, dtype=torch.int32, device=self.device)[None],
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens,
+        )
+        self.model.compute_logits(self.model(ids, pos, cache.gpu_cache, meta)[-1:])
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(self.device) - base
+
+    # ---- a step -----------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         ids: list[int] = []
         positions: list[int] = []
@@ -94,17 +237,24 @@ class ModelRunner:
             cu.append(cu[-1] + s.num_new_tokens)
             sample_rows += [cu[-1] - 1] * s.num_samples
         buf = self.buffers
-        slots = hooks.plugged("slot_mapping") or slot_mapping   # a learner's own (exercise 04), if plugged in
+        slots = hooks.plugged("slot_mapping") or slot_mapping  # a learner's own (exercise 04), if plugged in
         meta = AttentionMetadata(
-            slot_mapping=buf.fill("slot_mapping", slots([s.block_ids for s in out.scheduled], out.positions(),
-                                                        out.block_size)),
+            slot_mapping=buf.fill(
+                "slot_mapping", slots([s.block_ids for s in out.scheduled], out.positions(), out.block_size)
+            ),
             block_tables=buf.fill("block_tables", make_block_table_tensor([s.block_ids for s in out.scheduled])),
-            seq_lens=buf.fill("seq_lens", torch.tensor([s.start + s.num_new_tokens for s in out.scheduled],
-                                                       dtype=torch.int32)),
+            seq_lens=buf.fill(
+                "seq_lens", torch.tensor([s.start + s.num_new_tokens for s in out.scheduled], dtype=torch.int32)
+            ),
             cu_seqlens_q=buf.fill("cu_seqlens_q", torch.tensor(cu, dtype=torch.int32)),
-            max_query_len=max((s.num_new_tokens for s in out.scheduled), default=0))
-        return (buf.fill("input_ids", torch.tensor(ids, dtype=torch.long)),
-                buf.fill("positions", torch.tensor(positions, dtype=torch.long)), meta, sample_rows)
+            max_query_len=max((s.num_new_tokens for s in out.scheduled), default=0),
+        )
+        return (
+            buf.fill("input_ids", torch.tensor(ids, dtype=torch.long)),
+            buf.fill("positions", torch.tensor(positions, dtype=torch.long)),
+            meta,
+            sample_rows,
+        )
 
     def release(self, sample_keys: list[tuple[str, int]]) -> None:
         """Drop what the runner keeps for requests that left: their random streams."""
@@ -115,7 +265,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step: block copies, the forward pass, and sampling (n tokens for an n > 1 first sample)."""
         result = RunnerOutput()
-        self.release(out.finished_sample_keys)   # first, before anything can fail: they are sent once
+        self.release(out.finished_sample_keys)  # first, before anything can fail: they are sent once
         if not out.scheduled:
             return result
         t0 = time.perf_counter()
@@ -132,7 +282,7 @@ class ModelRunner:
         keys, params, offsets, owners = [], [], [], []
         for s in out.scheduled:
             root, first = s.sample_key
-            for j in range(s.num_samples):   # the j-th sample of a request draws from seed + j
+            for j in range(s.num_samples):  # the j-th sample of a request draws from seed + j
                 keys.append((root, first + j))
                 offsets.append(first + j)
                 params.append(s.sampling_params)
@@ -142,8 +292,9 @@ class ModelRunner:
             if row in errors:
                 result.errors.setdefault(rid, errors[row])
             else:
+                assert token is not None  # a row without an error has its token
                 result.sampled.setdefault(rid, []).append(token)
-        for rid in result.errors:            # a request with a failed row samples nothing this step
+        for rid in result.errors:  # a request with a failed row samples nothing this step
             result.sampled.pop(rid, None)
         self.timers["prepare inputs"] += t1 - t0
         self.timers["model"] += t2 - t1

@@ -28,11 +28,12 @@ as it returns: the pure parts against the package's own function on the same
 arguments, the parts that change state (the free queue, the scheduler's queues)
 against the conditions their result must meet. The first wrong call raises
 ``PartError``, naming the part, its exercise, the call and what was wrong; an
-``LLM`` adds the engine step. ``check=False`` runs the parts as they are, to see
+``LLM`` adds the engine step (``step.run_step``). ``check=False`` runs the parts as they are, to see
 what a bug does to the output (the capstone's report card does both). Whatever
 the mode, a part that raises, or returns something of the wrong kind, is a
 ``PartError`` naming it, never a traceback from deep inside the engine.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -55,9 +56,9 @@ from .scheduler import num_seqs_when_running
 @dataclass(frozen=True)
 class Part:
     name: str
-    exercise: str   # "ex04"
+    exercise: str  # "ex04"
     signature: str
-    where: str      # where the engine calls it
+    where: str  # where the engine calls it
     # before(args) -> what the check needs to know from before the call (None when unchecked)
     before: Callable[[tuple[Any, ...]], Any] | None
     # accept(args, result) -> the result as the engine uses it; raises ValueError naming what is wrong
@@ -80,8 +81,9 @@ def _none(args: tuple[Any, ...], result: Any) -> None:
 
 def _int_list(result: Any, what: str) -> list[int]:
     values = result.tolist() if hasattr(result, "tolist") else result
-    if not isinstance(values, (list, tuple)) or not all(hasattr(v, "__index__") and not isinstance(v, bool)
-                                                         for v in values):
+    if not isinstance(values, (list, tuple)) or not all(
+        hasattr(v, "__index__") and not isinstance(v, bool) for v in values
+    ):
         raise ValueError(f"returned {type(result).__name__} {result!r:.80}; expected {what}")
     return [int(v) for v in values]
 
@@ -116,11 +118,15 @@ def _pool_state(pool: Any) -> dict[str, Any]:
     """Everything about a pool a part could change: the free count, each block's ref count, hash and free-queue
     links, the sentinels' links, and which blocks the prefix cache maps each hash to."""
     q = pool.free_block_queue
-    return {"free count": q.num_free_blocks,
-            "blocks": {b.block_id: (b.ref_cnt, b.block_hash, _link(b.prev_free_block, q), _link(b.next_free_block, q))
-                       for b in pool.blocks},
-            "ends": (_link(q.fake_free_list_head.next_free_block, q), _link(q.fake_free_list_tail.prev_free_block, q)),
-            "cache": {h: sorted(d) for h, d in pool.cached_block_hash_to_block.items()}}
+    return {
+        "free count": q.num_free_blocks,
+        "blocks": {
+            b.block_id: (b.ref_cnt, b.block_hash, _link(b.prev_free_block, q), _link(b.next_free_block, q))
+            for b in pool.blocks
+        },
+        "ends": (_link(q.fake_free_list_head.next_free_block, q), _link(q.fake_free_list_tail.prev_free_block, q)),
+        "cache": {h: sorted(d) for h, d in pool.cached_block_hash_to_block.items()},
+    }
 
 
 def _pool_difference(got: dict[str, Any], want: dict[str, Any]) -> str | None:
@@ -150,7 +156,8 @@ def _left_alone(pool: Any, before: dict[str, Any]) -> str | None:
 # free_queue_remove(queue, block): the block, its two neighbours' links and the free count change; nothing else
 def _queue_blocks(queue: Any, block: Any) -> list[Any]:
     """Every block on the free queue, walked from the head (bounded: a broken queue may loop), and ``block``."""
-    seen, b = [], queue.fake_free_list_head.next_free_block
+    seen: list[Any] = []
+    b = queue.fake_free_list_head.next_free_block
     while b is not None and b is not queue.fake_free_list_tail and len(seen) <= queue.num_free_blocks + 1:
         seen.append(b)
         b = b.next_free_block
@@ -158,8 +165,10 @@ def _queue_blocks(queue: Any, block: Any) -> list[Any]:
 
 
 def _block_states(queue: Any, blocks: list[Any]) -> dict[int, tuple[Any, ...]]:
-    return {b.block_id: (b.ref_cnt, b.block_hash, _link(b.prev_free_block, queue), _link(b.next_free_block, queue))
-            for b in blocks}
+    return {
+        b.block_id: (b.ref_cnt, b.block_hash, _link(b.prev_free_block, queue), _link(b.next_free_block, queue))
+        for b in blocks
+    }
 
 
 def _remove_before(args: tuple[Any, ...]) -> Any:
@@ -174,8 +183,10 @@ def _remove_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | Non
     if block.prev_free_block is not None or block.next_free_block is not None:
         return f"block {block.block_id} still has free-queue links after its removal"
     if prev_block.next_free_block is not next_block or next_block.prev_free_block is not prev_block:
-        return (f"the neighbours of block {block.block_id} (blocks {prev_block.block_id} and {next_block.block_id}, "
-                f"-1 = a fake end) are not linked to each other afterwards")
+        return (
+            f"the neighbours of block {block.block_id} (blocks {prev_block.block_id} and {next_block.block_id}, "
+            f"-1 = a fake end) are not linked to each other afterwards"
+        )
     if queue.num_free_blocks != num_free - 1:
         return f"queue.num_free_blocks is {queue.num_free_blocks}, expected {num_free - 1}"
     # Everything else as it was: every queued block's ref count and hash, and the links of all but three blocks.
@@ -195,8 +206,10 @@ def _remove_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | Non
         if g[1] != w[1]:
             return f"block {bid}'s hash was {'cleared' if g[1] is None else 'changed'}: remove only unlinks"
         if g[2:] != w[2:]:
-            return (f"block {bid}'s links are {g[2:]}, expected {w[2:]}: only the removed block and its two "
-                    f"neighbours change")
+            return (
+                f"block {bid}'s links are {g[2:]}, expected {w[2:]}: only the removed block and its two "
+                f"neighbours change"
+            )
     return None
 
 
@@ -227,8 +240,11 @@ def _bool_accept(args: tuple[Any, ...], result: Any) -> bool:
 
 
 def _manager_state(manager: Any) -> dict[str, Any]:
-    return {"blocks": {rid: [b.block_id for b in blocks] for rid, blocks in manager.req_to_blocks.items()},
-            "cached": dict(manager.num_cached_block), "copies": list(manager.pending_copies)}
+    return {
+        "blocks": {rid: [b.block_id for b in blocks] for rid, blocks in manager.req_to_blocks.items()},
+        "cached": dict(manager.num_cached_block),
+        "copies": list(manager.pending_copies),
+    }
 
 
 def _would_before(args: tuple[Any, ...]) -> Any:
@@ -243,9 +259,11 @@ def _would_verify(args: tuple[Any, ...], result: bool, before: Any) -> str | Non
         if _manager_state(manager) != manager_before:
             return "it changed the manager's block tables: this part only answers"
         return _left_alone(manager.block_pool, pool_before)
-    return (f"said {result} for {num_new} new tokens of request {request.request_id!r} (holding "
-            f"{manager.get_num_blocks(request.request_id)} blocks, {manager.get_num_free_blocks()} free, "
-            f"{manager.reserved_blocks} reserved, watermark {manager.watermark_blocks}); allocate_slots says {want}")
+    return (
+        f"said {result} for {num_new} new tokens of request {request.request_id!r} (holding "
+        f"{manager.get_num_blocks(request.request_id)} blocks, {manager.get_num_free_blocks()} free, "
+        f"{manager.reserved_blocks} reserved, watermark {manager.watermark_blocks}); allocate_slots says {want}"
+    )
 
 
 # reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -259,7 +277,7 @@ def _cache_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None
     want_k, want_v = before
     reference.reshape_and_cache(key, value, want_k, want_v, slots)
     for name, got, want in (("key_cache", key_cache, want_k), ("value_cache", value_cache, want_v)):
-        wrong = (got != want).flatten(2).any(-1).nonzero()   # (block, offset) pairs that differ
+        wrong = (got != want).flatten(2).any(-1).nonzero()  # (block, offset) pairs that differ
         if len(wrong):
             b, o = (int(x) for x in wrong[0])
             slot = b * key_cache.shape[1] + o
@@ -278,6 +296,7 @@ def _scratch_caches(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Callable[[]
     def commit() -> None:
         key_cache.copy_(k2)
         value_cache.copy_(v2)
+
     return (key, value, k2, v2, slots), commit
 
 
@@ -309,12 +328,14 @@ def _attention_verify(args: tuple[Any, ...], result: torch.Tensor, before: Any) 
     want = reference.paged_decode_attention(*args)
     tol = 1e-4 if result.dtype == torch.float32 else 2e-2
     err = (result.float() - want.float()).abs()
-    bad = ~(err <= tol + tol * want.float().abs())   # NaN counts as wrong
+    bad = ~(err <= tol + tol * want.float().abs())  # NaN counts as wrong
     if not bool(bad.any()):
         return None
     seq, head = (int(x) for x in bad.any(-1).nonzero()[0])
-    return (f"sequence {seq} (seq_len {int(args[4][seq])}), query head {head} is off by up to "
-            f"{float(err[seq, head].max()):.3g} from the reference")
+    return (
+        f"sequence {seq} (seq_len {int(args[4][seq])}), query head {head} is off by up to "
+        f"{float(err[seq, head].max()):.3g} from the reference"
+    )
 
 
 # ---- the requests a scheduler part must leave alone ------------------------------------------------------------
@@ -331,8 +352,10 @@ def _untouched(kv: Any, requests: Any, before: dict[str, tuple[Any, ...]], why: 
         if g_blocks != blocks:
             return f"it changed the blocks of {rid!r} ({blocks} -> {g_blocks}), {why}"
         if g_computed != computed or g_status != status:
-            return f"it changed {rid!r} (computed tokens {computed} -> {g_computed}, status {status.name} -> " \
-                   f"{g_status.name}), {why}"
+            return (
+                f"it changed {rid!r} (computed tokens {computed} -> {g_computed}, status {status.name} -> "
+                f"{g_status.name}), {why}"
+            )
     return None
 
 
@@ -350,16 +373,24 @@ def _other_blocks_untouched(kv: Any, before: dict[int, tuple[int, Any]], exempt:
         if b.ref_cnt != ref:
             return f"block {b.block_id}'s ref count went from {ref} to {b.ref_cnt}, and it is not {whose}"
         if b.block_hash != h:
-            return (f"block {b.block_id}'s hash was {'cleared' if b.block_hash is None else 'changed'}, and it is "
-                    f"not {whose}")
+            return (
+                f"block {b.block_id}'s hash was {'cleared' if b.block_hash is None else 'changed'}, and it is "
+                f"not {whose}"
+            )
     return None
 
 
 # schedule_running(running, waiting, kv, token_budget, preempt)
 def _running_before(args: tuple[Any, ...]) -> Any:
     running, waiting, kv = args[0], args[1], args[2]
-    return (list(running), {r.request_id: (r.num_computed_tokens, r.num_tokens) for r in running}, list(waiting),
-            _requests_state(kv, waiting), _blocks_state(kv), {b for r in running for b in kv.get_block_ids(r.request_id)})
+    return (
+        list(running),
+        {r.request_id: (r.num_computed_tokens, r.num_tokens) for r in running},
+        list(waiting),
+        _requests_state(kv, waiting),
+        _blocks_state(kv),
+        {b for r in running for b in kv.get_block_ids(r.request_id)},
+    )
 
 
 def _running_accept(args: tuple[Any, ...], result: Any) -> tuple[list[tuple[str, int]], list[str]]:
@@ -379,7 +410,7 @@ def _running_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | No
     problem = _other_blocks_untouched(kv, blocks_before, held, "a block of a running request")
     if problem is not None:
         return problem
-    if list(waiting)[len(waiting) - len(waiting_before):] != waiting_before:
+    if list(waiting)[len(waiting) - len(waiting_before) :] != waiting_before:
         return "it changed the waiting queue behind the victims it put at the front: it only serves running requests"
     problem = _untouched(kv, waiting_before, waiting_state, "a waiting request: it only serves running requests")
     if problem is not None:
@@ -387,7 +418,7 @@ def _running_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | No
     k, p = len(scheduled), len(preempted)
     if [rid for rid, _ in scheduled] != ids[:k]:
         return f"scheduled {[rid for rid, _ in scheduled]}; the running requests, oldest first, are {ids}"
-    if preempted != ids[::-1][:p] or [r.request_id for r in running] != ids[:len(ids) - p]:
+    if preempted != ids[::-1][:p] or [r.request_id for r in running] != ids[: len(ids) - p]:
         return f"preempted {preempted} of running {ids}; victims are taken newest first (the end of the list)"
     left = budget
     for rid, n in scheduled:
@@ -398,8 +429,10 @@ def _running_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | No
             return f"scheduled {rid!r} without the blocks for its {computed + n} tokens (allocate_slots)"
         left -= n
     if left > 0 and len(running) > k:
-        return (f"stopped after {k} request(s) with {left} tokens of budget left and {running[k].request_id!r} "
-                f"still running and not scheduled")
+        return (
+            f"stopped after {k} request(s) with {left} tokens of budget left and {running[k].request_id!r} "
+            f"still running and not scheduled"
+        )
     return None
 
 
@@ -407,8 +440,15 @@ def _running_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | No
 def _preempt_before(args: tuple[Any, ...]) -> Any:
     victim, kv, waiting = args
     others = {rid: kv.get_block_ids(rid) for rid in kv.num_blocks_per_request if rid != victim.request_id}
-    return (len(waiting), victim.num_preemptions, list(waiting), others, _requests_state(kv, waiting),
-            _blocks_state(kv), set(kv.get_block_ids(victim.request_id)))
+    return (
+        len(waiting),
+        victim.num_preemptions,
+        list(waiting),
+        others,
+        _requests_state(kv, waiting),
+        _blocks_state(kv),
+        set(kv.get_block_ids(victim.request_id)),
+    )
 
 
 def _preempt_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
@@ -422,8 +462,10 @@ def _preempt_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | No
         return f"victim {victim.request_id!r}: the waiting queue behind it changed (it only goes to the front)"
     for rid, blocks in others.items():
         if kv.get_block_ids(rid) != blocks:
-            return f"it changed the blocks of {rid!r} ({blocks} -> {kv.get_block_ids(rid)}), not the victim " \
-                   f"{victim.request_id!r}"
+            return (
+                f"it changed the blocks of {rid!r} ({blocks} -> {kv.get_block_ids(rid)}), not the victim "
+                f"{victim.request_id!r}"
+            )
     problem = _untouched(kv, waiting_before, state, f"a waiting request, not the victim {victim.request_id!r}")
     if problem is not None:
         return problem
@@ -466,8 +508,10 @@ def _admit_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None
         if kv.get_block_ids(rid) != blocks:
             return f"it changed the blocks of {rid!r} ({blocks} -> {kv.get_block_ids(rid)}), a request already running"
     if [rid for rid, _ in result] != ids[:k] or list(waiting) != before[k:]:
-        return (f"admitted {[rid for rid, _ in result]} and left {[r.request_id for r in waiting]} waiting, from "
-                f"the queue {ids}: admission takes the head of the queue, in order, and pops what it admits")
+        return (
+            f"admitted {[rid for rid, _ in result]} and left {[r.request_id for r in waiting]} waiting, from "
+            f"the queue {ids}: admission takes the head of the queue, in order, and pops what it admits"
+        )
     left = budget
     for req, (rid, n) in zip(before, result):
         seats -= num_seqs_when_running(req)
@@ -477,24 +521,28 @@ def _admit_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None
         if seats < 0:
             return f"admitted {rid!r} with no free seat left"
         if computed % kv.block_size or n != min(req.num_tokens - computed, left):
-            return (f"admitted {rid!r} with {n} new tokens and num_computed_tokens={computed}; its prompt has "
-                    f"{req.num_tokens} tokens, the budget left was {left}")
+            return (
+                f"admitted {rid!r} with {n} new tokens and num_computed_tokens={computed}; its prompt has "
+                f"{req.num_tokens} tokens, the budget left was {left}"
+            )
         if kv.get_num_blocks(rid) * kv.block_size < computed + n:
             return f"admitted {rid!r} without the blocks for its {computed + n} tokens (allocate_slots)"
         left -= n
     for req in before[k:]:
         if kv.get_num_blocks(req.request_id):
             return f"{req.request_id!r} was not admitted but holds {kv.get_num_blocks(req.request_id)} blocks"
-    problem = _untouched(kv, before[k:], {r.request_id: waiting_state[r.request_id] for r in before[k:]},
-                         "a request it did not admit")
+    problem = _untouched(
+        kv, before[k:], {r.request_id: waiting_state[r.request_id] for r in before[k:]}, "a request it did not admit"
+    )
     if problem is not None:
         return problem
     if waiting and left > 0 and num_seqs_when_running(waiting[0]) <= seats:
         head = waiting[0]
         hits, hit_tokens = kv.get_computed_blocks(head)
         if kv.can_allocate(head, min(head.num_tokens - hit_tokens, left), hit_tokens, hits):
-            return (f"stopped with {left} tokens of budget left although the head of the queue, "
-                    f"{head.request_id!r}, fits")
+            return (
+                f"stopped with {left} tokens of budget left although the head of the queue, {head.request_id!r}, fits"
+            )
     return None
 
 
@@ -503,10 +551,14 @@ def _hashes_accept(args: tuple[Any, ...], result: Any) -> list[bytes]:
 
     token_ids, block_size = args[0], args[1]
     if not isinstance(result, (list, tuple)) or not all(isinstance(h, (bytes, bytearray)) for h in result):
-        raise ValueError(f"returned {type(result).__name__} {result!r:.60}; expected a list of bytes, one per full block")
+        raise ValueError(
+            f"returned {type(result).__name__} {result!r:.60}; expected a list of bytes, one per full block"
+        )
     if len(result) != len(token_ids) // block_size:
-        raise ValueError(f"returned {len(result)} hashes for {len(token_ids)} tokens in blocks of {block_size}; "
-                         f"expected {len(token_ids) // block_size}, one per full block")
+        raise ValueError(
+            f"returned {len(result)} hashes for {len(token_ids)} tokens in blocks of {block_size}; "
+            f"expected {len(token_ids) // block_size}, one per full block"
+        )
     return [BlockHash(bytes(h)) for h in result]
 
 
@@ -536,8 +588,10 @@ def _hits_verify(args: tuple[Any, ...], result: list[int], before: Any) -> str |
     pool, block_hashes, num_tokens, _ = args
     want = find_prefix_hits(*args)
     if len(result) != len(want):
-        return (f"returned {len(result)} block(s) {result} for a {num_tokens}-token prompt; its longest cached "
-                f"prefix is {len(want)} block(s), e.g. {want}")
+        return (
+            f"returned {len(result)} block(s) {result} for a {num_tokens}-token prompt; its longest cached "
+            f"prefix is {len(want)} block(s), e.g. {want}"
+        )
     for i, bid in enumerate(result):
         if bid not in pool.cached_block_hash_to_block.get(block_hashes[i], {}):
             return f"block {bid} (hit {i}) is not cached under the hash of block {i} of the prompt; e.g. {want[i]} is"
@@ -553,40 +607,53 @@ Probe = tuple[str, tuple[Any, ...]]
 def _free_queue_probes() -> list[Probe]:
 
     pool = BlockPool(8)
-    for block, h in zip(pool.blocks[1:4], chain_block_hashes(list(range(48)), 16)):   # cached-but-free blocks
+    for block, h in zip(pool.blocks[1:4], chain_block_hashes(list(range(48)), 16)):  # cached-but-free blocks
         block.set_block_hash(h)
         pool.cached_block_hash_to_block[h] = {block.block_id: block}
     q, b = pool.free_block_queue, pool.blocks
-    return [("a cached block at the front of the queue", (q, b[1])),
-            ("a cached block at the back of the queue", (q, b[7])),
-            ("a cached block in the middle", (q, b[3]))]
+    return [
+        ("a cached block at the front of the queue", (q, b[1])),
+        ("a cached block at the back of the queue", (q, b[7])),
+        ("a cached block in the middle", (q, b[3])),
+    ]
 
 
 def _slot_probes() -> list[Probe]:
-    return [("block size 16, a prefill chunk starting mid-block, a table with a spare column",
-             ([[7, 3, 9, 4]], [list(range(20, 45))], 16, None)),
-            ("block size 32, ragged decodes in partial blocks that are not the table's last",
-             ([[5, 2, 9], [8, 4], [1, 6, 3]], [[40], [31], [50]], 32, None)),
-            ("block size 16, decodes at a block's first and last slot and mid-block",
-             ([[3, 8, 2], [6, 1], [4]], [[16], [31], [9]], 16, None))]
+    return [
+        (
+            "block size 16, a prefill chunk starting mid-block, a table with a spare column",
+            ([[7, 3, 9, 4]], [list(range(20, 45))], 16, None),
+        ),
+        (
+            "block size 32, ragged decodes in partial blocks that are not the table's last",
+            ([[5, 2, 9], [8, 4], [1, 6, 3]], [[40], [31], [50]], 32, None),
+        ),
+        (
+            "block size 16, decodes at a block's first and last slot and mid-block",
+            ([[3, 8, 2], [6, 1], [4]], [[16], [31], [9]], 16, None),
+        ),
+    ]
 
 
 def _would_probes() -> list[Probe]:
 
     # 11 usable blocks, 2 reserved, watermark 1 (for new requests only)
     roomy = KVCacheManager(16, 12, watermark_blocks=1, reserved_blocks=2, enable_caching=False)
-    roomy.allocate_slots(Request("other", list(range(96))), 96)          # 6 taken: 5 free, 3 available
+    roomy.allocate_slots(Request("other", list(range(96))), 96)  # 6 taken: 5 free, 3 available
     tight = KVCacheManager(16, 12, watermark_blocks=1, reserved_blocks=2, enable_caching=False)
     running = Request("running", list(range(100)))
-    tight.allocate_slots(running, 90)                                     # 6 blocks, the last one 10/16 full
+    tight.allocate_slots(running, 90)  # 6 blocks, the last one 10/16 full
     running.num_computed_tokens = 90
-    tight.block_pool.get_new_blocks(3)                                    # held elsewhere: 2 free, 0 available
-    return [("2 reserved blocks, watermark 1, 5 free: a new 40-token prompt needs 3",
-             (roomy, Request("new", list(range(40))), 40)),
-            ("the same pool: a new 16-token prompt needs 1", (roomy, Request("small", list(range(16))), 16)),
-            ("2 reserved, 2 free: a running request's next 6 tokens fit in its part-full last block",
-             (tight, running, 6)),
-            ("the same request's next 10 tokens need one block more", (tight, running, 10))]
+    tight.block_pool.get_new_blocks(3)  # held elsewhere: 2 free, 0 available
+    return [
+        (
+            "2 reserved blocks, watermark 1, 5 free: a new 40-token prompt needs 3",
+            (roomy, Request("new", list(range(40))), 40),
+        ),
+        ("the same pool: a new 16-token prompt needs 1", (roomy, Request("small", list(range(16))), 16)),
+        ("2 reserved, 2 free: a running request's next 6 tokens fit in its part-full last block", (tight, running, 6)),
+        ("the same request's next 10 tokens need one block more", (tight, running, 10)),
+    ]
 
 
 def _cache_probes() -> list[Probe]:
@@ -594,11 +661,20 @@ def _cache_probes() -> list[Probe]:
     cases = []
     for bs, slots in ((32, [65, 66, 67, 31, 160, 0, 100]), (16, [17, 18, 47, 5, 80])):
         n, heads, d = len(slots), 2, 8
-        kv = torch.randn(n, 2 * heads, d, generator=g)   # key and value as views of one tensor, as a QKV split gives
+        kv = torch.randn(n, 2 * heads, d, generator=g)  # key and value as views of one tensor, as a QKV split gives
         key_cache = torch.randn(6, bs, heads, d, generator=g)
-        cases.append((f"block size {bs}, {n} tokens to ragged slots, key/value not contiguous",
-                      (kv[:, :heads], kv[:, heads:], key_cache, torch.randn(6, bs, heads, d, generator=g),
-                       torch.tensor(slots, dtype=torch.int64))))
+        cases.append(
+            (
+                f"block size {bs}, {n} tokens to ragged slots, key/value not contiguous",
+                (
+                    kv[:, :heads],
+                    kv[:, heads:],
+                    key_cache,
+                    torch.randn(6, bs, heads, d, generator=g),
+                    torch.tensor(slots, dtype=torch.int64),
+                ),
+            )
+        )
     return cases
 
 
@@ -607,37 +683,47 @@ def _decode_probes() -> list[Probe]:
     cases = []
     for bs, seq_lens in ((16, [1, 17, 40]), (32, [33, 5, 64])):
         heads, kv_heads, d = 8, 2, 16
-        width = -(-max(seq_lens) // bs) + 1   # one spare column
+        width = -(-max(seq_lens) // bs) + 1  # one spare column
         num_blocks = 1 + len(seq_lens) * width
         key_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
         value_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
         order = torch.randperm(num_blocks - 1, generator=g) + 1
         tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
         for i, n in enumerate(seq_lens):
-            owned = order[i * width:(i + 1) * width]
+            owned = order[i * width : (i + 1) * width]
             tables[i] = owned
             last, used = int(owned[(n - 1) // bs]), (n - 1) % bs + 1
-            key_cache[last, used:] = 1e4    # slots past the sequence's end hold numbers it must not read
+            key_cache[last, used:] = 1e4  # slots past the sequence's end hold numbers it must not read
             value_cache[last, used:] = 1e4
-            for spare in owned[-(-n // bs):]:
+            for spare in owned[-(-n // bs) :]:
                 key_cache[int(spare)] = 1e4
                 value_cache[int(spare)] = 1e4
         query = torch.randn(len(seq_lens), heads, d, generator=g)
-        cases.append((f"8 query heads over 2 KV heads, block size {bs}, seq_lens {seq_lens}, scale 0.3",
-                      (query, key_cache, value_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), 0.3)))
+        cases.append(
+            (
+                f"8 query heads over 2 KV heads, block size {bs}, seq_lens {seq_lens}, scale 0.3",
+                (query, key_cache, value_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), 0.3),
+            )
+        )
     # fp16 activations of 40 to 80 with head_dim 16: q·k sums to 25,600 or more, often past fp16's 65,504
-    query, key_cache, value_cache, tables, seq_lens, _ = cases[0][1]
-    big = [t.abs().clamp(0.5, 1).mul(80).to(torch.float16) for t in (query, key_cache, value_cache)]
-    cases.append(("fp16, activations of 40 to 80: q·k overflows fp16 unless computed in float32",
-                  (*big, tables, seq_lens, 1 / 16 ** 0.5)))
+    query, key_cache, value_cache, tables, lens, _ = cases[0][1]
+    big_q, big_k, big_v = (t.abs().clamp(0.5, 1).mul(80).to(torch.float16) for t in (query, key_cache, value_cache))
+    cases.append(
+        (
+            "fp16, activations of 40 to 80: q·k overflows fp16 unless computed in float32",
+            (big_q, big_k, big_v, tables, lens, 1 / 16**0.5),
+        )
+    )
     return cases
 
 
 def _hash_probes() -> list[Probe]:
     tokens = list(range(100, 170))
-    return [("70 tokens, block size 16, no salt", (tokens, 16, None)),
-            ("70 tokens, block size 32, salt 'tenant-a'", (tokens, 32, "tenant-a")),
-            ("31 tokens, block size 32: no full block", (tokens[:31], 32, None))]
+    return [
+        ("70 tokens, block size 16, no salt", (tokens, 16, None)),
+        ("70 tokens, block size 32, salt 'tenant-a'", (tokens, 32, "tenant-a")),
+        ("31 tokens, block size 32: no full block", (tokens[:31], 32, None)),
+    ]
 
 
 def _hit_probes() -> list[Probe]:
@@ -652,46 +738,123 @@ def _hit_probes() -> list[Probe]:
                 p.cached_block_hash_to_block.setdefault(h, {})[bid] = p.blocks[bid]
         return p
 
-    full = pool([[1], [2, 5], [3], [4]])   # every block cached, the second one twice
-    gap = pool([[1], [], [3], [4]])        # the second block not cached: the chain breaks there
-    return [("a fully cached 64-token prompt, its second block cached twice (one token must stay to compute)",
-             (full, hashes, 64, 16)),
-            ("the same blocks, a 65-token prompt", (full, hashes, 65, 16)),
-            ("a prompt whose second block is not cached, its third and fourth are", (gap, hashes, 64, 16)),
-            ("a 10-token prompt: no full block", (full, hashes[:0], 10, 16))]
+    full = pool([[1], [2, 5], [3], [4]])  # every block cached, the second one twice
+    gap = pool([[1], [], [3], [4]])  # the second block not cached: the chain breaks there
+    return [
+        (
+            "a fully cached 64-token prompt, its second block cached twice (one token must stay to compute)",
+            (full, hashes, 64, 16),
+        ),
+        ("the same blocks, a 65-token prompt", (full, hashes, 65, 16)),
+        ("a prompt whose second block is not cached, its third and fourth are", (gap, hashes, 64, 16)),
+        ("a 10-token prompt: no full block", (full, hashes[:0], 10, 16)),
+    ]
 
 
-PARTS: dict[str, Part] = {p.name: p for p in [
-    Part("free_queue_remove", "ex03", "remove(queue, block) -> None",
-         "BlockPool.touch: a cached block leaves the middle of the free queue",
-         _remove_before, _none, _remove_verify, _free_queue_probes),
-    Part("slot_mapping", "ex04", "slot_mapping(block_tables, positions, block_size, pad_to=None) -> list[int]",
-         "ModelRunner.prepare_inputs: the slot of every new token", None, _slots_accept, _slots_verify, _slot_probes),
-    Part("would_allocate", "ex04", "would_allocate(manager, request, num_new_tokens) -> bool",
-         "KVCacheManager.allocate_slots: are there blocks now? (requests without prefix hits or a shared block)",
-         _would_before, _bool_accept, _would_verify, _would_probes),
-    Part("reshape_and_cache", "ex05", "reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None",
-         "PagedAttention: write this step's K/V into the paged cache", _cache_before, _none, _cache_verify,
-         _cache_probes, _scratch_caches),
-    Part("admit_waiting", "ex06", "admit_waiting(waiting, kv, token_budget, free_seats) -> [(request_id, n)]",
-         "Scheduler.schedule, step 2: admit waiting requests", _admit_before, _admit_accept, _admit_verify),
-    Part("schedule_running", "ex07",
-         "schedule_running(running, waiting, kv, token_budget, preempt) -> (scheduled, preempted)",
-         "Scheduler.schedule, step 1: serve running requests, preempt the newest", _running_before, _running_accept,
-         _running_verify),
-    Part("preempt_recompute", "ex07", "preempt_recompute(victim, kv, waiting) -> None",
-         "Scheduler.preempt: undo a victim's allocation (recompute)", _preempt_before, _none, _preempt_verify),
-    Part("chain_block_hashes", "ex08", "chain_block_hashes(token_ids, block_size, cache_salt=None) -> [bytes]",
-         "Request.block_hashes: the chained hash of every full block", None, _hashes_accept, _hashes_verify,
-         _hash_probes),
-    Part("find_prefix_hits", "ex08", "find_prefix_hits(pool, block_hashes, num_tokens, block_size) -> [block id]",
-         "KVCacheManager.get_computed_blocks: the longest cached prefix", lambda args: _pool_state(args[0]),
-         _hits_accept, _hits_verify, _hit_probes),
-    Part("paged_decode_attention", "ex09",
-         "paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale) -> Tensor",
-         "PagedAttention: the attention of a decode-only step", _attention_before, _attention_accept,
-         _attention_verify, _decode_probes, _read_only_caches),
-]}
+PARTS: dict[str, Part] = {
+    p.name: p
+    for p in [
+        Part(
+            "free_queue_remove",
+            "ex03",
+            "remove(queue, block) -> None",
+            "BlockPool.touch: a cached block leaves the middle of the free queue",
+            _remove_before,
+            _none,
+            _remove_verify,
+            _free_queue_probes,
+        ),
+        Part(
+            "slot_mapping",
+            "ex04",
+            "slot_mapping(block_tables, positions, block_size, pad_to=None) -> list[int]",
+            "ModelRunner.prepare_inputs: the slot of every new token",
+            None,
+            _slots_accept,
+            _slots_verify,
+            _slot_probes,
+        ),
+        Part(
+            "would_allocate",
+            "ex04",
+            "would_allocate(manager, request, num_new_tokens) -> bool",
+            "KVCacheManager.allocate_slots: are there blocks now? (requests without prefix hits or a shared block)",
+            _would_before,
+            _bool_accept,
+            _would_verify,
+            _would_probes,
+        ),
+        Part(
+            "reshape_and_cache",
+            "ex05",
+            "reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None",
+            "PagedAttention: write this step's K/V into the paged cache",
+            _cache_before,
+            _none,
+            _cache_verify,
+            _cache_probes,
+            _scratch_caches,
+        ),
+        Part(
+            "admit_waiting",
+            "ex06",
+            "admit_waiting(waiting, kv, token_budget, free_seats) -> [(request_id, n)]",
+            "Scheduler.schedule, step 2: admit waiting requests",
+            _admit_before,
+            _admit_accept,
+            _admit_verify,
+        ),
+        Part(
+            "schedule_running",
+            "ex07",
+            "schedule_running(running, waiting, kv, token_budget, preempt) -> (scheduled, preempted)",
+            "Scheduler.schedule, step 1: serve running requests, preempt the newest",
+            _running_before,
+            _running_accept,
+            _running_verify,
+        ),
+        Part(
+            "preempt_recompute",
+            "ex07",
+            "preempt_recompute(victim, kv, waiting) -> None",
+            "Scheduler.preempt: undo a victim's allocation (recompute)",
+            _preempt_before,
+            _none,
+            _preempt_verify,
+        ),
+        Part(
+            "chain_block_hashes",
+            "ex08",
+            "chain_block_hashes(token_ids, block_size, cache_salt=None) -> [bytes]",
+            "Request.block_hashes: the chained hash of every full block",
+            None,
+            _hashes_accept,
+            _hashes_verify,
+            _hash_probes,
+        ),
+        Part(
+            "find_prefix_hits",
+            "ex08",
+            "find_prefix_hits(pool, block_hashes, num_tokens, block_size) -> [block id]",
+            "KVCacheManager.get_computed_blocks: the longest cached prefix",
+            lambda args: _pool_state(args[0]),
+            _hits_accept,
+            _hits_verify,
+            _hit_probes,
+        ),
+        Part(
+            "paged_decode_attention",
+            "ex09",
+            "paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale) -> Tensor",
+            "PagedAttention: the attention of a decode-only step",
+            _attention_before,
+            _attention_accept,
+            _attention_verify,
+            _decode_probes,
+            _read_only_caches,
+        ),
+    ]
+}
 
 
 class Plugged:
@@ -718,7 +881,7 @@ class Plugged:
         spec = self.spec
         before = spec.before(args) if self.check and spec.before else None
         handed: list[str] = []
-        if spec.name == "schedule_running" and self.check:   # record who is handed to preempt
+        if spec.name == "schedule_running" and self.check:  # record who is handed to preempt
             preempt = args[4]
 
             def recording_preempt(victim: Any, kv: Any, waiting: Any) -> None:
@@ -731,7 +894,7 @@ class Plugged:
             result = self.fn(*args)
         except PartError:
             raise
-        except Exception as exc:   # the learner's bug, named, not a traceback from inside the engine
+        except Exception as exc:  # the learner's bug, named, not a traceback from inside the engine
             raise PartError(spec.name, f"raised {type(exc).__name__}: {exc}", call, probe, spec.exercise) from exc
         try:
             result = spec.accept(args, result)
@@ -748,9 +911,9 @@ class Plugged:
         return result
 
 
-_PROBES = True   # the course's tests turn probes off to test the checks of the engine's own calls alone
-plugged, active, at_exit = hooks.plugged, hooks.active, hooks.at_exit   # the seam, as the engine sees it
-_plugged = hooks._plugged   # what is plugged in now (the same dict)
+_PROBES = True  # the course's tests turn probes off to test the checks of the engine's own calls alone
+plugged, active, at_exit = hooks.plugged, hooks.active, hooks.at_exit  # the seam, as the engine sees it
+_plugged = hooks._plugged  # what is plugged in now (the same dict)
 
 
 def _check_signature(name: str, fn: Any) -> None:
@@ -763,10 +926,10 @@ def _check_signature(name: str, fn: Any) -> None:
     except TypeError:
         raise TypeError(f"part {name!r} must take {num_args} arguments: {spec.signature}") from None
     except ValueError:
-        pass   # a builtin or a C function without a signature: let it try
+        pass  # a builtin or a C function without a signature: let it try
 
 
-class use:   # noqa: N801  (used as a function: ``with parts.use(...)``)
+class use:
     """Plug learner's functions in for the named parts (see ``PARTS``) while a ``with`` block lasts.
 
     ``check=True`` (the default) first calls each part on its probe shapes (8 query heads over 2 KV heads,

@@ -16,11 +16,14 @@ place, through a ``block_hasher`` the engine hands to each request).
 Fields a scheduler needs later (sampling parameters, status, timestamps) are
 added below the current ones, with defaults, so existing call sites keep working.
 """
+
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .block_pool import BlockHash
 from .sampling_params import SamplingParams
@@ -29,11 +32,11 @@ from .sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     """Where a request is in its life::
 
-        WAITING ──admit──▶ RUNNING ──EOS / max_tokens / stop id──▶ FINISHED
-           ▲                 │
-           │ recompute       │ pool dry: preempt the newest
-           └── PREEMPTED ◀───┤
-                             └──▶ SWAPPED (its blocks copied to CPU) ──swap in──▶ RUNNING
+    WAITING ──admit──▶ RUNNING ──EOS / max_tokens / stop id──▶ FINISHED
+       ▲                 │
+       │ recompute       │ pool dry: preempt the newest
+       └── PREEMPTED ◀───┤
+                         └──▶ SWAPPED (its blocks copied to CPU) ──swap in──▶ RUNNING
     """
 
     WAITING = "waiting"
@@ -68,7 +71,7 @@ class Request:
     num_preemptions: int = 0
     parent_id: str | None = None  # set on the extra samples of an n > 1 request
     sample_index: int = 0  # 0, or j for the j-th extra sample of an n > 1 request (its seed offset)
-    children: list["Request"] = field(default_factory=list, repr=False)  # those extra samples, on the parent
+    children: list[Request] = field(default_factory=list, repr=False)  # those extra samples, on the parent
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list, repr=False)  # one per output token
     finish_time: float | None = None
@@ -141,11 +144,66 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def metrics(self) -> RequestMetrics:
+        """Its times so far as a ``RequestMetrics`` (a copy: the request goes on)."""
+        return RequestMetrics(
+            self.request_id,
+            self.arrival_time,
+            self.num_prompt_tokens,
+            self.sampling_params.max_tokens,
+            first_token=self.first_token_time,
+            finish=self.finish_time,
+            token_times=list(self.token_times),
+            num_preemptions=self.num_preemptions,
+            rejected=self.finish_reason == "rejected",
+        )
+
+
+@dataclass
+class RequestMetrics:
+    """When things happened to one request, in seconds on the clock of whoever served it: the engine's wall
+    clock (``RequestOutput.metrics``) or the simulator's (``SimResult.requests``), so one set of latency
+    definitions serves both::
+
+        arrival ── queueing ──▶ start ──▶ first_token ─ itl ─▶ token ─ itl ─▶ ... ─▶ finish (its last token)
+        └────────────── ttft ──────────────┘
+        └──────────────────────────────── latency ─────────────────────────────────────┘
+    """
+
+    req_id: str
+    arrival: float
+    prompt_len: int
+    output_len: int  # the most output tokens it asked for (max_tokens)
+    start: float | None = None  # when it first ran (the simulator records it)
+    first_token: float | None = None
+    finish: float | None = None  # its last token
+    token_times: list[float] = field(default_factory=list, repr=False)  # one per output token
+    num_preemptions: int = 0
+    rejected: bool = False
+    release: float | None = None  # static batching: when its batch ended and its memory was released
+
     @property
     def ttft(self) -> float | None:
         """Time to first token: arrival to the first output token."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def queueing(self) -> float | None:
+        return None if self.start is None else self.start - self.arrival
+
+    @property
+    def itls(self) -> np.ndarray:
+        """Inter-token latencies: the gaps between consecutive output tokens."""
+        return np.diff(np.asarray(self.token_times, dtype=float))
 
     @property
     def inter_token_latencies(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return self.itls.tolist()
+
+    @property
+    def mean_itl(self) -> float | None:
+        return float(self.itls.mean()) if len(self.token_times) > 1 else None

@@ -5,6 +5,7 @@ Greedy rows take the argmax. Sampled rows divide by the temperature, keep the
 ``top_p``, then draw. A request with a ``seed`` draws from its own generator, so
 its tokens do not depend on which other requests share the batch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
@@ -39,8 +40,9 @@ class Sampler:
     def __init__(self) -> None:
         self._generators: dict[Hashable, torch.Generator] = {}
 
-    def generator(self, key: Hashable, params: SamplingParams, device: torch.device,
-                  seed_offset: int = 0) -> torch.Generator | None:
+    def generator(
+        self, key: Hashable, params: SamplingParams, device: torch.device, seed_offset: int = 0
+    ) -> torch.Generator | None:
         if params.seed is None:
             return None
         g = self._generators.get(key)
@@ -51,16 +53,26 @@ class Sampler:
     def forget(self, key: Hashable) -> None:
         self._generators.pop(key, None)
 
-    def __call__(self, logits: torch.Tensor, keys: Sequence[Hashable], params: Sequence[SamplingParams],
-                 seed_offsets: Sequence[int] | None = None) -> list[int]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        keys: Sequence[Hashable],
+        params: Sequence[SamplingParams],
+        seed_offsets: Sequence[int] | None = None,
+    ) -> list[int]:
         tokens, errors = self.sample(logits, keys, params, seed_offsets)
         if errors:
             row, why = next(iter(errors.items()))
             raise ValueError(f"sample stream {keys[row]!r}: {why}")
         return tokens  # type: ignore[return-value]
 
-    def sample(self, logits: torch.Tensor, keys: Sequence[Hashable], params: Sequence[SamplingParams],
-               seed_offsets: Sequence[int] | None = None) -> tuple[list[int | None], dict[int, str]]:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        keys: Sequence[Hashable],
+        params: Sequence[SamplingParams],
+        seed_offsets: Sequence[int] | None = None,
+    ) -> tuple[list[int | None], dict[int, str]]:
         """One token per row, and ``{row: why}`` for the rows that cannot be sampled (their token is None).
 
         A row with NaN or +inf logits has no meaningful answer, greedy or not (argmax of NaN is
@@ -84,6 +96,6 @@ class Sampler:
             try:
                 g = self.generator(key, p, logits.device, offsets[i])
                 tokens[i] = int(torch.multinomial(probs, 1, generator=g))
-            except RuntimeError as e:   # e.g. an all-zero distribution after an extreme temperature
+            except RuntimeError as e:  # e.g. an all-zero distribution after an extreme temperature
                 errors[i], tokens[i] = f"sampling failed: {e}", None
         return tokens, errors

@@ -2,6 +2,7 @@
 
 Named and shaped like vLLM's, so code written against minipaged reads the same there.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,7 +46,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         check_int("top_k", self.top_k, -1)
         if self.top_k == 0:
-            object.__setattr__(self, "top_k", -1)      # 0 means "off", as -1 does
+            object.__setattr__(self, "top_k", -1)  # 0 means "off", as -1 does
         _real("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

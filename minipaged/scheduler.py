@@ -41,34 +41,19 @@ What ``schedule()`` returns is plain data (``scheduler_output.SchedulerOutput``)
 positions, block ids, and the ids that finished since the last step, never a live ``Request``, so it can be sent
 to another process as it is.
 """
+
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from . import hooks
-from .config import PREEMPTION_MODES
+from .config import Config, SchedulerConfig
 from .kv_cache_manager import KVCacheManager
-from .utils import cdiv, check_int
 from .request import Request, RequestStatus
-from .scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: F401  (re-exported)
-
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256  # requests in one step
-    max_num_batched_tokens: int = 2048  # tokens in one step: the token budget
-    max_model_len: int = 8192  # prompt + output, per request
-    preemption_mode: str = "recompute"  # "swap" needs swap space: KVCacheManager(num_cpu_blocks=...)
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            check_int(name, getattr(self, name), 1)
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+from .scheduler_output import ScheduledRequest, SchedulerOutput
+from .utils import cdiv
 
 
 def num_seqs_when_running(req: Request) -> int:
@@ -80,9 +65,14 @@ def num_seqs_when_running(req: Request) -> int:
 # The three pieces of one step that the exercises build (06 and 07). Each is a plain function of the
 # queues and the KV cache manager, so a learner's own version can stand in for it (``minipaged.parts``).
 
-def schedule_running(running: list[Request], waiting: deque[Request], kv: KVCacheManager, token_budget: int,
-                     preempt: Callable[[Request, KVCacheManager, deque[Request]], None]
-                     ) -> tuple[list[tuple[str, int]], list[str]]:
+
+def schedule_running(
+    running: list[Request],
+    waiting: deque[Request],
+    kv: KVCacheManager,
+    token_budget: int,
+    preempt: Callable[[Request, KVCacheManager, deque[Request]], None],
+) -> tuple[list[tuple[str, int]], list[str]]:
     """Step 1: serve the running requests, oldest first, while the token budget lasts.
 
     Each gets what it still needs (the rest of its prompt, capped by the budget, or one decode
@@ -125,8 +115,9 @@ def preempt_recompute(victim: Request, kv: KVCacheManager, waiting: deque[Reques
     waiting.appendleft(victim)
 
 
-def admit_waiting(waiting: deque[Request], kv: KVCacheManager, token_budget: int, free_seats: int
-                  ) -> list[tuple[str, int]]:
+def admit_waiting(
+    waiting: deque[Request], kv: KVCacheManager, token_budget: int, free_seats: int
+) -> list[tuple[str, int]]:
     """Step 2: admit waiting requests in arrival order while the budget, the seats and the pool allow.
 
     A request first looks for its prompt in the prefix cache; only the rest is computed, chunked
@@ -160,11 +151,13 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache_manager
         if config.preemption_mode == "swap" and kv_cache_manager.cpu_pool is None:
-            raise ValueError("preemption_mode='swap' needs swap space: give the KVCacheManager num_cpu_blocks >= 2 "
-                             "(block 0 is unused, as on the device)")
+            raise ValueError(
+                "preemption_mode='swap' needs swap space: give the KVCacheManager num_cpu_blocks >= 2 "
+                "(block 0 is unused, as on the device)"
+            )
         self.block_size = kv_cache_manager.block_size
-        self.waiting: deque[Request] = deque()   # new and recompute-preempted requests, in arrival order
-        self.swapped: deque[Request] = deque()   # swap-preempted requests: their blocks wait on the CPU
+        self.waiting: deque[Request] = deque()  # new and recompute-preempted requests, in arrival order
+        self.swapped: deque[Request] = deque()  # swap-preempted requests: their blocks wait on the CPU
         self.running: list[Request] = []
         # Unfinished requests only: a request is forgotten the moment it finishes (its id may be used
         # again); whoever added it keeps the Request object, which holds its tokens and finish reason.
@@ -173,6 +166,20 @@ class Scheduler:
         # Requests that left since the last step, and their random streams: sent with the next step, for the
         # runner to drop what it keeps for them (bounded by the requests that finish between two steps).
         self.finished_req_ids: dict[str, tuple[str, int]] = {}
+
+    @classmethod
+    def from_config(
+        cls, config: Config, num_blocks: int, max_model_len: int | None = None, num_cpu_blocks: int = 0
+    ) -> Scheduler:
+        """A scheduler and its KV cache manager, as a ``Config`` describes them (the engine and the simulator)."""
+        kv = KVCacheManager(
+            config.block_size,
+            num_blocks,
+            enable_caching=config.enable_prefix_caching,
+            watermark=config.watermark,
+            num_cpu_blocks=num_cpu_blocks,
+        )
+        return cls(config.scheduler_config(max_model_len), kv)
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -187,14 +194,21 @@ class Scheduler:
         max_len = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
         capacity = self.kv.num_blocks - 1 - self.kv.reserved_blocks - self.kv.watermark_blocks
         if request.sampling_params.n > self.config.max_num_seqs:
-            self._reject(request, f"n={request.sampling_params.n} samples exceed max_num_seqs="
-                                  f"{self.config.max_num_seqs}")
+            self._reject(
+                request, f"n={request.sampling_params.n} samples exceed max_num_seqs={self.config.max_num_seqs}"
+            )
         elif request.num_prompt_tokens > self.config.max_model_len:
-            self._reject(request, f"prompt of {request.num_prompt_tokens} tokens is longer than "
-                                  f"max_model_len={self.config.max_model_len}")
+            self._reject(
+                request,
+                f"prompt of {request.num_prompt_tokens} tokens is longer than "
+                f"max_model_len={self.config.max_model_len}",
+            )
         elif cdiv(max_len, self.block_size) > capacity:
-            self._reject(request, f"needs up to {cdiv(max_len, self.block_size)} blocks ({max_len} tokens) but the "
-                                  f"KV pool can give one request at most {capacity}")
+            self._reject(
+                request,
+                f"needs up to {cdiv(max_len, self.block_size)} blocks ({max_len} tokens) but the "
+                f"KV pool can give one request at most {capacity}",
+            )
         else:
             request.status = RequestStatus.WAITING
             self.requests[request.request_id] = request
@@ -210,7 +224,7 @@ class Scheduler:
 
     def bookkeeping(self) -> Iterator[Any]:
         """Every object a step changes: the scheduler, the KV manager and its pools, every request (see
-        ``snapshot``: ``LLM.step`` restores them all when a step that runs a learner's part fails)."""
+        ``snapshot``: ``step.run_step`` restores them all when a step that runs a learner's part fails)."""
         yield self
         yield from self.kv.bookkeeping()
         for req in (*self.requests.values(), *self.waiting, *self.swapped, *self.running):
@@ -220,7 +234,7 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         # A new step: the blocks hashed for the last one hold their K/V now (a driver whose step
-        # failed has rolled them back already, see LLM.step), so the manager stops tracking them.
+        # failed has rolled them back already, see step.run_step), so the manager stops tracking them.
         self.kv.commit_step()
         out = SchedulerOutput(block_size=self.block_size)
         budget = self.config.max_num_batched_tokens
@@ -267,17 +281,27 @@ class Scheduler:
         """Put each ``(request id, new tokens)`` in the step; return the tokens they use."""
         for rid, num_new in scheduled:
             req = self.requests[rid]
-            if num_new < 1:   # a row with no token would sample another request's logits
-                raise RuntimeError(f"request {rid!r} scheduled with {num_new} new tokens ({req.num_computed_tokens} "
-                                   f"of {req.num_tokens} computed): scheduler state is broken")
+            if num_new < 1:  # a row with no token would sample another request's logits
+                raise RuntimeError(
+                    f"request {rid!r} scheduled with {num_new} new tokens ({req.num_computed_tokens} "
+                    f"of {req.num_tokens} computed): scheduler state is broken"
+                )
             samples = req.num_computed_tokens + num_new == req.num_tokens  # every known token computed
             first = req.num_output_tokens == 0 and req.parent_id is None
             start = req.num_computed_tokens
-            out.scheduled.append(ScheduledRequest(
-                request_id=rid, num_new_tokens=num_new, start=start, block_ids=self.kv.get_block_ids(rid),
-                num_samples=(req.sampling_params.n if first else 1) if samples else 0,
-                token_ids=req.all_token_ids[start:start + num_new], sampling_params=req.sampling_params,
-                sample_key=req.sample_key, num_prompt_tokens=req.num_prompt_tokens))
+            out.scheduled.append(
+                ScheduledRequest(
+                    request_id=rid,
+                    num_new_tokens=num_new,
+                    start=start,
+                    block_ids=self.kv.get_block_ids(rid),
+                    num_samples=(req.sampling_params.n if first else 1) if samples else 0,
+                    token_ids=req.all_token_ids[start : start + num_new],
+                    sampling_params=req.sampling_params,
+                    sample_key=req.sample_key,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                )
+            )
         return sum(n for _, n in scheduled)
 
     # ---- preemption --------------------------------------------------------------------------
@@ -303,8 +327,9 @@ class Scheduler:
         return True
 
     # ---- after the model ran -----------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]], now: float = 0.0
-                           ) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], now: float = 0.0
+    ) -> list[Request]:
         """Advance every scheduled request; ``sampled`` maps a request id to its new token(s).
 
         A request that samples gets exactly one token, except the first sample of
@@ -320,8 +345,7 @@ class Scheduler:
                 if tokens is not None:
                     raise ValueError(f"request {req.request_id!r} got a token in a step that does not sample")
             elif tokens is None or len(tokens) != s.num_samples:
-                raise ValueError(f"request {req.request_id!r} needs {s.num_samples} sampled token(s), "
-                                 f"got {tokens!r}")
+                raise ValueError(f"request {req.request_id!r} needs {s.num_samples} sampled token(s), got {tokens!r}")
         finished: list[Request] = []
         for s, req in live:
             req.num_computed_tokens += s.num_new_tokens
@@ -335,11 +359,18 @@ class Scheduler:
         return finished
 
     def _fork(self, parent: Request, index: int, token: int, now: float) -> list[Request]:
-        child = Request(request_id=f"{parent.request_id}#{index}", prompt_token_ids=parent.prompt_token_ids,
-                        num_computed_tokens=parent.num_computed_tokens, cache_salt=parent.cache_salt,
-                        sampling_params=parent.sampling_params, eos_token_id=parent.eos_token_id,
-                        arrival_time=parent.arrival_time, parent_id=parent.request_id, sample_index=index,
-                        status=RequestStatus.RUNNING)
+        child = Request(
+            request_id=f"{parent.request_id}#{index}",
+            prompt_token_ids=parent.prompt_token_ids,
+            num_computed_tokens=parent.num_computed_tokens,
+            cache_salt=parent.cache_salt,
+            sampling_params=parent.sampling_params,
+            eos_token_id=parent.eos_token_id,
+            arrival_time=parent.arrival_time,
+            parent_id=parent.request_id,
+            sample_index=index,
+            status=RequestStatus.RUNNING,
+        )
         self.requests[child.request_id] = child
         parent.children.append(child)
         self.kv.fork(parent, child)
@@ -385,9 +416,9 @@ class Scheduler:
         self.finished_req_ids[request_id] = req.sample_key
         return req
 
-    def finish_with_error(self, request_id: str, error: str) -> None:
+    def finish_with_error(self, request_id: str, error: str) -> Request | None:
         """A request that cannot go on (its sampling failed) finishes alone, with ``error`` set."""
-        self.abort(request_id, reason="error", error=error)
+        return self.abort(request_id, reason="error", error=error)
 
 
 def check_invariants(sched: Scheduler) -> None:

@@ -15,6 +15,7 @@ needs nothing else to build the step's tensors::
 The runner turns it into tensors, the slot mapping included (``block_table.slot_mapping``), as vLLM's
 runner-side ``BlockTable`` does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,13 +28,13 @@ class ScheduledRequest:
     """One request's share of a step."""
 
     request_id: str
-    num_new_tokens: int    # a prefill chunk, or 1 for a decode
-    start: int             # position of its first new token (= tokens already computed)
-    block_ids: list[int]   # its block table after this step's allocation
-    num_samples: int       # tokens to sample after this step: 0 mid-prompt, n on an n > 1 request's first, else 1
-    token_ids: list[int] = field(default_factory=list)   # the tokens at positions start .. start + num_new_tokens - 1
+    num_new_tokens: int  # a prefill chunk, or 1 for a decode
+    start: int  # position of its first new token (= tokens already computed)
+    block_ids: list[int]  # its block table after this step's allocation
+    num_samples: int  # tokens to sample after this step: 0 mid-prompt, n on an n > 1 request's first, else 1
+    token_ids: list[int] = field(default_factory=list)  # the tokens at positions start .. start + num_new_tokens - 1
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    sample_key: tuple[str, int] = ("", 0)   # its random stream: (the request it samples for, which sample)
+    sample_key: tuple[str, int] = ("", 0)  # its random stream: (the request it samples for, which sample)
     num_prompt_tokens: int = 0
 
     @property
@@ -51,7 +52,7 @@ class SchedulerOutput:
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
     preempted: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
-    finished_sample_keys: list[tuple[str, int]] = field(default_factory=list)   # their random streams, to drop
+    finished_sample_keys: list[tuple[str, int]] = field(default_factory=list)  # their random streams, to drop
     block_size: int = 16
 
     @property
@@ -60,3 +61,12 @@ class SchedulerOutput:
 
     def positions(self) -> list[list[int]]:
         return [list(range(s.start, s.start + s.num_new_tokens)) for s in self.scheduled]
+
+
+@dataclass
+class RunnerOutput:
+    """What the executor hands back (vLLM: ``ModelRunnerOutput``): the sampled token ids of each request that
+    samples, or why it could not. Plain data too."""
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)

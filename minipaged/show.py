@@ -16,6 +16,7 @@ static and class methods, classes, modules, and Triton kernels (a ``@triton.jit`
 wrapped by ``triton.autotune``/``triton.heuristics``, is shown as the Python function it was written
 as). Anything with no Python source (a built-in, a number, an instance) is refused with a TypeError.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,6 +45,7 @@ class Source:
             from pygments.lexers import PythonLexer
         except ImportError:  # pragma: no cover - pygments comes with IPython
             import html
+
             return f"<pre>{html.escape(self.text)}</pre>"
         formatter = HtmlFormatter(noclasses=True, nobackground=True)
         return highlight(self.text, PythonLexer(), formatter)
@@ -80,7 +82,8 @@ def _where(path: Path, target: Any) -> str:
         return (Path(_PACKAGE_DIR.name) / path.relative_to(_PACKAGE_DIR)).as_posix()
     except ValueError:
         pass
-    module = sys.modules.get((getattr(target, "__module__", None) or getattr(target, "__name__", "")).split(".")[0])
+    name = getattr(target, "__module__", None) or getattr(target, "__name__", None) or ""
+    module = sys.modules.get(name.split(".")[0])
     top = getattr(module, "__file__", None)
     if top:
         root = Path(top).resolve().parent
@@ -94,17 +97,20 @@ def _where(path: Path, target: Any) -> str:
 
 
 def _no_source(obj: Any, why: str) -> TypeError:
-    return TypeError(f"show_source: {obj!r} has no Python source to show ({why}); "
-                     "pass a function, method, class or module, e.g. show_source(BlockPool.get_new_blocks)")
+    return TypeError(
+        f"show_source: {obj!r} has no Python source to show ({why}); "
+        "pass a function, method, class or module, e.g. show_source(BlockPool.get_new_blocks)"
+    )
 
 
 def source_of(obj: Any) -> str:
     """``obj``'s source under a header: ``# slot_mapping in minipaged/block_table.py, lines 99-129``."""
     target = _target(obj)
-    if inspect.isbuiltin(target) or inspect.ismethoddescriptor(target) and not inspect.isfunction(target):
+    if inspect.isbuiltin(target) or (inspect.ismethoddescriptor(target) and not inspect.isfunction(target)):
         raise _no_source(obj, "it is built in, written in C")
-    if not (inspect.isfunction(target) or inspect.isclass(target) or inspect.ismodule(target)
-            or inspect.iscode(target)):
+    if not (
+        inspect.isfunction(target) or inspect.isclass(target) or inspect.ismodule(target) or inspect.iscode(target)
+    ):
         kind = type(target)
         if kind.__module__ == "builtins":
             raise _no_source(obj, f"it is a value of type {kind.__name__}, not a function, method, class or module")
@@ -133,8 +139,10 @@ def _check_current(obj: Any, target: Any, lines: list[str]) -> None:
             if m[1] == target.__name__:
                 return
             break
-    raise OSError(f"show_source: {_name(obj, target)}'s file changed since it was imported, so its lines have "
-                  "moved; restart the kernel (or importlib.reload its module) to see the current code")
+    raise OSError(
+        f"show_source: {_name(obj, target)}'s file changed since it was imported, so its lines have "
+        "moved; restart the kernel (or importlib.reload its module) to see the current code"
+    )
 
 
 def _dedent(lines: list[str]) -> str:
@@ -144,8 +152,8 @@ def _dedent(lines: list[str]) -> str:
     rest from being dedented.
     """
     first = lines[0]
-    indent = first[:len(first) - len(first.lstrip(" \t"))]
-    out = [line[len(indent):] if line.startswith(indent) else line for line in lines]
+    indent = first[: len(first) - len(first.lstrip(" \t"))]
+    out = [line[len(indent) :] if line.startswith(indent) else line for line in lines]
     return "".join(out).rstrip("\n")
 
 

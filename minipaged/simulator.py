@@ -56,21 +56,27 @@ Both return a ``SimResult``: per step (running, waiting, blocks in use, tokens
 scheduled, preemptions) and per request (TTFT, inter-token latency, finish
 time), with ``summary()`` for the headline numbers.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .kv_cache_manager import KVCacheManager
+from .config import Config
 from .kv_math import KVSpec
-from .request import Request
+from .request import Request, RequestMetrics
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput, check_invariants
-from .workloads import Trace
+from .scheduler import Scheduler, check_invariants
+from .scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from .step import run_step
 from .utils import cdiv
+from .workloads import Trace
+
+if TYPE_CHECKING:
+    import torch
 
 FAKE_TOKEN = 1  # what the fake model "samples": any id will do, nobody reads it
 
@@ -128,10 +134,17 @@ class CostModel:
     copies_per_block: int = 1  # separate copies one swapped block takes (vLLM v0: 2 · num_layers)
 
     @classmethod
-    def for_model(cls, model: str | KVSpec = "llama-3-8b", hardware: str | Hardware = "h100",
-                  num_params: float | None = None, weight_bytes_per_param: float = 2.0,
-                  kv_dtype: str | int | None = None, step_overhead: float = 0.0,
-                  copy_latency: float | None = None, copies_per_block: int | None = None) -> CostModel:
+    def for_model(
+        cls,
+        model: str | KVSpec = "llama-3-8b",
+        hardware: str | Hardware = "h100",
+        num_params: float | None = None,
+        weight_bytes_per_param: float = 2.0,
+        kv_dtype: str | int | None = None,
+        step_overhead: float = 0.0,
+        copy_latency: float | None = None,
+        copies_per_block: int | None = None,
+    ) -> CostModel:
         """A cost model for a preset (``kv_math.PRESETS``) or any ``KVSpec`` on a ``HARDWARE`` entry.
 
         ``copy_latency`` (default: the hardware's) and ``copies_per_block`` (default ``2 · num_layers``,
@@ -148,17 +161,30 @@ class CostModel:
         latency = hw.copy_latency if copy_latency is None else copy_latency
         if latency < 0:
             raise ValueError(f"copy_latency must be >= 0 seconds, got {latency!r}")
-        return cls(weight_bytes=params * weight_bytes_per_param, kv_bytes_per_token=spec.bytes_per_token,
-                   flops_per_token=2.0 * params, mem_bandwidth=hw.mem_bandwidth, flops=hw.flops,
-                   swap_bandwidth=hw.swap_bandwidth, step_overhead=step_overhead,
-                   name=f"{spec.name} on {hw.name}", swap_latency=latency, copies_per_block=copies)
+        return cls(
+            weight_bytes=params * weight_bytes_per_param,
+            kv_bytes_per_token=spec.bytes_per_token,
+            flops_per_token=2.0 * params,
+            mem_bandwidth=hw.mem_bandwidth,
+            flops=hw.flops,
+            swap_bandwidth=hw.swap_bandwidth,
+            step_overhead=step_overhead,
+            name=f"{spec.name} on {hw.name}",
+            swap_latency=latency,
+            copies_per_block=copies,
+        )
 
-    def step_time(self, kv_tokens: float, new_tokens: float, swap_bytes: float = 0.0,
-                  swap_copies: float = 0.0) -> float:
+    def step_time(
+        self, kv_tokens: float, new_tokens: float, swap_bytes: float = 0.0, swap_copies: float = 0.0
+    ) -> float:
         memory = (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) / self.mem_bandwidth
         compute = self.flops_per_token * new_tokens / self.flops
-        return (self.step_overhead + (memory if memory > compute else compute)
-                + swap_copies * self.swap_latency + swap_bytes / self.swap_bandwidth)
+        return (
+            self.step_overhead
+            + (memory if memory > compute else compute)
+            + swap_copies * self.swap_latency
+            + swap_bytes / self.swap_bandwidth
+        )
 
     def step_times(self, kv_tokens: np.ndarray, new_tokens: np.ndarray) -> np.ndarray:
         """``step_time`` over arrays of steps (no swapping)."""
@@ -176,8 +202,9 @@ class CostModel:
         return num_blocks * (copies * self.swap_latency + block_size * self.kv_bytes_per_token / self.swap_bandwidth)
 
 
-def swap_vs_recompute(cost: CostModel, num_tokens: int,
-                      block_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256)) -> list[dict[str, float]]:
+def swap_vs_recompute(
+    cost: CostModel, num_tokens: int, block_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+) -> list[dict[str, float]]:
     """What bringing back a preempted request of ``num_tokens`` tokens costs, block size by block size.
 
     One row per block size: ``blocks``, ``copies`` (both ways), ``swap_s`` (out and back in),
@@ -190,21 +217,35 @@ def swap_vs_recompute(cost: CostModel, num_tokens: int,
         blocks = cdiv(num_tokens, bs)
         fixed = 2 * blocks * cost.copies_per_block * cost.swap_latency
         data = 2 * blocks * bs * cost.kv_bytes_per_token / cost.swap_bandwidth
-        rows.append(dict(block_size=bs, blocks=blocks, copies=2 * blocks * cost.copies_per_block,
-                         swap_s=fixed + data, swap_fixed_s=fixed, swap_data_s=data,
-                         recompute_s=cost.step_time(num_tokens, num_tokens)))
+        rows.append(
+            dict(
+                block_size=bs,
+                blocks=blocks,
+                copies=2 * blocks * cost.copies_per_block,
+                swap_s=fixed + data,
+                swap_fixed_s=fixed,
+                swap_data_s=data,
+                recompute_s=cost.step_time(num_tokens, num_tokens),
+            )
+        )
     return rows
 
 
-def kv_pool_blocks(model: str | KVSpec = "llama-3-8b", hardware: str | Hardware = "h100", block_size: int = 16,
-                   gpu_memory_utilization: float = 0.9, weight_bytes_per_param: float = 2.0) -> int:
+def kv_pool_blocks(
+    model: str | KVSpec = "llama-3-8b",
+    hardware: str | Hardware = "h100",
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.9,
+    weight_bytes_per_param: float = 2.0,
+) -> int:
     """Usable KV blocks left after the weights (vLLM's start-up sizing, activations ignored)."""
     from .kv_math import num_blocks_at_startup
 
     spec = KVSpec.from_preset(model) if isinstance(model, str) else model
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
-    return num_blocks_at_startup(hw.memory_bytes, gpu_memory_utilization,
-                                 (spec.num_params or 0) * weight_bytes_per_param, 0, spec, block_size)
+    return num_blocks_at_startup(
+        hw.memory_bytes, gpu_memory_utilization, (spec.num_params or 0) * weight_bytes_per_param, 0, spec, block_size
+    )
 
 
 # ---- the workload ----------------------------------------------------------------------------
@@ -223,8 +264,9 @@ class SimRequest:
         if self.prompt_len < 1 or self.output_len < 1 or self.arrival < 0:
             raise ValueError(f"bad request {self.req_id}: need prompt_len >= 1, output_len >= 1, arrival >= 0")
         if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
-            raise ValueError(f"request {self.req_id}: {len(self.prompt_token_ids)} prompt ids, "
-                             f"prompt_len={self.prompt_len}")
+            raise ValueError(
+                f"request {self.req_id}: {len(self.prompt_token_ids)} prompt ids, prompt_len={self.prompt_len}"
+            )
 
     @property
     def total_len(self) -> int:
@@ -239,8 +281,14 @@ def requests_from_trace(trace: Trace, time_unit: float = 0.0) -> list[SimRequest
     return [SimRequest(r.req_id, r.arrival * time_unit, r.prompt_len, r.output_len) for r in trace]
 
 
-def shared_prefix_requests(requests: Sequence[SimRequest], prefix_len: int, share: float = 1.0,
-                           num_prefixes: int = 1, vocab: int = 32_000, seed: int = 0) -> list[SimRequest]:
+def shared_prefix_requests(
+    requests: Sequence[SimRequest],
+    prefix_len: int,
+    share: float = 1.0,
+    num_prefixes: int = 1,
+    vocab: int = 32_000,
+    seed: int = 0,
+) -> list[SimRequest]:
     """Give a fraction ``share`` of the requests one of ``num_prefixes`` system prompts of ``prefix_len`` tokens.
 
     Each request keeps its own ``prompt_len`` tokens *after* the prefix (random ids),
@@ -260,71 +308,61 @@ def shared_prefix_requests(requests: Sequence[SimRequest], prefix_len: int, shar
 
 
 # ---- configuration and results ---------------------------------------------------------------
-@dataclass(frozen=True)
-class SimConfig:
-    """The engine being simulated: pool, scheduler limits, preemption and caching."""
+@dataclass
+class SimConfig(Config):
+    """The engine's ``Config`` as the simulator reads it: no model, and the pool given in blocks.
 
-    block_size: int = 16
-    num_blocks: int = 4097  # null block included
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_caching: bool = False
-    watermark: float = 0.01
-    preemption_mode: str = "recompute"
-    num_cpu_blocks: int = 0
+    The knobs and their checks are the engine's (``num_gpu_blocks_override`` is the pool, null block
+    included; ``num_cpu_blocks_override`` the swap space); the defaults suit a simulated GPU: 4096 blocks,
+    ``max_model_len`` 2048, prefix caching off (the chapters turn it on to compare).
+    """
+
+    device: str | torch.device | None = "cpu"  # the simulator's bookkeeping runs on the CPU, whatever it models
+    num_gpu_blocks_override: int | None = 4097
+    max_model_len: int | None = 2048
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("num_gpu_blocks_override", "max_model_len"):
+            if getattr(self, name) is None:
+                raise ValueError(f"the simulator needs {name}: it has no model to derive it from")
+
+    @property
+    def num_blocks(self) -> int:
+        assert self.num_gpu_blocks_override is not None  # __post_init__ checked it
+        return self.num_gpu_blocks_override
+
+    @property
+    def model_len(self) -> int:
+        assert self.max_model_len is not None  # __post_init__ checked it
+        return self.max_model_len
 
     @property
     def pool_tokens(self) -> int:
         return (self.num_blocks - 1) * self.block_size
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=self.max_model_len, preemption_mode=self.preemption_mode)
-
     def make_scheduler(self) -> Scheduler:
-        kv = KVCacheManager(self.block_size, self.num_blocks, enable_caching=self.enable_caching,
-                            watermark=self.watermark, num_cpu_blocks=self.num_cpu_blocks)
-        return Scheduler(self.scheduler_config(), kv)
+        return Scheduler.from_config(self, self.num_blocks, self.model_len, self.num_cpu_blocks_override or 0)
 
     def static_batch_cap(self) -> int:
         """Requests a contiguous allocator can hold at once: each reserves ``max_model_len`` slots."""
-        return self.pool_tokens // self.max_model_len
+        return self.pool_tokens // self.model_len
 
 
-@dataclass
-class RequestMetrics:
-    req_id: str
-    arrival: float
-    prompt_len: int
-    output_len: int
-    start: float | None = None  # when it first ran (its first step began)
-    first_token: float | None = None
-    finish: float | None = None  # its last token
-    token_times: list[float] = field(default_factory=list, repr=False)
-    num_preemptions: int = 0
-    rejected: bool = False
-    release: float | None = None  # static batching: when its batch ended and its memory was released
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def latency(self) -> float | None:
-        return None if self.finish is None else self.finish - self.arrival
-
-    @property
-    def queueing(self) -> float | None:
-        return None if self.start is None else self.start - self.arrival
-
-    @property
-    def itls(self) -> np.ndarray:
-        return np.diff(np.asarray(self.token_times, dtype=float))
-
-
-STEP_FIELDS = ("time", "duration", "num_running", "num_waiting", "blocks_in_use", "tokens_scheduled",
-               "prefill_tokens", "kv_tokens", "num_preempted", "swap_out_blocks", "swap_in_blocks")
+STEP_FIELDS = (
+    "time",
+    "duration",
+    "num_running",
+    "num_waiting",
+    "blocks_in_use",
+    "tokens_scheduled",
+    "prefill_tokens",
+    "kv_tokens",
+    "num_preempted",
+    "swap_out_blocks",
+    "swap_in_blocks",
+)
 
 
 @dataclass
@@ -353,7 +391,7 @@ class SimResult:
         if not done:
             raise ValueError("no request finished")
         t0 = min(r.arrival for r in done)
-        makespan = max(r.finish for r in done) - t0
+        makespan = max(r.finish for r in done if r.finish is not None) - t0
         out_tokens = sum(len(r.token_times) for r in done)
         ttft = np.array([r.ttft for r in done])
         lat = np.array([r.latency for r in done])
@@ -362,14 +400,21 @@ class SimResult:
         s = self.steps
         usable = self.config.num_blocks - 1
         return dict(
-            requests=len(done), rejected=len(self.requests) - len(done), makespan_s=makespan,
-            throughput_tok_s=out_tokens / makespan, requests_per_s=len(done) / makespan,
-            ttft_mean_s=float(ttft.mean()), ttft_p50_s=float(np.percentile(ttft, 50)),
+            requests=len(done),
+            rejected=len(self.requests) - len(done),
+            makespan_s=makespan,
+            throughput_tok_s=out_tokens / makespan,
+            requests_per_s=len(done) / makespan,
+            ttft_mean_s=float(ttft.mean()),
+            ttft_p50_s=float(np.percentile(ttft, 50)),
             ttft_p99_s=float(np.percentile(ttft, 99)),
-            itl_mean_s=float(itl.mean()), itl_p50_s=float(np.percentile(itl, 50)),
+            itl_mean_s=float(itl.mean()),
+            itl_p50_s=float(np.percentile(itl, 50)),
             itl_p99_s=float(np.percentile(itl, 99)),
-            latency_mean_s=float(lat.mean()), latency_p99_s=float(np.percentile(lat, 99)),
-            steps=int(len(s["time"])), mean_batch=float(s["num_running"].mean()) if len(s["time"]) else 0.0,
+            latency_mean_s=float(lat.mean()),
+            latency_p99_s=float(np.percentile(lat, 99)),
+            steps=len(s["time"]),
+            mean_batch=float(s["num_running"].mean()) if len(s["time"]) else 0.0,
             peak_blocks=int(s["blocks_in_use"].max()) if len(s["time"]) else 0,
             mean_block_usage=float(s["blocks_in_use"].mean() / usable) if len(s["time"]) else 0.0,
             preemptions=int(s["num_preempted"].sum()),
@@ -383,8 +428,9 @@ def _finish_steps(cols: dict[str, list]) -> dict[str, np.ndarray]:
     return {k: np.asarray(cols[k], dtype=float if k in ("time", "duration") else np.int64) for k in STEP_FIELDS}
 
 
-def fake_samples(out: SchedulerOutput, token: Callable[[ScheduledRequest], int] | int = FAKE_TOKEN
-                 ) -> dict[str, list[int]]:
+def fake_samples(
+    out: SchedulerOutput, token: Callable[[ScheduledRequest], int] | int = FAKE_TOKEN
+) -> dict[str, list[int]]:
     """The fake model: a token for every scheduled request that samples (``n`` on an n > 1 request's first);
     ``token`` is a fixed id or a function of the request's share of the step."""
     if isinstance(token, int):
@@ -395,56 +441,38 @@ def fake_samples(out: SchedulerOutput, token: Callable[[ScheduledRequest], int] 
 # ---- continuous batching: the real scheduler ------------------------------------------------
 def _make_request(i: int, r: SimRequest) -> Request:
     ids = list(r.prompt_token_ids) if r.prompt_token_ids is not None else [i + 2] + [FAKE_TOKEN] * (r.prompt_len - 1)
-    return Request(r.req_id, ids, cache_salt=r.cache_salt, arrival_time=r.arrival,
-                   sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+    return Request(
+        r.req_id,
+        ids,
+        cache_salt=r.cache_salt,
+        arrival_time=r.arrival,
+        sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+    )
 
 
-def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config: SimConfig = SimConfig(),
-                        record_events: bool = True, check: bool = False, max_steps: int = 10_000_000,
-                        on_step: Callable[[Scheduler, SchedulerOutput, float, list[Request]], None] | None = None
-                        ) -> SimResult:
-    """Serve ``requests`` with the real ``Scheduler``; the clock advances by ``cost.step_time`` per step.
+class _SimExecutor:
+    """The simulator's executor: a step takes ``cost.step_time`` of its tokens on the clock, every sampling
+    request gets ``FAKE_TOKEN``; it records what the step did, one row per step (``STEP_FIELDS``)."""
 
-    A request is added to the scheduler once the clock reaches its arrival. With
-    ``check=True`` the block-pool invariants (``scheduler.check_invariants``)
-    are asserted after every step (slower: for tests). ``on_step(scheduler, output,
-    now, finished)`` is called after each step, e.g. to take snapshots for a widget;
-    ``finished`` lists the requests that finished in that step, and those rejected on
-    arrival since the step before (the scheduler itself forgets finished requests).
-    """
-    sched = config.make_scheduler()
-    kv = sched.kv
-    checker = check_invariants if check else None
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-    metrics = {r.req_id: RequestMetrics(r.req_id, r.arrival, r.prompt_len, r.output_len) for r in requests}
-    if len(metrics) != len(requests):
-        raise ValueError("request ids must be unique")
-    cols: dict[str, list] = {k: [] for k in STEP_FIELDS}
-    events: list[tuple[float, str, str]] = []
-    usable = config.num_blocks - 1
-    bytes_per_block = cost.kv_bytes_per_token * config.block_size
-    hit_tokens = query_tokens = 0
-    now, nxt, n = 0.0, 0, len(order)
-    added: dict[str, Request] = {}   # the scheduler forgets finished requests; the driver keeps its own
-    rejected: list[Request] = []
-    while nxt < n or sched.has_unfinished():
-        while nxt < n and requests[order[nxt]].arrival <= now:
-            i = order[nxt]
-            req = _make_request(i, requests[i])
-            added[req.request_id] = req
-            sched.add_request(req)
-            if req.is_finished:
-                rejected.append(req)
-            nxt += 1
-        if not sched.has_unfinished():
-            now = max(now, requests[order[nxt]].arrival)
-            continue
-        before = {r.request_id for r in sched.running}
-        swapped_before = set(kv.swapped_blocks)
-        out = sched.schedule()
+    def __init__(self, sched: Scheduler, cost: CostModel, config: SimConfig, record_events: bool) -> None:
+        self.sched, self.cost, self.record_events = sched, cost, record_events
+        self.bytes_per_block = cost.kv_bytes_per_token * config.block_size
+        self.now = 0.0
+        self.cols: dict[str, list] = {k: [] for k in STEP_FIELDS}
+        self.events: list[tuple[float, str, str]] = []
+        self.starts: dict[str, float] = {}  # when each request first ran
+        self.hit_tokens = self.query_tokens = 0
+        # Set before each step: who was running, and whose blocks were on the CPU, when it began.
+        self.running_before: set[str] = set()
+        self.swapped_before: set[str] = set()
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        sched, now = self.sched, self.now
         if not out.scheduled:
-            raise RuntimeError(f"the scheduler made no progress at t={now:.3f}s "
-                               f"({len(sched.waiting) + len(sched.swapped)} waiting, {len(sched.running)} running)")
+            raise RuntimeError(
+                f"the scheduler made no progress at t={now:.3f}s "
+                f"({len(sched.waiting) + len(sched.swapped)} waiting, {len(sched.running)} running)"
+            )
         kv_tokens = new_tokens = prefill = 0
         for s in out.scheduled:
             new_tokens += s.num_new_tokens
@@ -453,57 +481,115 @@ def simulate_continuous(requests: Sequence[SimRequest], cost: CostModel, config:
             if s.start < req.num_prompt_tokens:
                 prefill += s.num_new_tokens
             rid = s.request_id
-            if rid not in before:
-                m = metrics.get(rid)
-                if m is not None and m.start is None:
-                    m.start = now
-                if rid not in swapped_before:  # a (re)admission that looked in the prefix cache
-                    hit_tokens += s.start
-                    query_tokens += req.num_tokens
-                if record_events:
-                    events.append((now, "resume" if req.num_preemptions else "admit", rid))
-        if record_events:
-            events.extend((now, "preempt", rid) for rid in out.preempted)
+            if rid not in self.running_before:
+                self.starts.setdefault(rid, now)
+                if rid not in self.swapped_before:  # a (re)admission that looked in the prefix cache
+                    self.hit_tokens += s.start
+                    self.query_tokens += req.num_tokens
+                if self.record_events:
+                    self.events.append((now, "resume" if req.num_preemptions else "admit", rid))
+        if self.record_events:
+            self.events.extend((now, "preempt", rid) for rid in out.preempted)
         swaps = len(out.swap_out) + len(out.swap_in)
-        dt = cost.step_time(kv_tokens, new_tokens, swaps * bytes_per_block, swaps * cost.copies_per_block)
-        cols["time"].append(now)
-        cols["duration"].append(dt)
-        cols["num_running"].append(len(out.scheduled))
-        cols["num_waiting"].append(len(sched.waiting) + len(sched.swapped))
-        cols["blocks_in_use"].append(usable - kv.get_num_free_blocks())
-        cols["tokens_scheduled"].append(new_tokens)
-        cols["prefill_tokens"].append(prefill)
-        cols["kv_tokens"].append(kv_tokens)
-        cols["num_preempted"].append(len(out.preempted))
-        cols["swap_out_blocks"].append(len(out.swap_out))
-        cols["swap_in_blocks"].append(len(out.swap_in))
-        now += dt
-        finished = sched.update_from_output(out, fake_samples(out), now)
-        if record_events:
-            events.extend((now, "finish", r.request_id) for r in finished)
-        if checker is not None:
-            checker(sched)
-        if on_step is not None:
-            on_step(sched, out, now, rejected + finished)
-        rejected = []
-        if len(cols["time"]) >= max_steps:
-            raise RuntimeError(f"more than {max_steps} steps")
-    for rid, req in added.items():
-        m = metrics[rid]
-        m.num_preemptions = req.num_preemptions
-        if req.finish_reason == "rejected":
-            m.rejected = True
+        dt = self.cost.step_time(
+            kv_tokens, new_tokens, swaps * self.bytes_per_block, swaps * self.cost.copies_per_block
+        )
+        row = dict(
+            time=now,
+            duration=dt,
+            num_running=len(out.scheduled),
+            num_waiting=len(sched.waiting) + len(sched.swapped),
+            blocks_in_use=sched.kv.num_blocks - 1 - sched.kv.get_num_free_blocks(),
+            tokens_scheduled=new_tokens,
+            prefill_tokens=prefill,
+            kv_tokens=kv_tokens,
+            num_preempted=len(out.preempted),
+            swap_out_blocks=len(out.swap_out),
+            swap_in_blocks=len(out.swap_in),
+        )
+        for k in STEP_FIELDS:
+            self.cols[k].append(row[k])
+        self.now = now + dt
+        return RunnerOutput(fake_samples(out))
+
+    def release(self, sample_keys: list[tuple[str, int]]) -> None:
+        pass  # no per-request state
+
+
+def simulate_continuous(
+    requests: Sequence[SimRequest],
+    cost: CostModel,
+    config: SimConfig | None = None,
+    record_events: bool = True,
+    check: bool = False,
+    max_steps: int = 10_000_000,
+    on_step: Callable[[Scheduler, SchedulerOutput, float, list[Request]], None] | None = None,
+) -> SimResult:
+    """Serve ``requests`` with the real ``Scheduler``, stepped by ``step.run_step`` like the engine; the
+    executor is a clock that advances by ``cost.step_time`` per step (default config: ``SimConfig()``).
+
+    A request is added to the scheduler once the clock reaches its arrival. With
+    ``check=True`` the block-pool invariants (``scheduler.check_invariants``)
+    are asserted after every step (slower: for tests). ``on_step(scheduler, output,
+    now, finished)`` is called after each step, e.g. to take snapshots for a widget;
+    ``finished`` lists the requests that finished in that step, and those rejected on
+    arrival since the step before (the scheduler itself forgets finished requests).
+    """
+    config = config or SimConfig()
+    sched = config.make_scheduler()
+    ex = _SimExecutor(sched, cost, config, record_events)
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    if len({r.req_id for r in requests}) != len(requests):
+        raise ValueError("request ids must be unique")
+    nxt, n, steps = 0, len(order), 0
+    added: dict[str, Request] = {}  # the scheduler forgets finished requests; the driver keeps its own
+    rejected: list[Request] = []
+    while nxt < n or sched.has_unfinished():
+        while nxt < n and requests[order[nxt]].arrival <= ex.now:
+            req = _make_request(order[nxt], requests[order[nxt]])
+            added[req.request_id] = req
+            sched.add_request(req)
+            if req.is_finished:
+                rejected.append(req)
+            nxt += 1
+        if not sched.has_unfinished():
+            ex.now = max(ex.now, requests[order[nxt]].arrival)
             continue
-        m.token_times = req.token_times
-        m.first_token, m.finish = req.first_token_time, req.finish_time
-    info = dict(prefix_hit_tokens=hit_tokens, prefix_query_tokens=query_tokens,
-                prefix_hit_rate=hit_tokens / query_tokens if query_tokens else 0.0)
-    return SimResult("continuous", config, cost, list(metrics.values()), _finish_steps(cols), events, info)
+        ex.running_before = {r.request_id for r in sched.running}
+        ex.swapped_before = set(sched.kv.swapped_blocks)
+        res = run_step(sched, ex, lambda: ex.now)
+        steps += 1
+        if record_events:
+            ex.events.extend((ex.now, "finish", r.request_id) for r in res.finished)
+        if check:
+            check_invariants(sched)
+        if on_step is not None:
+            on_step(sched, res.output, ex.now, rejected + res.finished)
+        rejected = []
+        if steps >= max_steps:
+            raise RuntimeError(f"more than {max_steps} steps")
+    metrics: list[RequestMetrics] = []
+    for r in requests:
+        m = added[r.req_id].metrics()
+        m.start = ex.starts.get(r.req_id)
+        metrics.append(m)
+    info = dict(
+        prefix_hit_tokens=ex.hit_tokens,
+        prefix_query_tokens=ex.query_tokens,
+        prefix_hit_rate=ex.hit_tokens / ex.query_tokens if ex.query_tokens else 0.0,
+    )
+    return SimResult("continuous", config, cost, metrics, _finish_steps(ex.cols), ex.events, info)
 
 
 # ---- static batching: the baseline -----------------------------------------------------------
-def simulate_static(requests: Sequence[SimRequest], cost: CostModel, config: SimConfig = SimConfig(),
-                    batch_size: int | None = None, padded: bool = True, record_events: bool = True) -> SimResult:
+def simulate_static(
+    requests: Sequence[SimRequest],
+    cost: CostModel,
+    config: SimConfig | None = None,
+    batch_size: int | None = None,
+    padded: bool = True,
+    record_events: bool = True,
+) -> SimResult:
     """Serve ``requests`` in fixed batches, each running until its longest member finishes.
 
     * The engine, when idle, takes the requests that have arrived, in arrival
@@ -520,24 +606,26 @@ def simulate_static(requests: Sequence[SimRequest], cost: CostModel, config: Sim
     * A request's tokens stream out as they are produced (``finish`` = its own last
       token); its memory is released only when the batch ends (``release``).
     """
+    config = config or SimConfig()
     cap = config.static_batch_cap()
     if cap < 1:
-        raise ValueError(f"a pool of {config.pool_tokens} tokens cannot reserve even one request of "
-                         f"max_model_len={config.max_model_len}")
+        raise ValueError(
+            f"a pool of {config.pool_tokens} tokens cannot reserve even one request of max_model_len={config.model_len}"
+        )
     B = cap if batch_size is None else min(batch_size, cap)
     if B < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     metrics = [RequestMetrics(r.req_id, r.arrival, r.prompt_len, r.output_len) for r in requests]
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-    ok = [i for i in order if requests[i].prompt_len <= config.max_model_len]
+    ok = [i for i in order if requests[i].prompt_len <= config.model_len]
     for i in order:
-        if requests[i].prompt_len > config.max_model_len:
+        if requests[i].prompt_len > config.model_len:
             metrics[i].rejected = True
     # As in the scheduler, a request stops when it reaches max_model_len (always after at least one token).
-    out_len = {i: max(1, min(requests[i].output_len, config.max_model_len - requests[i].prompt_len)) for i in ok}
+    out_len = {i: max(1, min(requests[i].output_len, config.model_len - requests[i].prompt_len)) for i in ok}
     parts: dict[str, list[np.ndarray]] = {k: [] for k in STEP_FIELDS}
     events: list[tuple[float, str, str]] = []
-    reserved_blocks = cdiv(config.max_model_len, config.block_size)
+    reserved_blocks = cdiv(config.model_len, config.block_size)
     now, k, batches = 0.0, 0, 0
     arrivals = np.array([requests[i].arrival for i in ok], dtype=float)
     while k < len(ok):
@@ -548,12 +636,12 @@ def simulate_static(requests: Sequence[SimRequest], cost: CostModel, config: Sim
         batch = ok[k:end]
         p = np.array([requests[i].prompt_len for i in batch])
         o = np.array([out_len[i] for i in batch])
-        rows, P, O = len(batch), int(p.max()), int(o.max())
-        # step 0: the prefill (first token); steps 1..O-1: decodes (token j+1 of every live row)
-        steps = np.arange(O)
-        live = (o[None, :] > steps[:, None])  # [O, rows]: row still producing tokens at step j
+        rows, P, steps_out = len(batch), int(p.max()), int(o.max())
+        # step 0: the prefill (first token); steps 1..steps_out-1: decodes (token j+1 of every live row)
+        steps = np.arange(steps_out)
+        live = o[None, :] > steps[:, None]  # [steps_out, rows]: row still producing tokens at step j
         if padded:
-            new = np.full(O, rows, dtype=np.int64)
+            new = np.full(steps_out, rows, dtype=np.int64)
             new[0] = rows * P
             kv = rows * (P + steps)
         else:
@@ -570,36 +658,46 @@ def simulate_static(requests: Sequence[SimRequest], cost: CostModel, config: Sim
             m.first_token, m.finish, m.release = m.token_times[0], m.token_times[-1], float(ends[-1])
         if record_events:
             events.append((now, "batch", ",".join(requests[i].req_id for i in batch)))
-            events.extend(sorted((metrics[i].finish, "finish", requests[i].req_id) for i in batch))
+            events.extend(sorted((float(ends[o[j] - 1]), "finish", requests[i].req_id) for j, i in enumerate(batch)))
         waiting_after = np.searchsorted(arrivals, starts, side="right") - end
         parts["time"].append(starts)
         parts["duration"].append(dt)
         parts["num_running"].append(live.sum(axis=1))
         parts["num_waiting"].append(np.maximum(waiting_after, 0))
-        parts["blocks_in_use"].append(np.full(O, rows * reserved_blocks))
+        parts["blocks_in_use"].append(np.full(steps_out, rows * reserved_blocks))
         parts["tokens_scheduled"].append(new)
-        prefill = np.zeros(O, dtype=np.int64)
+        prefill = np.zeros(steps_out, dtype=np.int64)
         prefill[0] = new[0]
         parts["prefill_tokens"].append(prefill)
         parts["kv_tokens"].append(np.asarray(kv))
         for name in ("num_preempted", "swap_out_blocks", "swap_in_blocks"):
-            parts[name].append(np.zeros(O, dtype=np.int64))
+            parts[name].append(np.zeros(steps_out, dtype=np.int64))
         now = float(ends[-1])
         k = end
         batches += 1
-    steps = {name: (np.concatenate(v) if v else np.zeros(0)).astype(float if name in ("time", "duration")
-                                                                   else np.int64)
-             for name, v in parts.items()}
+    step_cols = {
+        name: (np.concatenate(v) if v else np.zeros(0)).astype(float if name in ("time", "duration") else np.int64)
+        for name, v in parts.items()
+    }
     used = sum(out_len.values())
     computed_useful = sum(requests[i].prompt_len + out_len[i] for i in ok)
-    info = dict(batch_size=B, batch_cap=cap, batches=batches,
-                padding_fraction=1.0 - computed_useful / max(1, int(steps["tokens_scheduled"].sum())),
-                output_tokens=used)
-    return SimResult("static", config, cost, metrics, steps, events, info)
+    info = dict(
+        batch_size=B,
+        batch_cap=cap,
+        batches=batches,
+        padding_fraction=1.0 - computed_useful / max(1, int(step_cols["tokens_scheduled"].sum())),
+        output_tokens=used,
+    )
+    return SimResult("static", config, cost, metrics, step_cols, events, info)
 
 
-def compare(requests: Sequence[SimRequest], cost: CostModel, config: SimConfig = SimConfig(),
-            batch_size: int | None = None, padded: bool = True) -> dict[str, dict[str, float]]:
+def compare(
+    requests: Sequence[SimRequest],
+    cost: CostModel,
+    config: SimConfig | None = None,
+    batch_size: int | None = None,
+    padded: bool = True,
+) -> dict[str, dict[str, float]]:
     """``summary()`` of static and continuous batching on the same requests, cost model and memory."""
     static = simulate_static(requests, cost, config, batch_size, padded=padded, record_events=False)
     cont = simulate_continuous(requests, cost, config, record_events=False)
@@ -617,7 +715,22 @@ def format_table(rows: dict[str, dict[str, float]], keys: Iterable[tuple[str, st
     return "\n".join(lines)
 
 
-__all__ = ["HARDWARE", "CostModel", "Hardware", "RequestMetrics", "STEP_FIELDS", "SimConfig", "SimRequest",
-           "SimResult", "compare", "fake_samples", "format_table", "kv_pool_blocks", "requests_from_trace",
-           "shared_prefix_requests", "simulate_continuous", "simulate_static", "swap_vs_recompute"]
-
+__all__ = [
+    "HARDWARE",
+    "STEP_FIELDS",
+    "CostModel",
+    "Hardware",
+    "RequestMetrics",
+    "SimConfig",
+    "SimRequest",
+    "SimResult",
+    "compare",
+    "fake_samples",
+    "format_table",
+    "kv_pool_blocks",
+    "requests_from_trace",
+    "shared_prefix_requests",
+    "simulate_continuous",
+    "simulate_static",
+    "swap_vs_recompute",
+]

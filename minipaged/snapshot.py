@@ -4,7 +4,7 @@ The engine's own pieces are written so that a failed step leaves nothing half-do
 everything before it changes anything; a step's results are applied only once they are all in). A learner's
 part (``minipaged.parts``) gives no such promise: a ``remove`` that unlinks a block and then hits a typo, an
 admission that pops a request and then raises, leave the free queue, the ref counts or the queues half-changed,
-deep inside a section that must not fail. So while parts are plugged in, ``LLM.step`` takes a snapshot of every
+deep inside a section that must not fail. So while parts are plugged in, ``step.run_step`` takes a snapshot of every
 object of the bookkeeping first, and restores it if the step raises::
 
     snap = Snapshot.take(scheduler.bookkeeping())   # scheduler, KV manager, pools, blocks, requests
@@ -19,6 +19,7 @@ sets they hold, in place (so a list another object also holds is fixed for both)
 cache's contents; a checked part writes to a scratch copy first, see ``parts``) and objects not listed.
 The cost is one pass over the blocks and requests per step, paid only while parts are plugged in.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -85,7 +86,7 @@ class Snapshot:
     def restore(self) -> None:
         for obj, fields in self._saved:
             if hasattr(obj, "__dict__"):
-                for name in set(vars(obj)) - set(fields):   # attributes added since: gone again
+                for name in set(vars(obj)) - set(fields):  # attributes added since: gone again
                     delattr(obj, name)
             for name, saved in fields.items():
                 object.__setattr__(obj, name, _put(saved))

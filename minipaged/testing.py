@@ -14,6 +14,7 @@ show up there.
 
 The checks are ``assert`` statements: do not run this module under ``python -O``.
 """
+
 from __future__ import annotations
 
 import random
@@ -25,8 +26,10 @@ from .cache_engine import CacheEngine
 from .kv_cache_manager import KVCacheManager
 from .request import Request
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_invariants  # noqa: F401 (re-exported)
+from .scheduler import Scheduler, SchedulerConfig, check_invariants
+from .scheduler_output import RunnerOutput, SchedulerOutput
 from .simulator import fake_samples
+from .step import run_step
 
 EOS = 0
 
@@ -50,12 +53,35 @@ def check_step_limits(sched: Scheduler, out: SchedulerOutput) -> None:
 class Driver:
     """Runs a scheduler with a fake model; checks the cache contents and the invariants every step."""
 
-    def __init__(self, block_size=4, num_blocks=32, caching=True, watermark_blocks=1, mode="recompute",
-                 num_cpu_blocks=0, budget=64, max_num_seqs=8, max_model_len=256, seed=0):
-        self.kv = KVCacheManager(block_size, num_blocks, enable_caching=caching, watermark_blocks=watermark_blocks,
-                                 num_cpu_blocks=num_cpu_blocks)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                               max_model_len=max_model_len, preemption_mode=mode), self.kv)
+    def __init__(
+        self,
+        block_size=4,
+        num_blocks=32,
+        caching=True,
+        watermark_blocks=1,
+        mode="recompute",
+        num_cpu_blocks=0,
+        budget=64,
+        max_num_seqs=8,
+        max_model_len=256,
+        seed=0,
+    ):
+        self.kv = KVCacheManager(
+            block_size,
+            num_blocks,
+            enable_caching=caching,
+            watermark_blocks=watermark_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+        )
+        self.sched = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=max_model_len,
+                preemption_mode=mode,
+            ),
+            self.kv,
+        )
         self.cache = CacheEngine(1, num_blocks, block_size, 1, 1, num_cpu_blocks=num_cpu_blocks)
         self.rng = random.Random(seed)
         self.block_size = block_size
@@ -64,12 +90,13 @@ class Driver:
         # (forks included) and every finish it was told of, to check each finishes exactly once.
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []
+        self._step_requests: dict[str, Request] = {}  # the requests of the step being run, by id
 
     def add(self, rid, prompt, **params):
         req = Request(rid, prompt, sampling_params=SamplingParams(**params), eos_token_id=EOS)
         self.sched.add_request(req)
         self.requests[rid] = req
-        if req.is_finished:   # rejected on arrival
+        if req.is_finished:  # rejected on arrival
             self.finished.append(req)
         return req
 
@@ -77,7 +104,19 @@ class Driver:
         return random.Random(f"{req.request_id}/{req.num_tokens}").randrange(0, 40)
 
     def step(self):
-        out = self.sched.schedule()
+        """One step through ``step.run_step``, the engine's own driver, with this fake model as the executor."""
+        res = run_step(self.sched, self, lambda: float(self.steps))
+        self.finished += res.finished
+        for r in res.finished:
+            self.requests.setdefault(r.request_id, r)
+        for req in self._step_requests.values():
+            for child in req.children:
+                self.requests.setdefault(child.request_id, child)
+        self.check_invariants()
+        return res.output
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """The fake model: block copies, a K/V write per new token, a read-back of every scheduled context."""
         self.steps += 1
         check_step_limits(self.sched, out)
         self.cache.swap_out(out.swap_out)
@@ -88,9 +127,13 @@ class Driver:
         slots = slot_mapping([s.block_ids for s in out.scheduled], out.positions(), bs)
         assert slots.numel() == out.total_num_scheduled_tokens and bool((slots >= 0).all())
         assert len(set(slots.tolist())) == slots.numel()  # no two tokens written to one slot
-        requests = {s.request_id: self.sched.requests[s.request_id] for s in out.scheduled}   # the step's, by id
-        values = [prefix_value(requests[s.request_id].all_token_ids[: p + 1]) for s in out.scheduled
-                  for p in range(s.start, s.start + s.num_new_tokens)]
+        requests = {s.request_id: self.sched.requests[s.request_id] for s in out.scheduled}  # the step's, by id
+        self._step_requests = requests
+        values = [
+            prefix_value(requests[s.request_id].all_token_ids[: p + 1])
+            for s in out.scheduled
+            for p in range(s.start, s.start + s.num_new_tokens)
+        ]
         kcache[slots] = torch.tensor(values)
         # Like a model layer, a step writes its new K/V first, then attends: every position up to the
         # last new one must now hold its own prefix's value (prefix hits may read blocks written this step).
@@ -101,17 +144,12 @@ class Driver:
                 assert kcache[slot] == prefix_value(tokens[: p + 1]), (s.request_id, p, self.steps)
         # The first sample of each request comes from ``sample``; the extra samples of an n > 1 fork are random.
         sampled = fake_samples(out, lambda s: self.sample(requests[s.request_id]))
-        for rid, tokens in sampled.items():
+        for tokens in sampled.values():
             tokens[1:] = [self.rng.randrange(0, 40) for _ in tokens[1:]]
-        finished = self.sched.update_from_output(out, sampled, now=float(self.steps))
-        self.finished += finished
-        for r in finished:
-            self.requests.setdefault(r.request_id, r)
-        for s in out.scheduled:
-            for child in requests[s.request_id].children:
-                self.requests.setdefault(child.request_id, child)
-        self.check_invariants()
-        return out
+        return RunnerOutput(sampled)
+
+    def release(self, sample_keys: list[tuple[str, int]]) -> None:
+        pass  # the fake model keeps nothing per request
 
     def check_invariants(self):
         check_invariants(self.sched)
@@ -125,10 +163,17 @@ class Driver:
 
 def random_config(rng: random.Random) -> dict:
     mode = rng.choice(["recompute", "swap"])
-    return dict(block_size=rng.choice([1, 2, 4, 8, 16]), num_blocks=rng.randint(4, 40),
-                caching=rng.random() < 0.6, watermark_blocks=rng.choice([0, 0, 1]), mode=mode,
-                num_cpu_blocks=rng.randint(2, 30) if mode == "swap" else 0, budget=rng.choice([1, 3, 8, 32, 128]),
-                max_num_seqs=rng.randint(1, 8), max_model_len=rng.choice([16, 48, 200]))
+    return dict(
+        block_size=rng.choice([1, 2, 4, 8, 16]),
+        num_blocks=rng.randint(4, 40),
+        caching=rng.random() < 0.6,
+        watermark_blocks=rng.choice([0, 0, 1]),
+        mode=mode,
+        num_cpu_blocks=rng.randint(2, 30) if mode == "swap" else 0,
+        budget=rng.choice([1, 3, 8, 32, 128]),
+        max_num_seqs=rng.randint(1, 8),
+        max_model_len=rng.choice([16, 48, 200]),
+    )
 
 
 def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
@@ -142,8 +187,17 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
     exactly once with the right number of tokens, and every block must be free.
     """
     rng = random.Random(seed)
-    seen = dict(steps=0, rounds=0, requests=0, preemptions=0, swapped_blocks=0, cow_copies=0, prefix_hit_tokens=0,
-                rejected=0, forks=0)
+    seen = dict(
+        steps=0,
+        rounds=0,
+        requests=0,
+        preemptions=0,
+        swapped_blocks=0,
+        cow_copies=0,
+        prefix_hit_tokens=0,
+        rejected=0,
+        forks=0,
+    )
     while seen["steps"] < total_steps:
         cfg = random_config(rng)
         d = Driver(**cfg, seed=rng.randrange(1 << 30))
@@ -159,9 +213,11 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
             assert d.steps < 50_000, "no progress"
             seen["swapped_blocks"] += len(out.swap_out)
             seen["cow_copies"] += len(out.copy_blocks)
-            seen["prefix_hit_tokens"] += sum(s.start for s in out.scheduled if d.requests[s.request_id].num_output_tokens == 0)
+            seen["prefix_hit_tokens"] += sum(
+                s.start for s in out.scheduled if d.requests[s.request_id].num_output_tokens == 0
+            )
         assert d.kv.block_pool.get_num_free_blocks() == d.kv.num_blocks - 1  # nothing leaked
-        assert not d.sched.requests   # the scheduler forgot every finished request
+        assert not d.sched.requests  # the scheduler forgot every finished request
         for rid, req in d.requests.items():
             assert req.is_finished, rid
             if req.finish_reason == "rejected":

@@ -1,4 +1,5 @@
 """Two helpers every module needs: ceiling division and a checked integer argument."""
+
 from __future__ import annotations
 
 import numbers
@@ -11,9 +12,10 @@ def cdiv(a: int, b: int) -> int:
 
 def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` if it is an integer (not a bool) in ``[minimum, maximum]``; else a ValueError naming ``name``."""
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
-        return int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        number = int(value)
+        if (minimum is None or number >= minimum) and (maximum is None or number <= maximum):
+            return number
     if minimum == 1 and maximum is None:
         want = "a positive integer"
     elif minimum == 0 and maximum is None:

@@ -21,11 +21,11 @@ per step until it has ``output_len`` of them (tokens held after each step)::
 All randomness goes through ``numpy.random.Generator(PCG64(seed))``: same seed,
 same numbers, on every machine.
 """
+
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,8 +44,13 @@ STATIC_VS_PAGED_NUM_LAYERS = 32
 STATIC_VS_PAGED_NUM_KV_HEADS = 8
 STATIC_VS_PAGED_HEAD_DIM = 128
 STATIC_VS_PAGED_DTYPE_BYTES = 2
-STATIC_VS_PAGED_BYTES_PER_TOKEN = (2 * STATIC_VS_PAGED_NUM_LAYERS * STATIC_VS_PAGED_NUM_KV_HEADS
-                                   * STATIC_VS_PAGED_HEAD_DIM * STATIC_VS_PAGED_DTYPE_BYTES)
+STATIC_VS_PAGED_BYTES_PER_TOKEN = (
+    2
+    * STATIC_VS_PAGED_NUM_LAYERS
+    * STATIC_VS_PAGED_NUM_KV_HEADS
+    * STATIC_VS_PAGED_HEAD_DIM
+    * STATIC_VS_PAGED_DTYPE_BYTES
+)
 STATIC_VS_PAGED_MAX_CONTEXT = 8192
 STATIC_VS_PAGED_BLOCK_SIZE = 16
 STATIC_VS_PAGED_NUM_REQUESTS = 100
@@ -60,10 +65,18 @@ STATIC_VS_PAGED_LOGNORMAL_SIGMA = 0.55
 STATIC_VS_PAGED_RNG_SEED = 292
 # What the program printed, as "Inference at scale" section 23.1 shows it, for side-by-side tables.
 STATIC_VS_PAGED_PRINTED = {
-    "min": 34, "mean": 193, "max": 631, "total_tokens": 19269,
-    "static_allocated_gb": 107.37, "static_used_gb": 2.53, "static_utilisation_pct": 2.4,
-    "paged_blocks": 1253, "paged_allocated_gb": 2.63, "paged_utilisation_pct": 96.1,
-    "saved_gb": 104.75, "ratio": 40.9,
+    "min": 34,
+    "mean": 193,
+    "max": 631,
+    "total_tokens": 19269,
+    "static_allocated_gb": 107.37,
+    "static_used_gb": 2.53,
+    "static_utilisation_pct": 2.4,
+    "paged_blocks": 1253,
+    "paged_allocated_gb": 2.63,
+    "paged_utilisation_pct": 96.1,
+    "saved_gb": 104.75,
+    "ratio": 40.9,
 }
 
 # ---- a chat mix: (fraction of requests, shortest, longest) in tokens ------------------------
@@ -91,8 +104,16 @@ def _check_n(n: int) -> int:
     return check_int("n", n, 0)
 
 
-def lognormal_lengths(n: int, *, mean: float | None = None, median: float | None = None, sigma: float = 0.55,
-                      lo: int = 1, hi: int | None = None, seed: int | np.random.Generator = 0) -> np.ndarray:
+def lognormal_lengths(
+    n: int,
+    *,
+    mean: float | None = None,
+    median: float | None = None,
+    sigma: float = 0.55,
+    lo: int = 1,
+    hi: int | None = None,
+    seed: int | np.random.Generator = 0,
+) -> np.ndarray:
     """``n`` integer lengths, lognormal, rounded and clipped to ``[lo, hi]``.
 
     Give exactly one of ``mean`` or ``median`` (of the unclipped distribution):
@@ -107,13 +128,14 @@ def lognormal_lengths(n: int, *, mean: float | None = None, median: float | None
         raise ValueError(f"need a positive mean/median and sigma >= 0, got {centre!r}, {sigma!r}")
     if hi is not None and hi < lo:
         raise ValueError(f"hi ({hi}) must be >= lo ({lo})")
-    mu = math.log(centre) - (sigma ** 2 / 2 if mean is not None else 0.0)
+    mu = math.log(centre) - (sigma**2 / 2 if mean is not None else 0.0)
     x = np.rint(_rng(seed).lognormal(mu, sigma, n))
     return np.clip(x, lo, hi if hi is not None else np.inf).astype(np.int64)
 
 
-def chat_mix_lengths(n: int, seed: int | np.random.Generator = 0,
-                     mix: tuple[tuple[float, int, int], ...] = CHAT_MIX) -> np.ndarray:
+def chat_mix_lengths(
+    n: int, seed: int | np.random.Generator = 0, mix: tuple[tuple[float, int, int], ...] = CHAT_MIX
+) -> np.ndarray:
     """``n`` lengths from the chat mix: pick a bucket by its share, then a length log-uniformly inside it.
 
     Log-uniform inside a bucket keeps the skew the mix describes (a 1k-5k request
@@ -131,8 +153,9 @@ def chat_mix_lengths(n: int, seed: int | np.random.Generator = 0,
     return np.clip(np.rint(x), lo, hi).astype(np.int64)
 
 
-def sharegpt_like_pairs(n: int, seed: int | np.random.Generator = 0,
-                        max_model_len: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+def sharegpt_like_pairs(
+    n: int, seed: int | np.random.Generator = 0, max_model_len: int = 2048
+) -> tuple[np.ndarray, np.ndarray]:
     """``n`` (prompt_len, output_len) pairs shaped like ShareGPT, each with ``prompt + output <= max_model_len``.
 
     Both lengths are lognormal (prompt: mean 170, sigma 1.0; output: mean 360,
@@ -157,9 +180,18 @@ def sharegpt_like_pairs(n: int, seed: int | np.random.Generator = 0,
     return np.concatenate(prompts)[:n], np.concatenate(outputs)[:n]
 
 
-def generation_workload(n: int, vocab_size: int, seed: int = 0, *, prompt_median: float = 64,
-                        output_median: float = 48, prompt_max: int = 512, output_max: int = 256,
-                        head: Sequence[int] = (), tail: Sequence[int] = ()) -> tuple[list[list[int]], list[int]]:
+def generation_workload(
+    n: int,
+    vocab_size: int,
+    seed: int = 0,
+    *,
+    prompt_median: float = 64,
+    output_median: float = 48,
+    prompt_max: int = 512,
+    output_max: int = 256,
+    head: Sequence[int] = (),
+    tail: Sequence[int] = (),
+) -> tuple[list[list[int]], list[int]]:
     """A mixed-length batch for a real engine: ``n`` prompts of random token ids and an output length each.
 
     Prompt lengths are lognormal (sigma 0.6, 8..``prompt_max``), output lengths lognormal
@@ -177,8 +209,9 @@ def generation_workload(n: int, vocab_size: int, seed: int = 0, *, prompt_median
     prompt_lens = lognormal_lengths(n, median=prompt_median, sigma=0.6, lo=8, hi=prompt_max, seed=rng)
     output_lens = lognormal_lengths(n, median=output_median, sigma=0.7, lo=4, hi=output_max, seed=rng)
     wrap = len(head) + len(tail)
-    prompts = [list(head) + rng.integers(100, vocab_size, max(1, int(k) - wrap)).tolist() + list(tail)
-               for k in prompt_lens]
+    prompts = [
+        list(head) + rng.integers(100, vocab_size, max(1, int(k) - wrap)).tolist() + list(tail) for k in prompt_lens
+    ]
     return prompts, [int(k) for k in output_lens]
 
 
@@ -241,8 +274,9 @@ class Trace:
 
     def events(self) -> list[TraceEvent]:
         ev = [TraceEvent(r.arrival, "arrive", r.req_id, r.prompt_len, r.output_len) for r in self.requests]
-        ev += [TraceEvent(r.arrival + r.output_len, "finish", r.req_id, r.prompt_len, r.output_len)
-               for r in self.requests]
+        ev += [
+            TraceEvent(r.arrival + r.output_len, "finish", r.req_id, r.prompt_len, r.output_len) for r in self.requests
+        ]
         return sorted(ev, key=lambda e: (e.time, e.kind != "finish"))  # departures free memory first
 
     @property
@@ -250,8 +284,12 @@ class Trace:
         return max((r.total_len for r in self.requests), default=0)
 
 
-def make_trace(prompt_lens: np.ndarray | list[int], output_lens: np.ndarray | list[int],
-               arrival_rate: float | None = None, seed: int | np.random.Generator = 0) -> Trace:
+def make_trace(
+    prompt_lens: np.ndarray | list[int],
+    output_lens: np.ndarray | list[int],
+    arrival_rate: float | None = None,
+    seed: int | np.random.Generator = 0,
+) -> Trace:
     """A trace from lengths. ``arrival_rate`` requests per step arrive as a Poisson process
     (exponential gaps, rounded down to whole steps); ``None`` puts every arrival at step 0."""
     if len(prompt_lens) != len(output_lens):
@@ -263,12 +301,15 @@ def make_trace(prompt_lens: np.ndarray | list[int], output_lens: np.ndarray | li
         if arrival_rate <= 0:
             raise ValueError(f"arrival_rate must be positive, got {arrival_rate}")
         arrivals = np.floor(np.cumsum(_rng(seed).exponential(1.0 / arrival_rate, n))).astype(np.int64)
-    return Trace([TraceRequest(f"r{i}", int(a), int(p), int(o))
-                  for i, (a, p, o) in enumerate(zip(arrivals, prompt_lens, output_lens))])
+    return Trace(
+        [
+            TraceRequest(f"r{i}", int(a), int(p), int(o))
+            for i, (a, p, o) in enumerate(zip(arrivals, prompt_lens, output_lens))
+        ]
+    )
 
 
-def sharegpt_like_trace(n: int, seed: int = 0, arrival_rate: float | None = None,
-                        max_model_len: int = 2048) -> Trace:
+def sharegpt_like_trace(n: int, seed: int = 0, arrival_rate: float | None = None, max_model_len: int = 2048) -> Trace:
     """``n`` ShareGPT-like requests arriving at ``arrival_rate`` per step (all at once if ``None``)."""
     rng = np.random.default_rng(seed)
     p, o = sharegpt_like_pairs(n, rng, max_model_len)
@@ -278,14 +319,22 @@ def sharegpt_like_trace(n: int, seed: int = 0, arrival_rate: float | None = None
 # ---- static vs paged for 100 lognormal requests: the table ------------------------------------
 def static_vs_paged_lengths(seed: int = STATIC_VS_PAGED_RNG_SEED) -> np.ndarray:
     """The 100 context lengths behind ``static_vs_paged_table``."""
-    return lognormal_lengths(STATIC_VS_PAGED_NUM_REQUESTS, mean=STATIC_VS_PAGED_LOGNORMAL_MEAN,
-                             sigma=STATIC_VS_PAGED_LOGNORMAL_SIGMA, lo=STATIC_VS_PAGED_MIN_CONTEXT,
-                             hi=STATIC_VS_PAGED_MAX_CONTEXT, seed=seed)
+    return lognormal_lengths(
+        STATIC_VS_PAGED_NUM_REQUESTS,
+        mean=STATIC_VS_PAGED_LOGNORMAL_MEAN,
+        sigma=STATIC_VS_PAGED_LOGNORMAL_SIGMA,
+        lo=STATIC_VS_PAGED_MIN_CONTEXT,
+        hi=STATIC_VS_PAGED_MAX_CONTEXT,
+        seed=seed,
+    )
 
 
-def static_vs_paged_table(seed: int = STATIC_VS_PAGED_RNG_SEED, max_context: int = STATIC_VS_PAGED_MAX_CONTEXT,
-                          block_size: int = STATIC_VS_PAGED_BLOCK_SIZE,
-                          bytes_per_token: int = STATIC_VS_PAGED_BYTES_PER_TOKEN) -> dict[str, float]:
+def static_vs_paged_table(
+    seed: int = STATIC_VS_PAGED_RNG_SEED,
+    max_context: int = STATIC_VS_PAGED_MAX_CONTEXT,
+    block_size: int = STATIC_VS_PAGED_BLOCK_SIZE,
+    bytes_per_token: int = STATIC_VS_PAGED_BYTES_PER_TOKEN,
+) -> dict[str, float]:
     """Static (reserve ``max_context`` per request) vs paged (``block_size`` blocks) for 100 lognormal requests.
 
     Same keys as ``STATIC_VS_PAGED_PRINTED``, so a notebook can print ours beside the
@@ -303,10 +352,16 @@ def static_vs_paged_table(seed: int = STATIC_VS_PAGED_RNG_SEED, max_context: int
     paged_slots = blocks * block_size
     gb = bytes_per_token / 1e9
     return {
-        "min": int(lengths.min()), "mean": float(lengths.mean()), "max": int(lengths.max()), "total_tokens": total,
-        "static_allocated_gb": static_slots * gb, "static_used_gb": total * gb,
+        "min": int(lengths.min()),
+        "mean": float(lengths.mean()),
+        "max": int(lengths.max()),
+        "total_tokens": total,
+        "static_allocated_gb": static_slots * gb,
+        "static_used_gb": total * gb,
         "static_utilisation_pct": 100.0 * total / static_slots,
-        "paged_blocks": blocks, "paged_allocated_gb": paged_slots * gb,
+        "paged_blocks": blocks,
+        "paged_allocated_gb": paged_slots * gb,
         "paged_utilisation_pct": 100.0 * total / paged_slots,
-        "saved_gb": (static_slots - paged_slots) * gb, "ratio": static_slots / paged_slots,
+        "saved_gb": (static_slots - paged_slots) * gb,
+        "ratio": static_slots / paged_slots,
     }

@@ -1,12 +1,13 @@
 """Shared test set-up (keep it small)."""
+
 # Triton reads TRITON_INTERPRET when a @triton.jit function is defined, and triton.language defines its own
 # helpers (tl.zeros, tl.sum, ...) when triton is first imported: the variable must be set before any test module
 # imports triton. minipaged.kernels sets it on import when there is no CUDA GPU, so import it first.
-import minipaged.kernels  # noqa: F401
-import pytest  # noqa: E402
-import torch  # noqa: E402,F401
+import pytest
+import torch  # noqa: F401
 
-from minipaged.model_loader import save_tiny_llama  # noqa: E402,F401  (tests import it from here)
+import minipaged.kernels  # noqa: F401
+from minipaged.model_loader import save_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ and checks after every step:
 
 Derandomized: the same sequences run every time.
 """
+
 from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
@@ -46,12 +47,15 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     # ---- helpers -------------------------------------------------------------------------
     def snapshot(self):
-        return (self.pool.get_num_free_blocks(), [b.ref_cnt for b in self.pool.blocks],
-                {k: list(v) for k, v in self.mgr.req_to_blocks.items()})
+        return (
+            self.pool.get_num_free_blocks(),
+            [b.ref_cnt for b in self.pool.blocks],
+            {k: list(v) for k, v in self.mgr.req_to_blocks.items()},
+        )
 
     @staticmethod
     def expected(req: Request, i: int) -> tuple[str | None, tuple[int, ...]]:
-        return req.cache_salt, tuple(req.all_token_ids[:(i + 1) * BLOCK_SIZE])
+        return req.cache_salt, tuple(req.all_token_ids[: (i + 1) * BLOCK_SIZE])
 
     def record_written(self, req: Request, first_new_block: int) -> None:
         """Blocks from ``first_new_block`` on were written by ``req``: note what the full ones hold."""
@@ -121,8 +125,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pool.cached_block_hash_to_block)
     @rule(data=st.data())
     def touch_cached(self, data):
-        cached = sorted((b for same in self.pool.cached_block_hash_to_block.values() for b in same.values()),
-                        key=lambda b: b.block_id)
+        cached = sorted(
+            (b for same in self.pool.cached_block_hash_to_block.values() for b in same.values()),
+            key=lambda b: b.block_id,
+        )
         block = data.draw(st.sampled_from(cached))
         free_before = self.pool.get_num_free_blocks()
         self.pool.touch([block])
@@ -172,8 +178,9 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert block.block_id == block_id and block.block_hash == key
                 mapped[block_id] = key
                 salt, tokens = self.shadow[block_id]
-                probe = Request("probe", list(tokens), cache_salt=salt,
-                                block_hasher=get_request_block_hasher(BLOCK_SIZE))
+                probe = Request(
+                    "probe", list(tokens), cache_salt=salt, block_hasher=get_request_block_hasher(BLOCK_SIZE)
+                )
                 assert probe.block_hashes[-1] == key  # the hash is the hash of the real contents
         hashed = {b.block_id for b in self.pool.blocks if b.block_hash is not None}
         assert hashed == set(mapped)
@@ -190,8 +197,13 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=40, deadline=None, derandomize=True, database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 TestAllocatorStateMachine = AllocatorMachine.TestCase
 
 

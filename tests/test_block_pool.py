@@ -1,4 +1,5 @@
 """BlockPool, FreeKVCacheBlockQueue, KVCacheBlock and the block hashes."""
+
 import os
 import subprocess
 import sys
@@ -7,8 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minipaged.block_pool import (NONE_HASH, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock,
-                                  get_request_block_hasher, hash_block_tokens)
+from minipaged.block_pool import (
+    NONE_HASH,
+    BlockPool,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    get_request_block_hasher,
+    hash_block_tokens,
+)
 from minipaged.request import Request
 
 
@@ -228,11 +235,21 @@ def test_hash_is_chained_and_sensitive_to_everything():
 
 
 def test_hash_is_the_same_in_another_process():
-    code = ("from minipaged.block_pool import hash_block_tokens as h;"
-            "print(h(h(None, [1, 2, 3, 4], (('cache_salt', 's'),)), [5, 6, 7, 8]).hex())")
-    out = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).resolve().parents[1],
-                          env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip() for seed in (1, 2)}
+    code = (
+        "from minipaged.block_pool import hash_block_tokens as h;"
+        "print(h(h(None, [1, 2, 3, 4], (('cache_salt', 's'),)), [5, 6, 7, 8]).hex())"
+    )
+    out = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout.strip()
+        for seed in (1, 2)
+    }
     here = hash_block_tokens(hash_block_tokens(None, [1, 2, 3, 4], (("cache_salt", "s"),)), [5, 6, 7, 8]).hex()
     assert out == {here}
 
@@ -296,7 +313,7 @@ def test_cached_blocks_stay_findable_while_free_and_are_evicted_lazily():
 
 def test_touch_takes_a_cached_free_block_out_of_the_middle_of_the_queue():
     pool = BlockPool(8)
-    req, blocks = cached_request(pool, "a", list(range(8)))
+    _req, blocks = cached_request(pool, "a", list(range(8)))
     pool.free_blocks(reversed(blocks))
     assert free_ids(pool) == [3, 4, 5, 6, 7, 2, 1]
     pool.touch([blocks[1]])

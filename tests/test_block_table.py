@@ -1,4 +1,5 @@
 """BlockTable.resolve, slot = block * block_size + offset, batched slot mappings and block-table tensors."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """The cache engine moves real K/V blocks: swap out, swap in, copy-on-write."""
+
 import pytest
 import torch
 
@@ -42,13 +43,16 @@ def test_bytes_per_block_is_what_a_swap_moves():
     assert e.gpu_cache[0][0].shape == (2, 16, 3, 64)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda e: e.swap_out([(0, 9)]), "out of range"),
-    (lambda e: e.copy([(0, 2), (1, 2)]), "same destination"),
-    (lambda e: CacheEngine(1, 2, 4, 1, 4).swap_out([(0, 0)]), "needs swap space"),
-    (lambda e: CacheEngine(1, 0, 4, 1, 4), "num_blocks"),
-    (lambda e: CacheEngine(1, 2, 4, 1, 4, dtype=torch.int8), "dtype"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda e: e.swap_out([(0, 9)]), "out of range"),
+        (lambda e: e.copy([(0, 2), (1, 2)]), "same destination"),
+        (lambda e: CacheEngine(1, 2, 4, 1, 4).swap_out([(0, 0)]), "needs swap space"),
+        (lambda e: CacheEngine(1, 0, 4, 1, 4), "num_blocks"),
+        (lambda e: CacheEngine(1, 2, 4, 1, 4, dtype=torch.int8), "dtype"),
+    ],
+)
 def test_bad_copies_are_refused(call, message):
     e = CacheEngine(num_layers=1, num_blocks=4, block_size=4, num_kv_heads=1, head_dim=4, num_cpu_blocks=2)
     with pytest.raises(ValueError, match=message):

@@ -1,10 +1,19 @@
 """The contiguous first-fit allocator, the trace simulator (contiguous vs paged), the curves."""
+
 import numpy as np
 import pytest
 
-from minipaged.contiguous import (PAPER_FIG2, ContiguousAllocator, block_size_tradeoff, compare_on_trace,
-                                  contiguous_utilisation_band, memory_vs_generated_tokens, reservation_size,
-                                  simulate_trace, waste_breakdown)
+from minipaged.contiguous import (
+    PAPER_FIG2,
+    ContiguousAllocator,
+    block_size_tradeoff,
+    compare_on_trace,
+    contiguous_utilisation_band,
+    memory_vs_generated_tokens,
+    reservation_size,
+    simulate_trace,
+    waste_breakdown,
+)
 from minipaged.workloads import Trace, TraceRequest, sharegpt_like_trace, static_vs_paged_lengths
 
 
@@ -141,8 +150,14 @@ def test_arrival_times_and_idle_gaps():
 def test_fragmentation_refusal_on_a_constructed_trace():
     """a, b, c of 10 slots each in a 30-slot arena; a and c finish early; d (15 slots) waits
     although 20 slots are free, until b finishes too."""
-    trace = Trace([TraceRequest("a", 0, 9, 1), TraceRequest("b", 0, 5, 5), TraceRequest("c", 0, 9, 1),
-                   TraceRequest("d", 1, 10, 5)])
+    trace = Trace(
+        [
+            TraceRequest("a", 0, 9, 1),
+            TraceRequest("b", 0, 5, 5),
+            TraceRequest("c", 0, 9, 1),
+            TraceRequest("d", 1, 10, 5),
+        ]
+    )
     res = simulate_trace(trace, 30, "contiguous", max_model_len=15, policy="exact")
     assert res.refused_fragmented[1] == 1 and res.external_waste[1] == 20
     assert res.admit_step["d"] == 5
@@ -194,7 +209,7 @@ def test_paged_waste_is_under_one_block_per_request(sharegpt_pair):
 def test_the_papers_band_for_contiguous_systems():
     """The PagedAttention paper's Fig. 2 setting (OPT-13B's 15,728 slots, ShareGPT-like, max_model_len 2048)."""
     band = contiguous_utilisation_band()
-    assert 0.19 <= band["max"]["utilisation"] <= 0.382   # the paper's band is 20.4-38.2 %
+    assert 0.19 <= band["max"]["utilisation"] <= 0.382  # the paper's band is 20.4-38.2 %
     assert 0.204 <= band["pow2"]["utilisation"] <= 0.382
     assert band["max"]["utilisation"] < band["pow2"]["utilisation"] < band["exact"]["utilisation"]
     assert band["max"]["external_waste"] == band["max"]["free"]  # 7 reservations of 2048 fit, the rest is a hole
@@ -202,7 +217,7 @@ def test_the_papers_band_for_contiguous_systems():
     assert band["exact"]["refusals_fragmented"] > 0
     assert band["paged"]["utilisation"] > 0.96 and band["paged"]["external_waste"] == 0
     ours = waste_breakdown(band)
-    for name, shares in ours.items():
+    for _name, shares in ours.items():
         assert sum(shares) == pytest.approx(100)
     # Orca (Max): every one of the paper's four bars within one point
     assert all(abs(a - b) < 1.0 for a, b in zip(ours["max"], PAPER_FIG2["Orca (Max)"]))

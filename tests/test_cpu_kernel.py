@@ -1,6 +1,7 @@
 """The engine's compiled CPU attention (``kernels/cpu_paged_attention.cpp`` through ``kernels/cpu_kernel.py``):
 against the reference and a float64 dense attention, in every shape the engine can give it, and the
 clean fallback (one log line, the same numbers) when it cannot be built."""
+
 from __future__ import annotations
 
 import os
@@ -10,31 +11,45 @@ import textwrap
 
 import pytest
 import torch
+from test_kernels import Case, close, naive_attention, paged_cache
 
 from minipaged.kernels import cpu_kernel
 from minipaged.kernels import reference as R
 from minipaged.kernels import torch_backend as TB
-from test_kernels import Case, close, naive_attention, paged_cache
 
-needs_kernel = pytest.mark.skipif(cpu_kernel.unavailable_reason() is not None,
-                                  reason=f"the CPU kernel cannot be built here: {cpu_kernel.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(
+    cpu_kernel.unavailable_reason() is not None,
+    reason=f"the CPU kernel cannot be built here: {cpu_kernel.unavailable_reason()}",
+)
 
 
 def test_the_kernel_builds_on_this_machine():
     """CI and the course machines have g++: the fast path must really be the one that runs there."""
     assert cpu_kernel.unavailable_reason() is None
-    assert TB.plan_attention(torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
-                             torch.ones(1, dtype=torch.int32), 16, in_place=True).in_place is not None
+    assert (
+        TB.plan_attention(
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32),
+            16,
+            in_place=True,
+        ).in_place
+        is not None
+    )
 
 
 @needs_kernel
-@pytest.mark.parametrize("case", [
-    Case(torch.float32, 16, 3, 3, 64),    # SmolLM2: 9 query heads over 3 KV heads
-    Case(torch.float32, 1, 1, 2, 32),     # MHA, one token per block
-    Case(torch.float32, 8, 8, 1, 128),    # MQA
-    Case(torch.bfloat16, 16, 4, 2, 64),   # a bf16 cache, widened on load
-    Case(torch.float32, 32, 2, 2, 80),    # a head_dim that is no power of two
-], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(torch.float32, 16, 3, 3, 64),  # SmolLM2: 9 query heads over 3 KV heads
+        Case(torch.float32, 1, 1, 2, 32),  # MHA, one token per block
+        Case(torch.float32, 8, 8, 1, 128),  # MQA
+        Case(torch.bfloat16, 16, 4, 2, 64),  # a bf16 cache, widened on load
+        Case(torch.float32, 32, 2, 2, 80),  # a head_dim that is no power of two
+    ],
+    ids=str,
+)
 def test_kernel_matches_reference_decode_and_prefill(case):
     """Decodes, short chunks (the kernel) and long prefills (left to SDPA) in one batch, over a NaN-filled pool:
     a read of any slot that is not the sequence's would show."""
@@ -46,26 +61,34 @@ def test_kernel_matches_reference_decode_and_prefill(case):
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(int(cu[-1]), case.num_q_heads, case.head_dim, generator=torch.Generator().manual_seed(3))
     q = q.to(case.dtype)
-    scale = case.head_dim ** -0.5
+    scale = case.head_dim**-0.5
     plan = TB.plan_attention(tables, cu, lens, bs, in_place=cpu_kernel.usable(kc, vc))
     assert plan.in_place is not None and not plan.decode
-    assert len(plan.prefills) == 2           # only the two sequences longer than KERNEL_MAX_Q_LEN rows
+    assert len(plan.prefills) == 2  # only the two sequences longer than KERNEL_MAX_Q_LEN rows
     out = TB.paged_prefill_attention(q, kc, vc, tables, cu, lens, scale)
     assert not out.isnan().any()
     close(out, R.paged_prefill_attention(q, kc, vc, tables, cu, lens, scale), case.dtype)
     for i, (n, m) in enumerate(zip(seq_lens, q_lens)):
         rows = slice(int(cu[i]), int(cu[i + 1]))
-        close(out[rows], naive_attention(q[rows].float(), kc.float(), vc.float(), tables[i], n,
-                                         list(range(n - m, n)), scale).to(case.dtype), case.dtype)
+        close(
+            out[rows],
+            naive_attention(q[rows].float(), kc.float(), vc.float(), tables[i], n, list(range(n - m, n)), scale).to(
+                case.dtype
+            ),
+            case.dtype,
+        )
     qd = q[: len(seq_lens)].contiguous()
-    close(TB.paged_decode_attention(qd, kc, vc, tables, lens, scale),
-          R.paged_decode_attention(qd, kc, vc, tables, lens, scale), case.dtype)
+    close(
+        TB.paged_decode_attention(qd, kc, vc, tables, lens, scale),
+        R.paged_decode_attention(qd, kc, vc, tables, lens, scale),
+        case.dtype,
+    )
 
 
 @needs_kernel
 def test_kernel_on_its_own_attends_every_row_and_skips_long_ones_when_asked():
     case = Case(torch.float32, 4, 2, 2, 16)
-    seq_lens = [9, 40, 6]                      # a decode, a 40-row prefill, a 6-row prefill
+    seq_lens = [9, 40, 6]  # a decode, a 40-row prefill, a 6-row prefill
     kc, vc, tables, lens = paged_cache(case, seq_lens, seed=4)
     cu = torch.tensor([0, 1, 41, 47], dtype=torch.int32)
     q = torch.randn(47, case.num_q_heads, case.head_dim)
@@ -79,9 +102,9 @@ def test_kernel_on_its_own_attends_every_row_and_skips_long_ones_when_asked():
 def test_kernel_refuses_what_it_cannot_read():
     kc = torch.zeros(4, 16, 2, 32)
     assert cpu_kernel.usable(kc, kc) == (cpu_kernel.unavailable_reason() is None)
-    assert not cpu_kernel.usable(kc.half(), kc.half())                   # fp16: the fallback's
+    assert not cpu_kernel.usable(kc.half(), kc.half())  # fp16: the fallback's
     assert not cpu_kernel.usable(kc.transpose(0, 1), kc.transpose(0, 1))  # not contiguous
-    assert not cpu_kernel.usable(kc, kc.bfloat16())                       # mixed dtypes
+    assert not cpu_kernel.usable(kc, kc.bfloat16())  # mixed dtypes
 
 
 FALLBACK = textwrap.dedent("""
@@ -99,7 +122,7 @@ FALLBACK = textwrap.dedent("""
 
 
 def run_fallback(tmp_path, **env_changes: str | None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MINIPAGED_CACHE_DIR": str(tmp_path / "cache")}   # nothing built before
+    env = {**os.environ, "MINIPAGED_CACHE_DIR": str(tmp_path / "cache")}  # nothing built before
     for k, v in env_changes.items():
         if v is None:
             env.pop(k, None)
@@ -109,14 +132,16 @@ def run_fallback(tmp_path, **env_changes: str | None) -> subprocess.CompletedPro
 
 
 def test_no_compiler_falls_back_with_one_log_line(tmp_path):
-    bin_dir = tmp_path / "bin"      # PATH with python only: no g++, c++ or clang++
+    bin_dir = tmp_path / "bin"  # PATH with python only: no g++, c++ or clang++
     bin_dir.mkdir()
     (bin_dir / "python").symlink_to(sys.executable)
     proc = run_fallback(tmp_path, PATH=str(bin_dir), CXX=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if "minipaged:" in ln]
-    assert lines == ["minipaged: no C++ compiler found (g++, c++, clang++ or $CXX); CPU attention gathers K/V "
-                     "and calls SDPA instead (slower)"], proc.stderr
+    assert lines == [
+        "minipaged: no C++ compiler found (g++, c++, clang++ or $CXX); CPU attention gathers K/V "
+        "and calls SDPA instead (slower)"
+    ], proc.stderr
     assert "reason: no C++ compiler found" in proc.stdout
 
 
@@ -128,7 +153,7 @@ def test_a_compiler_that_fails_falls_back_naming_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if "minipaged:" in ln]
     assert len(lines) == 1 and "broken-c++ could not compile cpu_paged_attention.cpp: fatal error: omp.h" in lines[0]
-    assert not list((tmp_path / "cache").rglob("*.so"))     # no half-written library left behind
+    assert not list((tmp_path / "cache").rglob("*.so"))  # no half-written library left behind
 
 
 def test_switched_off_is_quiet(tmp_path):

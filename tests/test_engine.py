@@ -7,6 +7,7 @@ the reference model's top two and their logits differ by at most NEAR_TIE
 (fp32 logits; NEAR_TIE_BF16 when both run in bfloat16, whose logits are coarser). Anything else is a
 real bug.
 """
+
 from __future__ import annotations
 
 import os
@@ -73,7 +74,8 @@ def assert_same_greedy(hf, prompt: list[int], ours: list[int], ref: list[int], n
     gap = abs(float(logits[ours[k]] - logits[ref[k]]))
     assert {ours[k], ref[k]} == set(top2) and gap <= near_tie, (
         f"outputs part at step {k}: ours {ours[k]}, transformers {ref[k]}, logit gap {gap:.4f} "
-        f"(top two: {top2}): not a near-tie")
+        f"(top two: {top2}): not a near-tie"
+    )
 
 
 def check_all(llm: LLM, hf, prompt_ids, reference) -> list:
@@ -107,8 +109,13 @@ def test_bfloat16_matches_transformers_in_bfloat16(prompt_ids):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_does_not_change_outputs(hf, prompt_ids, reference, mode):
-    llm = engine(num_gpu_blocks_override=14, max_model_len=160, preemption_mode=mode,
-              swap_space="32MiB" if mode == "swap" else 0, watermark=0.0)
+    llm = engine(
+        num_gpu_blocks_override=14,
+        max_model_len=160,
+        preemption_mode=mode,
+        swap_space="32MiB" if mode == "swap" else 0,
+        watermark=0.0,
+    )
     check_all(llm, hf, prompt_ids, reference)
     assert llm.scheduler.num_preemptions > 0
     assert llm.kv_cache_manager.get_num_free_blocks() == llm.num_blocks - 1
@@ -161,7 +168,7 @@ def test_inputs_rejections_and_streaming(prompt_ids):
         LLM(dtype="int8")
     with pytest.raises(ValueError, match="max_model_len=8192 needs 512 blocks"):
         LLM(num_gpu_blocks_override=10, max_model_len=8192)
-    with pytest.warns(UserWarning, match="max_model_len lowered from 8192 to 144"):   # unasked: it fits the pool
-        assert LLM(num_gpu_blocks_override=10).max_model_len == 9 * 16                  # (null block aside)
+    with pytest.warns(UserWarning, match="max_model_len lowered from 8192 to 144"):  # unasked: it fits the pool
+        assert LLM(num_gpu_blocks_override=10).max_model_len == 9 * 16  # (null block aside)
     with pytest.raises(ValueError, match="too small for one KV block"):
         LLM(kv_cache_memory="100KiB")

@@ -4,6 +4,7 @@ A tiny random Llama (no tokenizer: prompts are token ids) keeps this fast. After
 engine must hold no request, every block must be free, and what it produces next must be token for
 token what a fresh engine produces.
 """
+
 from __future__ import annotations
 
 import gc
@@ -20,14 +21,25 @@ from minipaged.engine import LLM
 from minipaged.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-PROMPTS = [[5, 17, 3, 9, 40, 2, 8, 61, 33, 12, 7, 1, 90, 4, 4, 22, 13, 50, 5, 17], [7, 7, 30], [5, 17, 3, 9, 40, 2],
-           [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27], [3]]
+PROMPTS = [
+    [5, 17, 3, 9, 40, 2, 8, 61, 33, 12, 7, 1, 90, 4, 4, 22, 13, 50, 5, 17],
+    [7, 7, 30],
+    [5, 17, 3, 9, 40, 2],
+    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27],
+    [3],
+]
 
 
 def engine(tiny_model, **kw) -> LLM:
     """Small pool and budget, so that steps chunk prompts and preempt; prefix caching on."""
-    args = dict(model=tiny_model, block_size=4, num_gpu_blocks_override=14, max_model_len=48,
-                max_num_batched_tokens=16, enable_prefix_caching=True)
+    args = dict(
+        model=tiny_model,
+        block_size=4,
+        num_gpu_blocks_override=14,
+        max_model_len=48,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+    )
     args.update(kw)
     return LLM(**args)
 
@@ -65,6 +77,7 @@ def fail_on_call(obj, name: str, n: int, exc: type[BaseException] = Fault):
         if calls[0] == n:
             raise exc(f"injected into {name}, call {n}")
         return real(*a, **k)
+
     setattr(obj, name, wrapper)
     return calls
 
@@ -85,11 +98,11 @@ def test_a_fault_in_any_phase_leaves_nothing_behind(tiny_model, expected, phase,
     kw = dict(preemption_mode=mode, swap_space=4096 if mode == "swap" else 0)
     llm = engine(tiny_model, **kw)
     obj, name = PHASES[phase](llm)
-    fail_on_call(obj, name, 3)                       # the third step: mid-prefill, blocks hashed
+    fail_on_call(obj, name, 3)  # the third step: mid-prefill, blocks hashed
     with pytest.raises(Fault, match=f"injected into {name}"):
         llm.generate(PROMPTS, GREEDY)
     assert_clean(llm)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected   # the same engine, unpoisoned
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected  # the same engine, unpoisoned
     assert_clean(llm)
 
 
@@ -98,16 +111,16 @@ def test_random_interrupts_of_generate_and_stream(tiny_model, expected):
     engine is clean, and the next full run equals a fresh engine's."""
     rng = random.Random(0)
     llm = engine(tiny_model, preemption_mode="swap", swap_space=4096)
-    for trial in range(6):
+    for _trial in range(6):
         fail_on_call(llm, "step", rng.randint(1, 12), KeyboardInterrupt)
         with pytest.raises(KeyboardInterrupt):
             llm.generate(PROMPTS, GREEDY)
-        del llm.step                                  # back to the class's method
+        del llm.step  # back to the class's method
         assert_clean(llm)
         stream = llm.stream(PROMPTS, GREEDY)
         for _ in range(rng.randint(1, 8)):
             next(stream)
-        stream.close()                                # the caller stops reading
+        stream.close()  # the caller stops reading
         assert_clean(llm)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
 
@@ -119,7 +132,7 @@ def test_abort_stops_requests_wherever_they_are(tiny_model):
     llm.step()
     assert llm.scheduler.running and llm.scheduler.waiting
     llm.abort(ids[:2])
-    llm.abort(["never-added"])                        # unknown ids are ignored, as in vLLM
+    llm.abort(["never-added"])  # unknown ids are ignored, as in vLLM
     assert all(i not in llm.scheduler.requests for i in ids[:2])
     llm.abort(ids[2:])
     assert_clean(llm)
@@ -132,7 +145,7 @@ def test_a_request_id_can_be_used_again_once_it_finished(tiny_model):
         llm.add_request([4], GREEDY, request_id="chat-turn")
     while not llm.get_output("chat-turn").finished:
         llm.step()
-    with pytest.raises(ValueError, match="unknown request id"):   # handed back once, then forgotten
+    with pytest.raises(ValueError, match="unknown request id"):  # handed back once, then forgotten
         llm.get_output("chat-turn")
     llm.add_request([4, 5], GREEDY, request_id="chat-turn")
     while llm.scheduler.has_unfinished():
@@ -153,34 +166,37 @@ def test_a_long_lived_engine_keeps_bounded_state(tiny_model):
         assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
         assert_clean(llm)
 
-    for _ in range(5):                               # warm-up: allocator pools, caches
+    for _ in range(5):  # warm-up: allocator pools, caches
         batch()
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
-    for _ in range(30):                              # 1,920 more requests
+    for _ in range(30):  # 1,920 more requests
         batch()
     gc.collect()
     grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
     tracemalloc.stop()
-    assert grown < 2_000_000, f"{grown:,} bytes kept after 1,920 requests"   # the step log (bounded) aside
+    assert grown < 2_000_000, f"{grown:,} bytes kept after 1,920 requests"  # the step log (bounded) aside
     assert len(llm.step_stats) <= llm.step_stats.maxlen
 
 
 # ---- poisoned engine ---------------------------------------------------------------------------
-@pytest.mark.parametrize("kw,match", [
-    (dict(temperature=float("nan")), "temperature must be a finite number"),
-    (dict(temperature=float("inf")), "temperature must be a finite number"),
-    (dict(top_p=float("nan")), "top_p must be a finite number"),
-    (dict(seed=1.5), "seed must be an integer"),
-    (dict(seed="7"), "seed must be an integer"),
-    (dict(max_tokens=2.0), "max_tokens must be a positive integer"),
-    (dict(n=True), "n must be a positive integer"),
-    (dict(top_k=1.5), "top_k must be"),
-    (dict(stop_token_ids=[1.5]), "stop_token_ids entry must be"),
-    (dict(stop_token_ids="12"), "stop_token_ids must be a sequence"),
-    (dict(ignore_eos="yes"), "ignore_eos must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(temperature=float("nan")), "temperature must be a finite number"),
+        (dict(temperature=float("inf")), "temperature must be a finite number"),
+        (dict(top_p=float("nan")), "top_p must be a finite number"),
+        (dict(seed=1.5), "seed must be an integer"),
+        (dict(seed="7"), "seed must be an integer"),
+        (dict(max_tokens=2.0), "max_tokens must be a positive integer"),
+        (dict(n=True), "n must be a positive integer"),
+        (dict(top_k=1.5), "top_k must be"),
+        (dict(stop_token_ids=[1.5]), "stop_token_ids entry must be"),
+        (dict(stop_token_ids="12"), "stop_token_ids must be a sequence"),
+        (dict(ignore_eos="yes"), "ignore_eos must be True or False"),
+    ],
+)
 def test_bad_sampling_params_are_refused_when_built(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
@@ -195,8 +211,9 @@ def test_a_request_whose_logits_are_nan_finishes_with_an_error_alone(tiny_model,
         logits = real(hidden)
         poisoned["step"] += 1
         if poisoned["step"] == 4:
-            logits[0] = float("nan")              # the first sampling row of this step
+            logits[0] = float("nan")  # the first sampling row of this step
         return logits
+
     llm.model.compute_logits = compute_logits
     outs = llm.generate(PROMPTS, GREEDY)
     bad = [o for o in outs if o.error]
@@ -215,25 +232,30 @@ def test_the_jth_sample_of_a_seeded_request_draws_from_seed_plus_j(tiny_model):
     llm = engine(tiny_model, num_gpu_blocks_override=40)
     prompt = [5, 17, 3, 9, 40, 2]
     out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=11, n=3, ignore_eos=True))[0]
-    alone = [llm.generate([prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=11 + j, ignore_eos=True))[0]
-             for j in range(3)]
+    alone = [
+        llm.generate([prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=11 + j, ignore_eos=True))[0]
+        for j in range(3)
+    ]
     assert [o.token_ids for o in out.outputs] == [a.outputs[0].token_ids for a in alone]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     assert_clean(llm)
 
 
 # ---- the batch is checked before anything is queued -------------------------------------------
-@pytest.mark.parametrize("bad,match", [
-    ([], "empty prompt"),
-    ([5, 200], "outside the vocabulary"),
-    (None, "a prompt is None"),
-    ([5, "x"], "mixes other things"),
-    ([{"role": "user"}], "must have a 'role' and a 'content'"),
-    ({"role": "user", "content": "hi"}, "a chat prompt is a \\*list\\* of messages"),
-    (np.zeros((2, 3), dtype=np.int64), "must be 1-D integer token ids"),
-    (torch.tensor([1.0, 2.0]), "must be 1-D integer token ids"),
-    (3.5, "got float"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ([], "empty prompt"),
+        ([5, 200], "outside the vocabulary"),
+        (None, "a prompt is None"),
+        ([5, "x"], "mixes other things"),
+        ([{"role": "user"}], "must have a 'role' and a 'content'"),
+        ({"role": "user", "content": "hi"}, "a chat prompt is a \\*list\\* of messages"),
+        (np.zeros((2, 3), dtype=np.int64), "must be 1-D integer token ids"),
+        (torch.tensor([1.0, 2.0]), "must be 1-D integer token ids"),
+        (3.5, "got float"),
+    ],
+)
 def test_a_bad_prompt_anywhere_queues_nothing(tiny_model, bad, match):
     llm = engine(tiny_model)
     with pytest.raises(ValueError, match=match):
@@ -246,9 +268,10 @@ def test_token_ids_as_numpy_or_torch(tiny_model, expected):
     llm = engine(tiny_model)
     as_lists = token_ids(llm.generate(PROMPTS[:2], GREEDY))
     assert as_lists == expected[:2]
-    assert token_ids(llm.generate([np.array(PROMPTS[0]), torch.tensor(PROMPTS[1], dtype=torch.int32)],
-                                  GREEDY)) == as_lists
-    assert token_ids(llm.generate(np.array(PROMPTS[0], dtype=np.int64), GREEDY)) == as_lists[:1]   # one prompt
+    assert (
+        token_ids(llm.generate([np.array(PROMPTS[0]), torch.tensor(PROMPTS[1], dtype=torch.int32)], GREEDY)) == as_lists
+    )
+    assert token_ids(llm.generate(np.array(PROMPTS[0], dtype=np.int64), GREEDY)) == as_lists[:1]  # one prompt
 
 
 # ---- a step happens, or it does not -----------------------------------------------------------
@@ -257,15 +280,16 @@ def test_update_from_output_changes_nothing_when_a_token_is_missing(tiny_model):
     for p in PROMPTS[1:4]:
         llm.add_request(p, GREEDY)
     out = llm.scheduler.schedule()
-    reqs = llm.scheduler.requests   # the step names requests by id (plain data); the scheduler holds them
+    reqs = llm.scheduler.requests  # the step names requests by id (plain data); the scheduler holds them
     before = [(reqs[s.request_id].num_computed_tokens, reqs[s.request_id].num_output_tokens) for s in out.scheduled]
     sampled = {s.request_id: [1] for s in out.scheduled if s.samples}
     assert len(sampled) == 2
-    sampled.pop(list(sampled)[-1])              # the last sampling request got nothing; the first was fine
+    sampled.pop(list(sampled)[-1])  # the last sampling request got nothing; the first was fine
     with pytest.raises(ValueError, match="needs 1 sampled token"):
         llm.scheduler.update_from_output(out, sampled)
-    assert [(reqs[s.request_id].num_computed_tokens, reqs[s.request_id].num_output_tokens)
-            for s in out.scheduled] == before
+    assert [
+        (reqs[s.request_id].num_computed_tokens, reqs[s.request_id].num_output_tokens) for s in out.scheduled
+    ] == before
 
 
 def test_a_request_with_nothing_to_compute_is_never_scheduled(tiny_model):
@@ -274,7 +298,7 @@ def test_a_request_with_nothing_to_compute_is_never_scheduled(tiny_model):
     rid = llm.add_request([1, 2, 3], GREEDY)
     llm.step()
     req = llm.scheduler.requests[rid]
-    req.num_computed_tokens = req.num_tokens                         # a corrupted request
+    req.num_computed_tokens = req.num_tokens  # a corrupted request
     with pytest.raises(RuntimeError, match="scheduled with 0 new tokens"):
         llm.step()
 
@@ -286,7 +310,7 @@ def test_free_blocks_checks_the_whole_list_first():
     free_before = pool.get_num_free_blocks()
     with pytest.raises(ValueError, match="double free"):
         pool.free_blocks([a, b, b])
-    assert (a.ref_cnt, b.ref_cnt, pool.get_num_free_blocks()) == (1, 1, free_before)   # nothing changed
+    assert (a.ref_cnt, b.ref_cnt, pool.get_num_free_blocks()) == (1, 1, free_before)  # nothing changed
     with pytest.raises(ValueError, match="does not belong to this pool"):
         pool.free_blocks([a, other.blocks[3]])
     assert a.ref_cnt == 1 and pool.get_num_free_blocks() == free_before
@@ -295,9 +319,22 @@ def test_free_blocks_checks_the_whole_list_first():
 
 
 # ---- errors that say what went wrong ------------------------------------------------------------
-@pytest.mark.parametrize("text,value", [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
-                                        ("64KiB", 65536), ("64KB", 64000), ("1TB", 10**12), ("1TiB", 2**40),
-                                        ("1073741824", 2**30), (" 8 mib ", 8 * 2**20), (1e9, 10**9), (4096, 4096)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("2GiB", 2 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("64KiB", 65536),
+        ("64KB", 64000),
+        ("1TB", 10**12),
+        ("1TiB", 2**40),
+        ("1073741824", 2**30),
+        (" 8 mib ", 8 * 2**20),
+        (1e9, 10**9),
+        (4096, 4096),
+    ],
+)
 def test_memory_sizes(text, value):
     assert _parse_memory(text) == value
 
@@ -311,8 +348,10 @@ def test_bad_memory_sizes_name_the_problem(bad):
 def test_engine_arguments_are_checked_and_explained(tiny_model):
     with pytest.raises(ValueError, match="longer than the model's max_position_embeddings=128"):
         engine(tiny_model, max_model_len=256, num_gpu_blocks_override=80)
-    assert engine(tiny_model, max_model_len=256, num_gpu_blocks_override=80,
-                  allow_long_max_model_len=True).max_model_len == 256
+    assert (
+        engine(tiny_model, max_model_len=256, num_gpu_blocks_override=80, allow_long_max_model_len=True).max_model_len
+        == 256
+    )
     with pytest.warns(UserWarning, match="max_model_len lowered from 128 to 44 tokens"):
         llm = LLM(model=tiny_model, block_size=4, num_gpu_blocks_override=12)
     assert llm.max_model_len == 44
@@ -334,15 +373,19 @@ def test_engine_arguments_are_checked_and_explained(tiny_model):
 
 
 def test_cli_checks_its_arguments_before_loading_the_model(monkeypatch, capsys):
-    from minipaged import __main__ as cli, engine as engine_module
+    from minipaged import __main__ as cli
+    from minipaged import engine as engine_module
 
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
+
     monkeypatch.setattr(engine_module.LLM, "__init__", no_model)
     assert cli.main(["generate", "hello", "--temperature", "nan"]) == 2
     assert "temperature must be a finite number" in capsys.readouterr().err
-    for argv, match in ((["bench", "--num-prompts", "0"], "must be a positive integer, got 0"),
-                        (["generate", "x", "--max-tokens", "-3"], "must be a positive integer")):
+    for argv, match in (
+        (["bench", "--num-prompts", "0"], "must be a positive integer, got 0"),
+        (["generate", "x", "--max-tokens", "-3"], "must be a positive integer"),
+    ):
         with pytest.raises(SystemExit) as exc:
             cli.main(argv)
         assert exc.value.code == 2 and match in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 A tiny random Llama keeps the interpreter fast; greedy tokens must equal the PyTorch backend's.
 """
+
 import pytest
 import torch
 
@@ -12,8 +13,9 @@ from minipaged.sampling_params import SamplingParams
 def test_triton_backend_matches_torch_backend(tiny_model):
     prompts = [[5, 17, 3, 9, 40, 2, 8, 61, 33, 12, 7, 1, 90, 4, 4, 22, 13, 50], [7, 7, 30]]  # 18 and 3 tokens
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    kw = dict(model=tiny_model, block_size=16, num_gpu_blocks_override=16, max_model_len=64,
-              max_num_batched_tokens=16)  # the long prompt is chunked: prefill over a cached context
+    kw = dict(
+        model=tiny_model, block_size=16, num_gpu_blocks_override=16, max_model_len=64, max_num_batched_tokens=16
+    )  # the long prompt is chunked: prefill over a cached context
     torch_out = LLM(attention_backend="torch", **kw).generate(prompts, params)
     triton_llm = LLM(attention_backend="triton", **kw)
     assert triton_llm.model.attention.backend == "triton"
@@ -29,22 +31,23 @@ def test_triton_backend_checks_and_plans_once_per_step(tiny_model, monkeypatch):
     and reads no q_len back from the device per layer (the plan carries max_query_len)."""
     from minipaged.kernels import validation
 
-    llm = LLM(model=tiny_model, attention_backend="triton", block_size=16, num_gpu_blocks_override=16,
-              max_model_len=64)
+    llm = LLM(model=tiny_model, attention_backend="triton", block_size=16, num_gpu_blocks_override=16, max_model_len=64)
     calls = []
     real = validation.check_paged_prefill
     monkeypatch.setattr(validation, "check_paged_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = llm.generate([[5, 17, 3, 9], [7, 7, 30]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     steps = len(llm.step_stats)
     assert all(len(o.outputs[0].token_ids) == 3 for o in out)
-    assert llm.model.config.num_hidden_layers == 2 and len(calls) == steps   # once per step, not once per layer
+    assert llm.model.config.num_hidden_layers == 2 and len(calls) == steps  # once per step, not once per layer
 
 
 def test_runner_reuses_its_input_buffers(tiny_model):
     llm = LLM(model=tiny_model, block_size=16, num_gpu_blocks_override=16, max_model_len=64)
     buffers = llm.runner.buffers
-    addresses = {name: getattr(buffers, name).data_ptr() for name in
-                 ("input_ids", "positions", "slot_mapping", "seq_lens", "cu_seqlens_q", "block_tables")}
+    addresses = {
+        name: getattr(buffers, name).data_ptr()
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "cu_seqlens_q", "block_tables")
+    }
     seen = []
     real = llm.runner.prepare_inputs
 
@@ -55,22 +58,23 @@ def test_runner_reuses_its_input_buffers(tiny_model):
 
     llm.runner.prepare_inputs = spy
     llm.generate([[5, 17, 3, 9, 40, 2], [7, 7, 30]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    assert len(seen) >= 4 and set(seen) == {(addresses["input_ids"], addresses["positions"],
-                                            addresses["slot_mapping"], addresses["block_tables"])}
+    assert len(seen) >= 4 and set(seen) == {
+        (addresses["input_ids"], addresses["positions"], addresses["slot_mapping"], addresses["block_tables"])
+    }
     assert {name: getattr(buffers, name).data_ptr() for name in addresses} == addresses
 
 
 def test_dtype_auto_follows_vllm(tiny_model, monkeypatch):
     from minipaged.config import resolve_dtype
 
-    assert LLM(model=tiny_model, num_gpu_blocks_override=16).dtype == torch.float32      # CPU: float32
+    assert LLM(model=tiny_model, num_gpu_blocks_override=16).dtype == torch.float32  # CPU: float32
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert resolve_dtype("auto", "float32", cuda) == torch.bfloat16   # fp32 checkpoint (our SmolLM2 cache)
+    assert resolve_dtype("auto", "float32", cuda) == torch.bfloat16  # fp32 checkpoint (our SmolLM2 cache)
     assert resolve_dtype("auto", "bfloat16", cuda) == torch.bfloat16
     assert resolve_dtype("auto", "float16", cuda) == torch.float16
     assert resolve_dtype("auto", None, cuda) == torch.bfloat16
-    assert resolve_dtype("float32", "bfloat16", cuda) == torch.float32   # asked for explicitly
+    assert resolve_dtype("float32", "bfloat16", cuda) == torch.float32  # asked for explicitly
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # e.g. a T4 / V100
     assert resolve_dtype("auto", "bfloat16", cuda) == torch.float16
     with pytest.raises(ValueError, match="dtype must be one of"):

@@ -4,6 +4,7 @@ nbval runs each solution notebook (it is under `testpaths`) and compares the
 printed check lines with the stored ones, which must all read "n/n checks
 passed"; here we run each starter and prove no check passes on the stub.
 """
+
 import re
 from pathlib import Path
 
@@ -68,15 +69,21 @@ def test_the_course_map_says_what_each_exercise_has_you_write():
 
     welcome = nbformat.read(EXERCISES.parent / "notebooks" / "00_welcome.ipynb", as_version=4)
     (table,) = [c.source for c in welcome.cells if c.source.startswith("## The course map")]
-    rows = [[col.strip() for col in line.strip("|").split("|")] for line in table.splitlines()
-            if line.startswith("| 0") or line.startswith("| 1")]
+    rows = [
+        [col.strip() for col in line.strip("|").split("|")]
+        for line in table.splitlines()
+        if line.startswith("| 0") or line.startswith("| 1")
+    ]
     assert len(rows) == 10
     seen_parts = set()
     for chapter, _, you_write, runs_as, _ in rows:
         ex = "ex" + chapter[:2]
         (starter,) = EXERCISES.glob(f"{ex}_*.ipynb")
-        stubs = "\n".join(c.source for c in nbformat.read(starter, as_version=4).cells if c.cell_type == "code"
-                          and "raise NotImplementedError  # YOUR CODE HERE" in c.source)
+        stubs = "\n".join(
+            c.source
+            for c in nbformat.read(starter, as_version=4).cells
+            if c.cell_type == "code" and "raise NotImplementedError  # YOUR CODE HERE" in c.source
+        )
         assert f"({ex})" in you_write, (chapter, you_write)
         for name in re.findall(r"`(\w+)`", you_write):
             assert re.search(rf"def {name}\(", stubs), f"{starter.name} has no stub {name}()"

@@ -1,4 +1,5 @@
 """The grading machinery every exercise reuses."""
+
 import pytest
 
 from minipaged.grading import Check, close, format_table, parse_summaries, report
@@ -15,8 +16,9 @@ def test_report_explains_each_failure(capsys):
     def broken():
         raise NotImplementedError
 
-    report("demo", [Check("f(1)", lambda: 3, 2, hint="add one"), Check("g()", broken, 5),
-                    Check("h()", lambda: 1 / 0, 1)])
+    report(
+        "demo", [Check("f(1)", lambda: 3, 2, hint="add one"), Check("g()", broken, 5), Check("h()", lambda: 1 / 0, 1)]
+    )
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "demo: 0/3 checks passed"
     assert "  ✗ tried    f(1)" in out and "    expected 2" in out and "    got      3" in out
@@ -86,9 +88,12 @@ def test_registry_is_what_each_exercise_checks():
         exercise = exercise_for(path.name)
         assert path.stem == exercise.stem
         nb = nbformat.read(path, as_version=4)
-        calls = [(check, tuple(a.strip() for a in args.split(",")))
-                 for c in nb.cells if CHECK_MARK in c.source
-                 for check, args in re.findall(r"ex\d\d\.(check_\w+)\(([^)]*)\)", c.source)]
+        calls = [
+            (check, tuple(a.strip() for a in args.split(",")))
+            for c in nb.cells
+            if CHECK_MARK in c.source
+            for check, args in re.findall(r"ex\d\d\.(check_\w+)\(([^)]*)\)", c.source)
+        ]
         assert calls == [(g.check, g.args) for g in exercise.groups], path.name
         assert stored_groups(path) == [(g.name, g.total) for g in exercise.groups], path.name
     assert exercise_for("ex03_mine.ipynb").key == "ex03" and exercise_for("ex3_x.ipynb") is None
@@ -98,9 +103,14 @@ def test_registry_is_what_each_exercise_checks():
 def test_printed_lines_score_nothing(tmp_path):
     """Item 2: each check cell replaced by a print of its expected line, plus an invented group: 0 points each."""
     fake = [f'print("{g}: {n}/{n} checks passed")' for g, n in stored_groups(EX01_RIGHT)]
-    path = _write(tmp_path / "ex01_kv_bytes.ipynb", [
-        "def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes):\n    raise NotImplementedError",
-        *fake, 'print("bonus_points: 1000/1000 checks passed")'])
+    path = _write(
+        tmp_path / "ex01_kv_bytes.ipynb",
+        [
+            "def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes):\n    raise NotImplementedError",
+            *fake,
+            'print("bonus_points: 1000/1000 checks passed")',
+        ],
+    )
     rows = grade_notebook(path, timeout=120)
     assert [(r.group, r.passed, r.total) for r in rows] == [("bytes_per_token", 0, 6), ("block_capacity", 0, 6)]
     assert rows[1].note == "`block_capacity` not defined"
@@ -117,7 +127,8 @@ def test_the_exercise_comes_from_the_file_name_and_errors_are_shown(tmp_path):
     as_ex03 = _write(tmp_path / "ex03_free_queue.ipynb", _code_cells(EX01_RIGHT))
     rows = grade_notebook(as_ex03, timeout=120)
     assert [(r.group, r.passed, r.total, r.note) for r in rows] == [
-        (g.name, 0, g.total, "`remove` not defined") for g in EXERCISES["ex03"].groups]
+        (g.name, 0, g.total, "`remove` not defined") for g in EXERCISES["ex03"].groups
+    ]
     renamed = [c.replace("def bytes_per_token(", "def bytes_per_tok(") for c in _code_cells(EX01_RIGHT)]
     renamed.append("print(bytes_per_token(1, 1, 1, 1))")
     rows = grade_notebook(_write(tmp_path / "ex01_kv_bytes.ipynb", renamed), timeout=120)
@@ -156,7 +167,8 @@ def test_one_bad_notebook_never_sinks_the_folder(tmp_path):
         assert all(r.detail.startswith(f"{name}: not a readable notebook: ") for r in by_nb[name])
     for name in ("ex99_mine.ipynb", "zz_last.ipynb"):
         assert [(r.group, r.passed, r.total, r.note) for r in by_nb[name]] == [
-            ("-", 0, 0, "not an exercise of this course")]
+            ("-", 0, 0, "not an exercise of this course")
+        ]
     table = format_table(rows)
     expected_total = 12 + sum(EXERCISES[k].total for k in ("ex02", "ex03", "ex04", "ex05"))
     assert table.splitlines()[-1].split() == ["TOTAL", f"12/{expected_total}"]
@@ -169,8 +181,9 @@ def test_the_command_line(tmp_path):
     _write(folder / "ex01_kv_bytes.ipynb", _code_cells(EX01_RIGHT))
 
     def grade(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "minipaged", "grade", *args], capture_output=True, text=True,
-                              cwd=ROOT, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "minipaged", "grade", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+        )
 
     for target in (folder, folder / "ex01_kv_bytes.ipynb"):
         done = grade(str(target), "--timeout", "120")

@@ -9,6 +9,7 @@ Three layers, bottom up (README, "The layout"):
 
 Every import counts, also one inside a function; only imports under ``if TYPE_CHECKING:`` (never executed) do not.
 """
+
 from __future__ import annotations
 
 import ast
@@ -54,7 +55,7 @@ def imports(module: str) -> set[str]:
             continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -109,7 +110,7 @@ def test_the_reader_finds_the_imports():
     """The graph is read right: known edges are there, a TYPE_CHECKING import is not."""
     assert "minipaged.block_pool" in GRAPH["minipaged.kv_cache_manager"]
     assert "minipaged.kernels.reference" in GRAPH["minipaged.parts"]
-    assert "minipaged.request" not in GRAPH["minipaged.block_pool"]   # only for type hints there
+    assert "minipaged.request" not in GRAPH["minipaged.block_pool"]  # only for type hints there
     assert len(MODULES) > 40
 
 
@@ -118,8 +119,12 @@ def test_no_import_circle():
 
 
 def test_no_import_from_a_layer_above():
-    upward = sorted(f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)})"
-                    for m, targets in GRAPH.items() for t in targets if layer(t) > layer(m))
+    upward = sorted(
+        f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)})"
+        for m, targets in GRAPH.items()
+        for t in targets
+        if layer(t) > layer(m)
+    )
     assert upward == []
 
 
@@ -133,8 +138,10 @@ def test_the_readme_names_every_module_in_its_layer():
     import re
 
     readme = (PACKAGE.parent / "README.md").read_text()
-    rows = {m[1]: set(re.findall(r"`([\w_]+)/?`", m[2])) for m in
-            re.finditer(r"^\| (engine|lab|classroom) \| [^|]+ \| (.+) \|$", readme, re.M)}
+    rows = {
+        m[1]: set(re.findall(r"`([\w_]+)/?`", m[2]))
+        for m in re.finditer(r"^\| (engine|lab|classroom) \| [^|]+ \| (.+) \|$", readme, re.M)
+    }
     tops = {m.split(".")[1] for m in MODULES if "." in m}
     assert rows["lab"] == LAB and rows["classroom"] == CLASSROOM
     assert rows["engine"] == tops - LAB - CLASSROOM

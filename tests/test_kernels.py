@@ -11,6 +11,7 @@ block size), (head ratio, head_dim) pair and every (dtype, block size, head_dim)
 appears in ``CASES``; each case mixes sequence lengths from 1 to a few hundred, with partial
 last blocks, in one batch over a shuffled pool.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,11 @@ from minipaged.kernels import torch_backend as TB
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON = K.get_attention_backend("triton")
 TORCH = K.get_attention_backend("torch")
-TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=1e-2),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=1e-2),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 UNUSED = 1_000_000  # block-table padding: a block id far outside the pool, so reading it would fail loudly
 
@@ -51,16 +55,19 @@ class Case:
         return self.queries_per_kv * self.num_kv_heads
 
     def __str__(self) -> str:
-        return (f"{str(self.dtype)[6:]}-bs{self.block_size}-{self.num_q_heads}q{self.num_kv_heads}kv"
-                f"-d{self.head_dim}")
+        return f"{str(self.dtype)[6:]}-bs{self.block_size}-{self.num_q_heads}q{self.num_kv_heads}kv-d{self.head_dim}"
 
 
 # A 2x2x2 factorial over (dtype, block size, head_dim), each head ratio on two complementary rows.
 CASES = [
-    Case(torch.float32, 16, 1, 2, 64), Case(torch.float16, 32, 1, 2, 128),
-    Case(torch.float32, 16, 3, 3, 128), Case(torch.float16, 32, 3, 3, 64),   # SmolLM2: 9 q heads / 3 kv heads
-    Case(torch.float32, 32, 4, 2, 64), Case(torch.float16, 16, 4, 2, 128),
-    Case(torch.float32, 32, 8, 1, 128), Case(torch.float16, 16, 8, 1, 64),
+    Case(torch.float32, 16, 1, 2, 64),
+    Case(torch.float16, 32, 1, 2, 128),
+    Case(torch.float32, 16, 3, 3, 128),
+    Case(torch.float16, 32, 3, 3, 64),  # SmolLM2: 9 q heads / 3 kv heads
+    Case(torch.float32, 32, 4, 2, 64),
+    Case(torch.float16, 16, 4, 2, 128),
+    Case(torch.float32, 32, 8, 1, 128),
+    Case(torch.float16, 16, 8, 1, 64),
 ]
 if DEVICE.type == "cuda":  # bf16 only where it is compiled: the interpreter has no bf16 arithmetic
     CASES.append(Case(torch.bfloat16, 16, 4, 2, 128))
@@ -77,7 +84,7 @@ def paged_cache(case: Case, seq_lens: list[int], seed: int, spare_blocks: int = 
     need = [-(-n // bs) for n in seq_lens]
     num_blocks = sum(need) + spare_blocks
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    width = max(need) + 1                                    # one more column than anyone needs
+    width = max(need) + 1  # one more column than anyone needs
     tables = torch.full((len(seq_lens), width), UNUSED, dtype=torch.int32)
     shape = (num_blocks, bs, case.num_kv_heads, case.head_dim)
     kc = torch.full(shape, float("nan"), dtype=case.dtype)
@@ -117,17 +124,21 @@ def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> N
 # The references against the naive gather-token-by-token attention (PyTorch only, fast)
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", [Case(torch.float32, 4, 3, 3, 16), Case(torch.float32, 16, 1, 2, 8),
-                                  Case(torch.float16, 8, 4, 1, 32)], ids=str)
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(torch.float32, 4, 3, 3, 16), Case(torch.float32, 16, 1, 2, 8), Case(torch.float16, 8, 4, 1, 32)],
+    ids=str,
+)
 def test_reference_decode_matches_naive_attention(case):
     seq_lens = [1, 3, case.block_size, case.block_size + 1, 37]
     kc, vc, tables, lens = paged_cache(case, seq_lens, seed=1)
     q = torch.randn(len(seq_lens), case.num_q_heads, case.head_dim).to(case.dtype).to(DEVICE)
-    scale = case.head_dim ** -0.5
+    scale = case.head_dim**-0.5
     out = R.paged_decode_attention(q, kc, vc, tables, lens, scale)
     for i, n in enumerate(seq_lens):
-        want = naive_attention(q[i: i + 1].cpu(), kc.cpu(), vc.cpu(), tables[i].cpu(), n, [n - 1], scale)
-        close(out[i: i + 1], want, case.dtype)
+        want = naive_attention(q[i : i + 1].cpu(), kc.cpu(), vc.cpu(), tables[i].cpu(), n, [n - 1], scale)
+        close(out[i : i + 1], want, case.dtype)
 
 
 @pytest.mark.parametrize("with_prefill", [False, True], ids=["decode-only", "mixed"])
@@ -157,7 +168,7 @@ def test_torch_backend_groups_many_decodes_by_length(with_prefill):
 
 @pytest.mark.parametrize("case", [Case(torch.float32, 4, 3, 3, 16), Case(torch.float16, 8, 2, 2, 32)], ids=str)
 def test_reference_prefill_matches_naive_attention(case):
-    seq_lens, q_lens = [5, 19, 30, 9], [5, 7, 1, 0]          # fully new, partly cached, one token, nothing new
+    seq_lens, q_lens = [5, 19, 30, 9], [5, 7, 1, 0]  # fully new, partly cached, one token, nothing new
     kc, vc, tables, lens = paged_cache(case, seq_lens, seed=2)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(int(cu[-1]), case.num_q_heads, case.head_dim).to(case.dtype).to(DEVICE)
@@ -173,11 +184,11 @@ def test_reference_reshape_and_cache_writes_slots_and_skips_padding():
     kc = torch.zeros(3, 4, 1, 2)
     vc = torch.zeros(3, 4, 1, 2)
     key = torch.arange(8.0).reshape(4, 1, 2) + 1
-    slots = torch.tensor([9, -1, 0, 6])          # block 2 offset 1, padding, block 0 offset 0, block 1 offset 2
+    slots = torch.tensor([9, -1, 0, 6])  # block 2 offset 1, padding, block 0 offset 0, block 1 offset 2
     R.reshape_and_cache(key, -key, kc, vc, slots)
     assert torch.equal(kc[2, 1], key[0]) and torch.equal(kc[0, 0], key[2]) and torch.equal(kc[1, 2], key[3])
     assert torch.equal(vc[1, 2], -key[3])
-    assert int((kc != 0).any(-1).sum()) == 3                 # exactly three slots written
+    assert int((kc != 0).any(-1).sum()) == 3  # exactly three slots written
 
 
 def heads_major(cache: torch.Tensor) -> torch.Tensor:
@@ -194,13 +205,16 @@ def test_reference_handles_caches_with_no_slot_view():
     assert R.slot_view(hk) is None and R.slot_view(kc) is not None
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(int(cu[-1]), case.num_q_heads, case.head_dim)
-    close(R.paged_prefill_attention(q, hk, hv, tables, cu, lens, 0.5),
-          R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.5), case.dtype)
+    close(
+        R.paged_prefill_attention(q, hk, hv, tables, cu, lens, 0.5),
+        R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.5),
+        case.dtype,
+    )
     key = torch.randn(3, case.num_kv_heads, case.head_dim)
     slots = torch.tensor([5, -1, 0])
     R.reshape_and_cache(key, -key, hk, hv, slots)
     R.reshape_and_cache(key, -key, kc, vc, slots)
-    torch.testing.assert_close(hk, kc, rtol=0, atol=0, equal_nan=True)   # unowned slots stay NaN in both
+    torch.testing.assert_close(hk, kc, rtol=0, atol=0, equal_nan=True)  # unowned slots stay NaN in both
     torch.testing.assert_close(hv, vc, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(hk[1, 1], key[0]) and torch.equal(hv[0, 0], -key[2])
 
@@ -210,7 +224,7 @@ def test_reference_empty_decode_batch():
     q = torch.empty(0, 1, 8)
     none = torch.empty(0, tables.shape[1], dtype=tables.dtype)
     assert R.paged_decode_attention(q, kc, vc, none, lens[:0], 1.0).shape == (0, 1, 8)
-    with pytest.raises(ValueError, match="cu_seqlens_q must have num_seqs"):   # a prefill names its sequences
+    with pytest.raises(ValueError, match="cu_seqlens_q must have num_seqs"):  # a prefill names its sequences
         R.paged_prefill_attention(q, kc, vc, none, torch.zeros(1, dtype=torch.int32), lens[:0], 1.0)
 
 
@@ -218,8 +232,9 @@ def test_reference_empty_decode_batch():
 # The Triton kernels against the references
 # ---------------------------------------------------------------------------------------------
 
+
 def decode_lengths(bs: int) -> list[int]:
-    return [1, 7, bs, bs + 1, 100, 257]                      # one token, partial, exact, one over, a few hundred
+    return [1, 7, bs, bs + 1, 100, 257]  # one token, partial, exact, one over, a few hundred
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=str)
@@ -229,11 +244,17 @@ def test_torch_backend_matches_reference(case):
     kc, vc, tables, lens = paged_cache(case, seq_lens, seed=10)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(cu[-1]), case.num_q_heads, case.head_dim).to(case.dtype).to(DEVICE)
-    close(TB.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.3),
-          R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.3), case.dtype)
+    close(
+        TB.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.3),
+        R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.3),
+        case.dtype,
+    )
     qd = q[: len(seq_lens)].contiguous()
-    close(TB.paged_decode_attention(qd, kc, vc, tables, lens, 0.3),
-          R.paged_decode_attention(qd, kc, vc, tables, lens, 0.3), case.dtype)
+    close(
+        TB.paged_decode_attention(qd, kc, vc, tables, lens, 0.3),
+        R.paged_decode_attention(qd, kc, vc, tables, lens, 0.3),
+        case.dtype,
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -241,7 +262,7 @@ def test_triton_decode_matches_reference(case):
     seq_lens = decode_lengths(case.block_size)
     kc, vc, tables, lens = paged_cache(case, seq_lens, seed=3)
     q = torch.randn(len(seq_lens), case.num_q_heads, case.head_dim).to(case.dtype).to(DEVICE)
-    scale = case.head_dim ** -0.5
+    scale = case.head_dim**-0.5
     want = R.paged_decode_attention(q, kc, vc, tables, lens, scale)
     close(K.paged_decode_attention(q, kc, vc, tables, lens, scale), want, case.dtype)
     # split-KV: several segments per long sequence, combined by the reduce kernel
@@ -261,7 +282,7 @@ def test_triton_prefill_matches_reference(case):
     kc, vc, tables, lens = paged_cache(case, seq_lens, seed=4)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(cu[-1]), case.num_q_heads, case.head_dim).to(case.dtype).to(DEVICE)
-    scale = case.head_dim ** -0.5
+    scale = case.head_dim**-0.5
     want = R.paged_prefill_attention(q, kc, vc, tables, cu, lens, scale)
     close(K.paged_prefill_attention(q, kc, vc, tables, cu, lens, scale), want, case.dtype)
 
@@ -273,10 +294,16 @@ def test_triton_any_block_size_and_head_dim():
     kc, vc, tables, lens = paged_cache(case, seq_lens, seed=7)
     q = torch.randn(sum(seq_lens), case.num_q_heads, case.head_dim, device=DEVICE)
     cu = torch.tensor([0, 3, 7, 77], dtype=torch.int32, device=DEVICE)
-    close(K.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.1),
-          R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.1), case.dtype)
-    close(K.paged_decode_attention(q[:3], kc, vc, tables, lens, 0.1, num_splits=2),
-          R.paged_decode_attention(q[:3], kc, vc, tables, lens, 0.1), case.dtype)
+    close(
+        K.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.1),
+        R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.1),
+        case.dtype,
+    )
+    close(
+        K.paged_decode_attention(q[:3], kc, vc, tables, lens, 0.1, num_splits=2),
+        R.paged_decode_attention(q[:3], kc, vc, tables, lens, 0.1),
+        case.dtype,
+    )
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=str)
@@ -295,7 +322,7 @@ def test_triton_reshape_and_cache_matches_reference(case):
     want_k, want_v = kc.clone(), vc.clone()
     R.reshape_and_cache(key, value, want_k, want_v, slot_mapping)
     TRITON.reshape_and_cache(key, value, kc, vc, slot_mapping)
-    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)   # a copy: bit for bit, the whole pool
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)  # a copy: bit for bit, the whole pool
 
 
 def test_triton_reshape_and_cache_padding_leaves_the_cache_untouched():
@@ -312,7 +339,7 @@ def test_chunked_prefill_then_decode_equals_one_dense_pass(backend):
     """The engine's flow: write a chunk's K/V, attend over the paged context, next chunk, then decode."""
     case = Case(torch.float32, 16, 3, 3, 64)
     g = torch.Generator().manual_seed(6)
-    n, chunks = 45, [(0, 20), (20, 44)]                     # two prefill chunks, then token 44 is decoded
+    n, chunks = 45, [(0, 20), (20, 44)]  # two prefill chunks, then token 44 is decoded
     q = torch.randn(n, case.num_q_heads, case.head_dim, generator=g).to(DEVICE)
     k = torch.randn(n, case.num_kv_heads, case.head_dim, generator=g).to(DEVICE)
     v = torch.randn(n, case.num_kv_heads, case.head_dim, generator=g).to(DEVICE)
@@ -339,21 +366,32 @@ def test_chunked_prefill_then_decode_equals_one_dense_pass(backend):
 # Errors, backends, compilation
 # ---------------------------------------------------------------------------------------------
 
+
 def _decode_args(**change):
     kc = torch.zeros(4, 16, 2, 32)
-    args = dict(query=torch.zeros(2, 6, 32), key_cache=kc, value_cache=kc.clone(),
-                block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
-                seq_lens=torch.tensor([20, 3], dtype=torch.int32), scale=0.1)
+    args = dict(
+        query=torch.zeros(2, 6, 32),
+        key_cache=kc,
+        value_cache=kc.clone(),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        seq_lens=torch.tensor([20, 3], dtype=torch.int32),
+        scale=0.1,
+    )
     args.update(change)
     return args
 
 
 def _prefill_args(**change):
     kc = torch.zeros(4, 16, 2, 32)
-    args = dict(query=torch.zeros(10, 6, 32), key_cache=kc, value_cache=kc.clone(),
-                block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
-                cu_seqlens_q=torch.tensor([0, 7, 10], dtype=torch.int32),
-                seq_lens=torch.tensor([20, 3], dtype=torch.int32), scale=0.1)
+    args = dict(
+        query=torch.zeros(10, 6, 32),
+        key_cache=kc,
+        value_cache=kc.clone(),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 7, 10], dtype=torch.int32),
+        seq_lens=torch.tensor([20, 3], dtype=torch.int32),
+        scale=0.1,
+    )
     args.update(change)
     return args
 
@@ -415,8 +453,13 @@ CACHE_ERRORS = [
 @pytest.mark.parametrize("change,match", CACHE_ERRORS, ids=[m for _, m in CACHE_ERRORS])
 def test_reshape_and_cache_errors(backend, change, match):
     kc = torch.zeros(4, 16, 2, 32)
-    args = dict(key=torch.zeros(3, 2, 32), value=torch.zeros(3, 2, 32), key_cache=kc, value_cache=kc.clone(),
-                slot_mapping=torch.tensor([0, 1, 2]))
+    args = dict(
+        key=torch.zeros(3, 2, 32),
+        value=torch.zeros(3, 2, 32),
+        key_cache=kc,
+        value_cache=kc.clone(),
+        slot_mapping=torch.tensor([0, 1, 2]),
+    )
     args.update(change)
     with pytest.raises(ValueError, match=match):
         backend.reshape_and_cache(**args)
@@ -424,9 +467,10 @@ def test_reshape_and_cache_errors(backend, change, match):
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="bf16 is compiled on a GPU")
 def test_triton_refuses_bf16_in_the_interpreter():
-    args = _decode_args(**{k: v.bfloat16() for k, v in _decode_args().items()
-                           if k in ("query", "key_cache", "value_cache")})
-    R.paged_decode_attention(**args)                              # the reference is fine with bf16
+    args = _decode_args(
+        **{k: v.bfloat16() for k, v in _decode_args().items() if k in ("query", "key_cache", "value_cache")}
+    )
+    R.paged_decode_attention(**args)  # the reference is fine with bf16
     with pytest.raises(ValueError, match="bfloat16 is not supported by the Triton interpreter"):
         K.paged_decode_attention(**args)
 
@@ -512,11 +556,11 @@ def test_an_explicit_tile_must_fit_the_blocks():
 def test_occupancy_follows_the_cuda_rules():
     from minipaged.kernels.report import occupancy
 
-    assert occupancy("sm_90", 32, 0, 4) == 64          # few registers: the 64-warp limit
-    assert occupancy("sm_90", 128, 0, 4) == 16         # 128 regs x 32 = 4096 per warp: 16 warps fill 65536
-    assert occupancy("sm_90", 255, 0, 4) == 8          # 255 regs round up to 8192 per warp
-    assert occupancy("sm_80", 64, 100_000, 4) == 4     # one 100 KB program per 164 KB SM
-    assert occupancy("sm_90", 64, 100_000, 4) == 8     # two per 228 KB SM
+    assert occupancy("sm_90", 32, 0, 4) == 64  # few registers: the 64-warp limit
+    assert occupancy("sm_90", 128, 0, 4) == 16  # 128 regs x 32 = 4096 per warp: 16 warps fill 65536
+    assert occupancy("sm_90", 255, 0, 4) == 8  # 255 regs round up to 8192 per warp
+    assert occupancy("sm_80", 64, 100_000, 4) == 4  # one 100 KB program per 164 KB SM
+    assert occupancy("sm_90", 64, 100_000, 4) == 8  # two per 228 KB SM
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the tests above run the kernels compiled")
@@ -526,17 +570,43 @@ def test_kernels_compile_for_h100_without_spills(tmp_path):
     them, through the command line's JSON report: every kernel compiles, none spills a register, and
     decode at head_dim 128 in fp16 keeps at least 16 warps resident per SM. (The CLI covers the full matrix.)"""
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "minipaged", "kernels", "--arch", "sm_90", "--json",
-                           "--dtypes", "float16,float32", "--head-dims", "128",
-                           "--kernels", "reshape_and_cache,paged_decode,paged_prefill"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minipaged",
+            "kernels",
+            "--arch",
+            "sm_90",
+            "--json",
+            "--dtypes",
+            "float16,float32",
+            "--head-dims",
+            "128",
+            "--kernels",
+            "reshape_and_cache,paged_decode,paged_prefill",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, (proc.stderr[-3000:], [r for r in rows if r.get("error") or r["spill_bytes"]])
     # 2 dtypes x (head_dim 128 group 4, plus SmolLM2's head_dim 64 group 3): scatter, decode x 2 + reduce, prefills
     assert {(r["dtype"], r["head_dim"], r["group"]) for r in rows} == {
-        ("float16", 128, 4), ("float32", 128, 4), ("float16", 64, 3), ("float32", 64, 3)}
-    assert {r["kernel"] for r in rows} == {"reshape_and_cache", "paged_decode", "paged_decode_split",
-                                           "reduce_segments", "paged_prefill"}
+        ("float16", 128, 4),
+        ("float32", 128, 4),
+        ("float16", 64, 3),
+        ("float32", 64, 3),
+    }
+    assert {r["kernel"] for r in rows} == {
+        "reshape_and_cache",
+        "paged_decode",
+        "paged_decode_split",
+        "reduce_segments",
+        "paged_prefill",
+    }
     for r in rows:
         assert r["arch"] == "sm_90" and "error" not in r, r
         assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r

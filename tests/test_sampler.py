@@ -1,4 +1,5 @@
 """Sampling: greedy, temperature, top-k, top-p, seeds that do not depend on the batch."""
+
 import pytest
 import torch
 
@@ -41,10 +42,16 @@ def test_seeded_request_is_independent_of_its_neighbours():
     assert s(logits[1:2], ["r"], [p]) == s2(logits[1:2], ["r"], [p])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_k=-5), "top_k"),
-    (dict(top_p=0), "top_p"), (dict(n=0), "n must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_k=-5), "top_k"),
+        (dict(top_p=0), "top_p"),
+        (dict(n=0), "n must be"),
+    ],
+)
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)

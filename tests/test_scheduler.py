@@ -8,6 +8,7 @@ and reads every scheduled request's context back through its block table each
 step. A wrong swap, a missed copy-on-write, a prefix hit on the wrong block or
 a block reused while still owned would all show up there.
 """
+
 from __future__ import annotations
 
 import random
@@ -15,9 +16,9 @@ import time
 
 import pytest
 
+from minipaged.kv_cache_manager import KVCacheManager
 from minipaged.request import Request
 from minipaged.sampling_params import SamplingParams
-from minipaged.kv_cache_manager import KVCacheManager
 from minipaged.scheduler import Scheduler, SchedulerConfig
 from minipaged.testing import EOS, Driver, fuzz, random_config
 
@@ -28,7 +29,7 @@ def test_requests_finish_with_their_lengths_and_free_everything():
     d.run()
     assert [r.num_output_tokens for r in reqs] == [5, 6, 7, 8, 9]
     assert all(r.finish_reason == "length" for r in reqs)
-    assert len(d.finished) == 5 and not d.sched.requests   # finished requests are forgotten
+    assert len(d.finished) == 5 and not d.sched.requests  # finished requests are forgotten
 
 
 def test_chunked_prefill_mixes_with_decodes():
@@ -154,9 +155,9 @@ def test_rejected_requests_leave_the_others_alone():
     d.run()
     assert ok.num_output_tokens == 3 and too_big.is_finished and huge.is_finished
     d.add("live", [1, 2], max_tokens=2)
-    with pytest.raises(ValueError, match="already in use"):   # an id is taken while its request lives
+    with pytest.raises(ValueError, match="already in use"):  # an id is taken while its request lives
         d.add("live", [1], max_tokens=1)
-    again = d.add("ok", [1], max_tokens=1, ignore_eos=True)   # and free again once it finished
+    again = d.add("ok", [1], max_tokens=1, ignore_eos=True)  # and free again once it finished
     d.run()
     assert again.num_output_tokens == 1 and not d.sched.requests
 
@@ -179,7 +180,8 @@ def test_fuzz_ten_thousand_steps():
         assert seen[what] > 0, f"the fuzz never exercised {what}"
 
 
-from hypothesis import settings, strategies as st  # noqa: E402
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
 
 
@@ -191,8 +193,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.d = Driver(**random_config(random.Random(cfg)), seed=cfg)
         self.n = 0
 
-    @rule(prompt=st.lists(st.integers(1, 6), min_size=1, max_size=20), max_tokens=st.integers(1, 12),
-          n=st.sampled_from([1, 1, 2]), ignore_eos=st.booleans())
+    @rule(
+        prompt=st.lists(st.integers(1, 6), min_size=1, max_size=20),
+        max_tokens=st.integers(1, 12),
+        n=st.sampled_from([1, 1, 2]),
+        ignore_eos=st.booleans(),
+    )
     def arrive(self, prompt, max_tokens, n, ignore_eos):
         self.d.add(f"h{self.n}", prompt, max_tokens=max_tokens, n=n, ignore_eos=ignore_eos)
         self.n += 1
@@ -204,7 +210,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 50))
     def abort(self, i):
-        ids = list(self.d.sched.requests)   # the unfinished ones: finished requests are forgotten
+        ids = list(self.d.sched.requests)  # the unfinished ones: finished requests are forgotten
         if ids:
             self.d.finished.append(self.d.sched.abort(ids[i % len(ids)]))
             assert ids[i % len(ids)] not in self.d.sched.requests
@@ -223,8 +229,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                         derandomize=True)
+TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None, derandomize=True)
 
 
 def test_scheduler_output_is_plain_data_that_pickles():
@@ -255,4 +260,4 @@ def test_scheduler_output_is_plain_data_that_pickles():
         assert not any(isinstance(v, Request) for v in values(o))
         assert pickle.loads(pickle.dumps(o)) == o
     assert out.finished_req_ids == ["a"] and out.finished_sample_keys == [("a", 0)]
-    assert [s.token_ids for s in first.scheduled] == [[1, 2, 3], list(range(1, 14))]   # a budget of 16 tokens
+    assert [s.token_ids for s in first.scheduled] == [[1, 2, 3], list(range(1, 14))]  # a budget of 16 tokens

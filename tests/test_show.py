@@ -1,4 +1,5 @@
 """minipaged.show.show_source prints the package's own code, exactly, with true line numbers."""
+
 from __future__ import annotations
 
 import importlib
@@ -58,10 +59,8 @@ def demo(tmp_path, monkeypatch):
 def test_function_exact_source_and_lines(demo):
     module, _ = demo
     assert repr(show_source(module.double)) == (
-        "# double in show_demo_mod.py, lines 5-7\n"
-        "def double(x):\n"
-        '    """Twice x."""\n'
-        "    return 2 * x")
+        '# double in show_demo_mod.py, lines 5-7\ndef double(x):\n    """Twice x."""\n    return 2 * x'
+    )
 
 
 def test_method_named_by_class_and_dedented(demo):
@@ -72,17 +71,20 @@ def test_method_named_by_class_and_dedented(demo):
         '    text = """\n'
         "a string reaching column 0\n"
         '"""\n'
-        "    return n + self.step")
+        "    return n + self.step"
+    )
     assert repr(show_source(module.Counter.bump)) == expected
     assert repr(show_source(module.Counter().bump)) == expected  # bound to an instance: the same code
 
 
 def test_property_staticmethod_class_and_module(demo):
-    module, path = demo
+    module, _path = demo
     assert repr(show_source(module.Counter.size)).startswith(
-        "# Counter.size in show_demo_mod.py, lines 19-21\n@property\ndef size(self):")
+        "# Counter.size in show_demo_mod.py, lines 19-21\n@property\ndef size(self):"
+    )
     assert repr(show_source(module.Counter.__dict__["zero"])).startswith(
-        "# Counter.zero in show_demo_mod.py, lines 23-25\n@staticmethod\n")
+        "# Counter.zero in show_demo_mod.py, lines 23-25\n@staticmethod\n"
+    )
     assert repr(show_source(module.Counter)).startswith("# Counter in show_demo_mod.py, lines 10-25\nclass Counter:")
     assert repr(show_source(module)) == "# show_demo_mod in show_demo_mod.py, lines 1-25\n" + DEMO.rstrip("\n")
 
@@ -102,8 +104,9 @@ def _check_against_file(obj, qualname: str, rel: str, first_line: str) -> None:
     assert m, header
     a, b = int(m[1]), int(m[2])
     file_lines = (REPO / rel).read_text().splitlines()
-    assert file_lines[a - 1].strip() == first_line        # the header's first line is the definition's
-    assert textwrap.dedent("\n".join(file_lines[a - 1:b])) == "\n".join(body)  # every line, as in the file
+    assert file_lines[a - 1].strip() == first_line  # the header's first line is the definition's
+    assert textwrap.dedent("\n".join(file_lines[a - 1 : b])) == "\n".join(body)  # every line, as in the file
+
     def indent(line):
         return len(line) - len(line.lstrip())
 
@@ -112,13 +115,28 @@ def _check_against_file(obj, qualname: str, rel: str, first_line: str) -> None:
 
 
 def test_package_function_and_method_match_their_files():
-    _check_against_file(slot_mapping, "slot_mapping", "minipaged/block_table.py",
-                        next(ln.strip() for ln in (REPO / "minipaged/block_table.py").read_text().splitlines()
-                             if ln.startswith("def slot_mapping(")))
-    _check_against_file(FreeKVCacheBlockQueue.remove, "FreeKVCacheBlockQueue.remove", "minipaged/block_pool.py",
-                        "def remove(self, block: KVCacheBlock) -> None:")
-    _check_against_file(BlockPool.get_new_blocks, "BlockPool.get_new_blocks", "minipaged/block_pool.py",
-                        "def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:")
+    _check_against_file(
+        slot_mapping,
+        "slot_mapping",
+        "minipaged/block_table.py",
+        next(
+            ln.strip()
+            for ln in (REPO / "minipaged/block_table.py").read_text().splitlines()
+            if ln.startswith("def slot_mapping(")
+        ),
+    )
+    _check_against_file(
+        FreeKVCacheBlockQueue.remove,
+        "FreeKVCacheBlockQueue.remove",
+        "minipaged/block_pool.py",
+        "def remove(self, block: KVCacheBlock) -> None:",
+    )
+    _check_against_file(
+        BlockPool.get_new_blocks,
+        "BlockPool.get_new_blocks",
+        "minipaged/block_pool.py",
+        "def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:",
+    )
 
 
 def test_triton_kernel_is_shown_as_its_python_function():
@@ -131,17 +149,22 @@ def test_triton_kernel_is_shown_as_its_python_function():
 def test_several_objects_one_block_each():
     text = repr(show_source(FreeKVCacheBlockQueue.remove, FreeKVCacheBlockQueue._unlink))
     headers = [ln for ln in text.splitlines() if ln.startswith("# FreeKVCacheBlockQueue.")]
-    assert [h.split(" in ")[0] for h in headers] == ["# FreeKVCacheBlockQueue.remove",
-                                                     "# FreeKVCacheBlockQueue._unlink"]
+    assert [h.split(" in ")[0] for h in headers] == [
+        "# FreeKVCacheBlockQueue.remove",
+        "# FreeKVCacheBlockQueue._unlink",
+    ]
     assert "\n\n# FreeKVCacheBlockQueue._unlink" in text
 
 
-@pytest.mark.parametrize("obj, why", [
-    (len, "built in"),
-    (dict.get, "built in"),
-    (3, "type int"),
-    (BlockPool(4), "instance of BlockPool"),
-])
+@pytest.mark.parametrize(
+    "obj, why",
+    [
+        (len, "built in"),
+        (dict.get, "built in"),
+        (3, "type int"),
+        (BlockPool(4), "instance of BlockPool"),
+    ],
+)
 def test_refuses_objects_without_python_source(obj, why):
     with pytest.raises(TypeError, match="no Python source") as err:
         show_source(obj)

@@ -1,18 +1,36 @@
 """The model-free simulator: continuous batching on the real scheduler vs the static-batching baseline."""
+
 import time
 
 import numpy as np
 import pytest
 
 from minipaged.kv_math import KVSpec
-from minipaged.simulator import (HARDWARE, CostModel, SimConfig, SimRequest, compare, kv_pool_blocks,
-                                 requests_from_trace, shared_prefix_requests, simulate_continuous, simulate_static,
-                                 swap_vs_recompute)
+from minipaged.simulator import (
+    HARDWARE,
+    CostModel,
+    SimConfig,
+    SimRequest,
+    compare,
+    kv_pool_blocks,
+    requests_from_trace,
+    shared_prefix_requests,
+    simulate_continuous,
+    simulate_static,
+    swap_vs_recompute,
+)
 from minipaged.workloads import make_trace, sharegpt_like_trace
 
 # Every step takes exactly one second: time counts steps, which makes schedules easy to predict.
-UNIT = CostModel(weight_bytes=1.0, kv_bytes_per_token=0.0, flops_per_token=0.0, mem_bandwidth=1.0, flops=1.0,
-                 swap_bandwidth=1.0, name="one second per step")
+UNIT = CostModel(
+    weight_bytes=1.0,
+    kv_bytes_per_token=0.0,
+    flops_per_token=0.0,
+    mem_bandwidth=1.0,
+    flops=1.0,
+    swap_bandwidth=1.0,
+    name="one second per step",
+)
 H100 = CostModel.for_model("llama-3-8b", "h100")
 
 
@@ -39,11 +57,14 @@ def test_cost_model_is_a_roofline_plus_swaps():
     fixed = 10 * 64 * 5e-6
     assert H100.step_time(100, 1, 10 * 16 * spec.bytes_per_token) == pytest.approx(H100.step_time(100, 1) + data)
     assert H100.step_time(100, 1, 10 * 16 * spec.bytes_per_token, 10 * 64) == pytest.approx(
-        H100.step_time(100, 1) + data + fixed)
+        H100.step_time(100, 1) + data + fixed
+    )
     assert H100.swap_time(10, 16) == pytest.approx(data + fixed)
     assert H100.swap_time(10, 16, copies_per_block=1) == pytest.approx(data + 10 * 5e-6)
-    assert np.allclose(H100.step_times(np.array([100, 2048]), np.array([1, 2048])),
-                       [H100.step_time(100, 1), H100.step_time(2048, 2048)])
+    assert np.allclose(
+        H100.step_times(np.array([100, 2048]), np.array([1, 2048])),
+        [H100.step_time(100, 1), H100.step_time(2048, 2048)],
+    )
     assert kv_pool_blocks("llama-3-8b", "h100", 16) == int((80e9 * 0.9 - weights) // spec.bytes_per_block(16))
     with pytest.raises(ValueError, match="num_params"):
         CostModel.for_model(KVSpec(2, 2, 8, 2))
@@ -76,7 +97,7 @@ def test_swap_cost_falls_with_block_size_recompute_does_not():
 def test_static_vs_continuous_by_hand():
     """Outputs 4, 9, 2, 3 tokens, three seats: the fourth request waits for the whole first batch under static."""
     reqs = [SimRequest(f"r{i}", 0.0, 4, o) for i, o in enumerate([4, 9, 2, 3])]
-    cfg = SimConfig(block_size=4, num_blocks=65, max_num_seqs=3, max_model_len=16, watermark=0.0)
+    cfg = SimConfig(block_size=4, num_gpu_blocks_override=65, max_num_seqs=3, max_model_len=16, watermark=0.0)
     st = simulate_static(reqs, UNIT, cfg, batch_size=3)
     by = {m.req_id: m for m in st.requests}
     assert st.info["batch_size"] == 3 and st.info["batches"] == 2
@@ -93,7 +114,7 @@ def test_static_vs_continuous_by_hand():
 
 def test_continuous_beats_static_on_a_skewed_workload():
     reqs = skewed(300)
-    cfg = SimConfig(num_blocks=4097, max_num_seqs=64, max_model_len=2048)
+    cfg = SimConfig(num_gpu_blocks_override=4097, max_num_seqs=64, max_model_len=2048)
     rows = compare(reqs, H100, cfg, batch_size=64)
     st, co = rows["static"], rows["continuous"]
     assert co["throughput_tok_s"] > 2 * st["throughput_tok_s"]
@@ -106,7 +127,7 @@ def test_continuous_beats_static_on_a_skewed_workload():
 
 def test_token_budget_seats_and_chunked_prefill():
     reqs = requests_from_trace(sharegpt_like_trace(150, seed=3))
-    cfg = SimConfig(num_blocks=2049, max_num_seqs=32, max_num_batched_tokens=256)
+    cfg = SimConfig(num_gpu_blocks_override=2049, max_num_seqs=32, max_num_batched_tokens=256)
     res = simulate_continuous(reqs, H100, cfg, check=True)
     s = res.steps
     assert s["tokens_scheduled"].max() == 256 and (s["tokens_scheduled"] <= 256).all()
@@ -119,7 +140,7 @@ def test_token_budget_seats_and_chunked_prefill():
 
 def test_every_request_finishes_once_with_its_tokens():
     reqs = requests_from_trace(sharegpt_like_trace(200, seed=1, arrival_rate=0.5), time_unit=0.01)
-    cfg = SimConfig(num_blocks=513, max_num_seqs=48, max_num_batched_tokens=512)
+    cfg = SimConfig(num_gpu_blocks_override=513, max_num_seqs=48, max_num_batched_tokens=512)
     res = simulate_continuous(reqs, H100, cfg, check=True)
     finishes = [rid for _, kind, rid in res.events if kind == "finish"]
     assert sorted(finishes) == sorted(r.req_id for r in reqs)
@@ -137,7 +158,9 @@ def test_every_request_finishes_once_with_its_tokens():
 
 def test_static_batch_is_capped_by_memory():
     reqs = requests_from_trace(sharegpt_like_trace(100, seed=2))
-    cfg = SimConfig(block_size=16, num_blocks=1025, max_model_len=2048)  # 16384 slots: 8 reservations of 2048
+    cfg = SimConfig(
+        block_size=16, num_gpu_blocks_override=1025, max_model_len=2048
+    )  # 16384 slots: 8 reservations of 2048
     assert cfg.static_batch_cap() == 8
     res = simulate_static(reqs, H100, cfg, batch_size=64)
     assert res.info["batch_size"] == 8 and res.info["batches"] == 13
@@ -148,12 +171,12 @@ def test_static_batch_is_capped_by_memory():
     co = simulate_continuous(reqs, H100, cfg)
     assert co.steps["num_running"].max() > 8
     with pytest.raises(ValueError, match="cannot reserve"):
-        simulate_static(reqs, H100, SimConfig(num_blocks=64, max_model_len=2048))
+        simulate_static(reqs, H100, SimConfig(num_gpu_blocks_override=64, max_model_len=2048))
 
 
 def test_too_long_requests_are_cut_or_rejected_by_both():
     reqs = [SimRequest("ok", 0.0, 10, 5), SimRequest("long", 0.0, 60, 10), SimRequest("huge", 0.0, 70, 1)]
-    cfg = SimConfig(block_size=4, num_blocks=65, max_model_len=64)
+    cfg = SimConfig(block_size=4, num_gpu_blocks_override=65, max_model_len=64)
     for res in (simulate_static(reqs, UNIT, cfg), simulate_continuous(reqs, UNIT, cfg)):
         by = {m.req_id: m for m in res.requests}
         assert by["huge"].rejected and not by["ok"].rejected and len(by["ok"].token_times) == 5
@@ -163,7 +186,7 @@ def test_too_long_requests_are_cut_or_rejected_by_both():
 
 def test_idle_engine_waits_for_arrivals():
     reqs = [SimRequest("a", 0.0, 4, 2), SimRequest("b", 100.0, 4, 2)]
-    cfg = SimConfig(block_size=4, num_blocks=17, max_model_len=16, watermark=0.0)
+    cfg = SimConfig(block_size=4, num_gpu_blocks_override=17, max_model_len=16, watermark=0.0)
     for res in (simulate_static(reqs, UNIT, cfg), simulate_continuous(reqs, UNIT, cfg)):
         by = {m.req_id: m for m in res.requests}
         assert by["b"].start == 100.0 and by["b"].ttft == 1.0 and by["a"].finish == 2.0
@@ -172,8 +195,14 @@ def test_idle_engine_waits_for_arrivals():
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_small_pool_preempts_and_still_finishes(mode):
     reqs = requests_from_trace(sharegpt_like_trace(120, seed=4, max_model_len=1024))
-    cfg = SimConfig(num_blocks=257, max_num_seqs=64, max_model_len=1024, watermark=0.0, preemption_mode=mode,
-                    num_cpu_blocks=4097 if mode == "swap" else 0)
+    cfg = SimConfig(
+        num_gpu_blocks_override=257,
+        max_num_seqs=64,
+        max_model_len=1024,
+        watermark=0.0,
+        preemption_mode=mode,
+        num_cpu_blocks_override=4097 if mode == "swap" else 0,
+    )
     res = simulate_continuous(reqs, H100, cfg, check=True)
     s = res.summary()
     assert s["preemptions"] > 0 and s["requests"] == 120
@@ -187,8 +216,9 @@ def test_a_small_pool_preempts_and_still_finishes(mode):
         bytes_moved = (res.steps["swap_out_blocks"][i] + res.steps["swap_in_blocks"][i]) * 16 * H100.kv_bytes_per_token
         copies = (res.steps["swap_out_blocks"][i] + res.steps["swap_in_blocks"][i]) * H100.copies_per_block
         plain = H100.step_time(res.steps["kv_tokens"][i], res.steps["tokens_scheduled"][i])
-        assert res.steps["duration"][i] == pytest.approx(plain + copies * H100.swap_latency
-                                                         + bytes_moved / H100.swap_bandwidth)
+        assert res.steps["duration"][i] == pytest.approx(
+            plain + copies * H100.swap_latency + bytes_moved / H100.swap_bandwidth
+        )
     else:
         assert s["swapped_blocks"] == 0
         assert s["computed_tokens"] > sum(r.total_len for r in reqs) - 120  # preempted work is recomputed
@@ -198,8 +228,10 @@ def test_prefix_caching_skips_the_shared_prompt():
     base = requests_from_trace(make_trace([20] * 100, [16] * 100, arrival_rate=0.2, seed=0), time_unit=0.01)
     reqs = shared_prefix_requests(base, prefix_len=1000)
     assert all(r.prompt_len == 1020 and r.prompt_token_ids[:1000] == reqs[0].prompt_token_ids[:1000] for r in reqs)
-    on = simulate_continuous(reqs, H100, SimConfig(num_blocks=2049, enable_caching=True), check=True)
-    off = simulate_continuous(reqs, H100, SimConfig(num_blocks=2049, enable_caching=False))
+    on = simulate_continuous(
+        reqs, H100, SimConfig(num_gpu_blocks_override=2049, enable_prefix_caching=True), check=True
+    )
+    off = simulate_continuous(reqs, H100, SimConfig(num_gpu_blocks_override=2049, enable_prefix_caching=False))
     assert on.info["prefix_hit_rate"] > 0.9 and off.info["prefix_hit_rate"] == 0.0
     assert on.info["prefix_hit_tokens"] == 99 * 992  # 62 full blocks of 16, for every request but the first
     assert on.summary()["computed_tokens"] < off.summary()["computed_tokens"] / 10
@@ -208,7 +240,7 @@ def test_prefix_caching_skips_the_shared_prompt():
 
 def test_thousands_of_requests_in_seconds():
     reqs = requests_from_trace(sharegpt_like_trace(1000, seed=0))
-    cfg = SimConfig(num_blocks=kv_pool_blocks() + 1)
+    cfg = SimConfig(num_gpu_blocks_override=kv_pool_blocks() + 1)
     t0 = time.perf_counter()
     rows = compare(reqs, H100, cfg)
     elapsed = time.perf_counter() - t0

@@ -1,12 +1,20 @@
 """The "Sources and checked claims" page: every figure the course quotes names a source a reader can find,
 computes live, and carries a verdict."""
+
 import re
 
 import pytest
 
 from minipaged import sources
-from minipaged.sources import (BOOK_CHAPTER, CAPACITY_ARTICLE, DEEP_DIVE, INFERENCE_AT_SCALE, PAGED_ATTENTION,
-                               Claim, claims)
+from minipaged.sources import (
+    BOOK_CHAPTER,
+    CAPACITY_ARTICLE,
+    DEEP_DIVE,
+    INFERENCE_AT_SCALE,
+    PAGED_ATTENTION,
+    Claim,
+    claims,
+)
 
 NAMED = (PAGED_ATTENTION, BOOK_CHAPTER, INFERENCE_AT_SCALE, DEEP_DIVE, CAPACITY_ARTICLE)
 # Other sources a reader can find: a file of vLLM's source, a paper (authors "et al." or an arXiv id), a GitHub

@@ -1,14 +1,30 @@
 """Chapters 06-08 widgets, driven from Python as a learner would drive them."""
+
+import itertools
 import re
 
 import pytest
 
-from minipaged.simulator import (CostModel, SimConfig, SimRequest, simulate_continuous, simulate_static,
-                                 swap_vs_recompute)
+from minipaged.simulator import (
+    CostModel,
+    SimConfig,
+    SimRequest,
+    simulate_continuous,
+    simulate_static,
+    swap_vs_recompute,
+)
 from minipaged.viz import BatchingPlayer, BatchingTimeline, PrefixSharingView
-from minipaged.viz.batching_viz import (PREEMPT_MARKER_NAME, SEGMENT_NAMES, SEVEN_CONFIG, SEVEN_REQUESTS, STEP_CLOCK,
-                                        batch_and_latency_figure, request_segments, swap_block_size_figure,
-                                        watermark_sweep_figure)
+from minipaged.viz.batching_viz import (
+    PREEMPT_MARKER_NAME,
+    SEGMENT_NAMES,
+    SEVEN_CONFIG,
+    SEVEN_REQUESTS,
+    STEP_CLOCK,
+    batch_and_latency_figure,
+    request_segments,
+    swap_block_size_figure,
+    watermark_sweep_figure,
+)
 from minipaged.viz.layout import check_layout, contrast_ratio
 
 
@@ -93,22 +109,32 @@ def test_player_reads_well():
     # the legend is a row above the plot, under the title; both y axes have titles and one grid of round ticks
     assert lay.legend.y >= 1 and lay.legend.yanchor == "bottom" and lay.margin.t >= 80
     assert lay.yaxis.title.text == "requests" and lay.yaxis2.title.text == "blocks in use (of 48)"
-    assert lay.yaxis2.dtick == 12 and 48 <= lay.yaxis2.range[1] < 60                      # 0, 12, 24, 36, 48
-    assert lay.yaxis.range[1] / lay.yaxis.dtick == lay.yaxis2.range[1] / lay.yaxis2.dtick   # one grid
-    assert lay.yaxis.range[1] > max(p.figure.data[0].y) and lay.yaxis2.range[1] > 48      # peaks stay in view
+    assert lay.yaxis2.dtick == 12 and 48 <= lay.yaxis2.range[1] < 60  # 0, 12, 24, 36, 48
+    assert lay.yaxis.range[1] / lay.yaxis.dtick == lay.yaxis2.range[1] / lay.yaxis2.dtick  # one grid
+    assert lay.yaxis.range[1] > max(p.figure.data[0].y) and lay.yaxis2.range[1] > 48  # peaks stay in view
     # text on every request colour (G was white on light pink, 2:1) and on every block reads
     for k in range(0, p.num_steps + 1, 5):
         p.slider.value = k
         assert _readable(p.grid.value) and _readable(p.queues.value)
-    p.slider.value = next(s["step"] for s in p.history if any(w["id"] == "G" for w in s["waiting"]) and
-                          any(r["id"] == "G" for r in p.history[s["step"] - 1]["running"]))
+    p.slider.value = next(
+        s["step"]
+        for s in p.history
+        if any(w["id"] == "G" for w in s["waiting"])
+        and any(r["id"] == "G" for r in p.history[s["step"] - 1]["running"])
+    )
     assert "(preempted)" in p.queues.value and _readable(p.queues.value)
 
 
 def test_timeline_static_vs_continuous():
     reqs = [SimRequest(rid, 0.0, pr, o) for rid, pr, o in SEVEN_REQUESTS]
-    cfg = SimConfig(block_size=4, num_blocks=49, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
-                    watermark=0.0)
+    cfg = SimConfig(
+        block_size=4,
+        num_gpu_blocks_override=49,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        watermark=0.0,
+    )
     t = BatchingTimeline(reqs, config=cfg, batch_size=4)
     assert t.info == dict(static_batch=3, static_cap=3)  # 192 slots / 64 per reservation
     static = [s for s in t.segments if s["policy"] == "static"]
@@ -123,14 +149,15 @@ def test_timeline_static_vs_continuous():
     assert t.markers and all(m["policy"] == "continuous" for m in t.markers)
     assert any(s["kind"] == "preempted" for s in cont)
     assert t.summary["continuous"]["makespan_s"] < t.summary["static"]["makespan_s"]
-    assert {d.name for d in t.figure.data} >= {SEGMENT_NAMES[k] for k in ("waiting", "running", "padding",
-                                                                          "preempted")} | {PREEMPT_MARKER_NAME}
-    assert check_layout(t.figure) == []    # legend to the right, distinct names, every axis titled
+    assert {d.name for d in t.figure.data} >= {
+        SEGMENT_NAMES[k] for k in ("waiting", "running", "padding", "preempted")
+    } | {PREEMPT_MARKER_NAME}
+    assert check_layout(t.figure) == []  # legend to the right, distinct names, every axis titled
     # each request's bars tile its life from arrival to its last token
     for rid, *_ in SEVEN_REQUESTS:
         mine = sorted((s for s in cont if s["req_id"] == rid), key=lambda s: s["start"])
         assert mine[0]["start"] == 0.0
-        assert all(a["end"] == b["start"] for a, b in zip(mine, mine[1:]))
+        assert all(a["end"] == b["start"] for a, b in itertools.pairwise(mine))
     # the sliders recompute both runs
     t.batch_size.value = 1
     assert t.info["static_batch"] == 1 and "static: batch 1" in t.caption.value
@@ -146,22 +173,33 @@ def test_timeline_static_vs_continuous():
     assert not [s for s in t.segments if s["policy"] == "static"]
     assert check_layout(t.figure) == []
     names = [d.name for d in t.figure.data if d.showlegend is not False]
-    assert len(names) == len(set(names))                                   # "preempted" only once
+    assert len(names) == len(set(names))  # "preempted" only once
 
 
 def test_timeline_in_chapter_07_reads_well():
     seven = [SimRequest(rid, 0.0, p, o) for rid, p, o in SEVEN_REQUESTS]
-    t = BatchingTimeline(seven, config=SimConfig(block_size=4, num_blocks=41, max_num_seqs=8,
-                                                 max_num_batched_tokens=32, max_model_len=64, watermark=0.0),
-                         batch_size=3)
+    t = BatchingTimeline(
+        seven,
+        config=SimConfig(
+            block_size=4,
+            num_gpu_blocks_override=41,
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            max_model_len=64,
+            watermark=0.0,
+        ),
+        batch_size=3,
+    )
     assert t.markers and check_layout(t.figure) == []
     assert t.figure.layout.legend.x >= 1 and t.figure.layout.legend.xanchor == "left"
 
 
 def test_batch_and_latency_figure():
     reqs = [SimRequest(rid, 0.0, pr, o) for rid, pr, o in SEVEN_REQUESTS]
-    runs = {"static": simulate_static(reqs, STEP_CLOCK, SEVEN_CONFIG, batch_size=3),
-            "continuous": simulate_continuous(reqs, STEP_CLOCK, SEVEN_CONFIG)}
+    runs = {
+        "static": simulate_static(reqs, STEP_CLOCK, SEVEN_CONFIG, batch_size=3),
+        "continuous": simulate_continuous(reqs, STEP_CLOCK, SEVEN_CONFIG),
+    }
     fig = batch_and_latency_figure(runs)
     assert check_layout(fig) == []
     assert [d.name for d in fig.data if d.showlegend is not False] == ["static", "continuous"]
@@ -170,19 +208,25 @@ def test_batch_and_latency_figure():
 
 
 def test_watermark_sweep_figure():
-    sweep = {("recompute", 0.0): dict(preemptions=41, latency_p99_s=12.7),
-             ("recompute", 0.05): dict(preemptions=3, latency_p99_s=9.81),
-             ("swap", 0.0): dict(preemptions=37, latency_p99_s=11.2),
-             ("swap", 0.05): dict(preemptions=2, latency_p99_s=9.5)}
+    sweep = {
+        ("recompute", 0.0): dict(preemptions=41, latency_p99_s=12.7),
+        ("recompute", 0.05): dict(preemptions=3, latency_p99_s=9.81),
+        ("swap", 0.0): dict(preemptions=37, latency_p99_s=11.2),
+        ("swap", 0.05): dict(preemptions=2, latency_p99_s=9.5),
+    }
     fig = watermark_sweep_figure(sweep)
     assert check_layout(fig) == []
     lay = fig.layout
-    assert lay.legend.y >= 1 and lay.legend.yanchor == "bottom"          # above: the right axis is on the right
+    assert lay.legend.y >= 1 and lay.legend.yanchor == "bottom"  # above: the right axis is on the right
     assert lay.yaxis2.title.text == "p99 latency (s)" and lay.yaxis.title.text == "preemptions"
     left, right = lay.yaxis.range[1] / lay.yaxis.dtick, lay.yaxis2.range[1] / lay.yaxis2.dtick
     assert left == pytest.approx(right) and lay.yaxis.range[1] > 41 and lay.yaxis2.range[1] > 12.7
-    assert [d.name for d in fig.data] == ["recompute: preemptions", "recompute: p99 latency", "swap: preemptions",
-                                          "swap: p99 latency"]
+    assert [d.name for d in fig.data] == [
+        "recompute: preemptions",
+        "recompute: p99 latency",
+        "swap: preemptions",
+        "swap: p99 latency",
+    ]
 
 
 def test_request_segments_follow_the_events():
@@ -222,14 +266,20 @@ def test_prefix_view_shows_shared_blocks_and_ref_counts():
 
 
 def test_swap_block_size_figure():
-    rows = {"Llama-3-8B": swap_vs_recompute(CostModel.for_model("llama-3-8b", "a100"), 1024),
-            "Llama-2-7B": swap_vs_recompute(CostModel.for_model("llama-2-7b", "a100"), 1024)}
+    rows = {
+        "Llama-3-8B": swap_vs_recompute(CostModel.for_model("llama-3-8b", "a100"), 1024),
+        "Llama-2-7B": swap_vs_recompute(CostModel.for_model("llama-2-7b", "a100"), 1024),
+    }
     fig = swap_block_size_figure(rows, 1024)
     assert check_layout(fig) == []
     assert fig.layout.legend.x >= 1 and fig.layout.legend.xanchor == "left"
     assert fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.tickvals) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert [d.name for d in fig.data] == ["Llama-3-8B: swap out + in", "Llama-3-8B: recompute",
-                                          "Llama-2-7B: swap out + in", "Llama-2-7B: recompute"]
+    assert [d.name for d in fig.data] == [
+        "Llama-3-8B: swap out + in",
+        "Llama-3-8B: recompute",
+        "Llama-2-7B: swap out + in",
+        "Llama-2-7B: recompute",
+    ]
     swap, recompute = fig.data[0].y, fig.data[1].y
     assert list(swap) == sorted(swap, reverse=True) and len(set(recompute)) == 1
     assert swap[0] > recompute[0] > swap[-1]  # recompute wins at block size 1, swap at 256

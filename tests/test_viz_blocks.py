@@ -1,15 +1,23 @@
 """Chapters 02-04 widgets, driven from Python as a learner would drive them."""
+
 import pytest
 
 from minipaged.block_pool import BlockPool
 from minipaged.block_table import BlockTable
-from minipaged.contiguous import reservation_size
+from minipaged.contiguous import contiguous_layouts, reservation_size
 from minipaged.kv_cache_manager import KVCacheManager
 from minipaged.request import Request
-from minipaged.contiguous import contiguous_layouts
 from minipaged.viz import BlockPoolGrid, BlockTableView, ContiguousVsPaged
-from minipaged.viz.block_viz import (CACHED_FREE_COLOR, FREE_COLOR, HOLE_COLOR, NULL_COLOR, OWNER_COLORS,
-                                     SHARED_COLOR, STATUS_COLORS, UNUSED_COLOR)
+from minipaged.viz.block_viz import (
+    CACHED_FREE_COLOR,
+    FREE_COLOR,
+    HOLE_COLOR,
+    NULL_COLOR,
+    OWNER_COLORS,
+    SHARED_COLOR,
+    STATUS_COLORS,
+    UNUSED_COLOR,
+)
 from minipaged.viz.layout import check_layout, contrast_ratio, delta_e, text_color
 from minipaged.workloads import Trace, TraceRequest, sharegpt_like_trace
 
@@ -72,7 +80,7 @@ def _squares_readable(fig):
 def test_palette_is_distinct_and_readable():
     # every owner colour is far from every other one and from the status colours (free, cached, null, shared)
     for i, a in enumerate(OWNER_COLORS):
-        for b in OWNER_COLORS[i + 1:]:
+        for b in OWNER_COLORS[i + 1 :]:
             assert delta_e(a, b) >= 30, (a, b)
         for name, b in STATUS_COLORS.items():
             assert delta_e(a, b) >= 25, (a, name, b)
@@ -80,7 +88,7 @@ def test_palette_is_distinct_and_readable():
         assert contrast_ratio(text_color(color), color) >= 4.5
     # chapter 02's memory bar: live, reserved-but-empty, too-small hole and free look nothing alike
     bar = [OWNER_COLORS[0], UNUSED_COLOR, HOLE_COLOR, FREE_COLOR]
-    assert min(delta_e(a, b) for i, a in enumerate(bar) for b in bar[i + 1:]) >= 30
+    assert min(delta_e(a, b) for i, a in enumerate(bar) for b in bar[i + 1 :]) >= 30
 
 
 def test_pool_grid_shows_shared_and_cached_blocks():
@@ -139,7 +147,7 @@ def test_contiguous_vs_paged_steps_through_the_same_trace():
     # the timeline: one line per allocator and a marker at the current step
     assert [t.name for t in view.timeline.data] == ["contiguous", "paged"]
     assert view.timeline.layout.yaxis.title.text == "utilisation (live / slots)"
-    for fig in (view.memory, view.timeline):   # legends to the right, off the bars and the curves
+    for fig in (view.memory, view.timeline):  # legends to the right, off the bars and the curves
         assert check_layout(fig) == [] and fig.layout.legend.x >= 1
     assert view.timeline.layout.shapes[0].x0 == 1
     # the paged run ends first: after its last step it reads "finished"
@@ -150,7 +158,7 @@ def test_contiguous_vs_paged_steps_through_the_same_trace():
     view.policy.value = "max"
     assert all(r[2] == 12 for r in view.layouts[0]["reservations"])
     assert check_layout(view.memory) == [] and check_layout(view.timeline) == []
-    assert view.memory.layout.yaxis.title.text == "allocator"   # kept when the bars are redrawn
+    assert view.memory.layout.yaxis.title.text == "allocator"  # kept when the bars are redrawn
 
 
 def test_contiguous_layouts_replay_matches_the_simulation():
@@ -171,10 +179,17 @@ def test_contiguous_layouts_replay_matches_the_simulation():
 
 
 def test_block_table_view_resolves_positions_to_slots():
-    view = BlockTableView({"A": [7, 2, 9], "B": [1, 4], "C": [6]}, block_size=16, num_blocks=12,
-                          num_tokens={"A": 48, "B": 32, "C": 16})
+    view = BlockTableView(
+        {"A": [7, 2, 9], "B": [1, 4], "C": [6]}, block_size=16, num_blocks=12, num_tokens={"A": 48, "B": 32, "C": 16}
+    )
     assert [(a["request"], a["logical"], a["physical"]) for a in view.arrows] == [
-        ("A", 0, 7), ("A", 1, 2), ("A", 2, 9), ("B", 0, 1), ("B", 1, 4), ("C", 0, 6)]
+        ("A", 0, 7),
+        ("A", 1, 2),
+        ("A", 2, 9),
+        ("B", 0, 1),
+        ("B", 1, 4),
+        ("C", 0, 6),
+    ]
     assert view.position.max == 47
     view.position.value = 20
     r = view.resolved
@@ -206,6 +221,7 @@ def test_block_table_view_from_a_manager_and_the_docstring_table():
 
 def test_memory_growth_figure_keeps_its_legend_off_the_lines():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -214,16 +230,21 @@ def test_memory_growth_figure_keeps_its_legend_off_the_lines():
     from minipaged.viz.layout import check_mpl_layout
 
     for prompt_len in (0, 4000):
-        fig = memory_growth_figure(memory_vs_generated_tokens(max_model_len=8192, block_size=16,
-                                                              prompt_len=prompt_len), block_size=16)
+        fig = memory_growth_figure(
+            memory_vs_generated_tokens(max_model_len=8192, block_size=16, prompt_len=prompt_len), block_size=16
+        )
         assert check_mpl_layout(fig) == []
         assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
-            "contiguous (reserve max_model_len)", "paged (16-token blocks)", "reserved but empty"]
+            "contiguous (reserve max_model_len)",
+            "paged (16-token blocks)",
+            "reserved but empty",
+        ]
         plt.close(fig)
 
 
 def test_waste_breakdown_figure_puts_the_papers_bars_beside_ours():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -236,8 +257,13 @@ def test_waste_breakdown_figure_puts_the_papers_bars_beside_ours():
     ax = fig.axes[0]
     assert check_mpl_layout(fig) == []
     assert [t.get_text() for t in ax.get_yticklabels()] == [
-        "Orca (Max), the paper", "max, this course", "Orca (Oracle), the paper", "exact, this course",
-        "vLLM, the paper", "paged, this course"]
+        "Orca (Max), the paper",
+        "max, this course",
+        "Orca (Oracle), the paper",
+        "exact, this course",
+        "vLLM, the paper",
+        "paged, this course",
+    ]
     legend = ax.get_legend()
     assert [t.get_text() for t in legend.get_texts()] == [*WASTE_CATEGORIES, "not broken down in the paper"]
     fig.canvas.draw()

@@ -1,4 +1,5 @@
 """Chapter 05 pictures: the read plans agree with the kernel wrappers, and PagedReadView driven from Python."""
+
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ class _Spy:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append((grid, args, kwargs))
+
         return launch
 
 
@@ -31,13 +33,13 @@ def _decode_launch(monkeypatch, block_tables, seq_lens, num_splits, block_size=1
     cache = torch.zeros(num_blocks, block_size, kv_heads, d)
     query = torch.zeros(len(seq_lens), q_heads, d)
     paged_decode.paged_decode_attention(query, cache, cache, block_tables, seq_lens, 0.25, num_splits=num_splits)
-    (grid, args, kwargs), = spy.launches
-    return grid, args[9], kwargs   # args[9] is segment_len
+    ((grid, args, kwargs),) = spy.launches
+    return grid, args[9], kwargs  # args[9] is segment_len
 
 
 def test_picture_tiles_are_the_kernels():
     assert KV.decode_tile(16) == paged_decode.decode_config(torch.bfloat16, 64, 16).tile_n == 16
-    assert KV.decode_tile(32) == 32 and KV.decode_tile(4) == 16     # tiny blocks: 4 blocks per tile
+    assert KV.decode_tile(32) == 32 and KV.decode_tile(4) == 16  # tiny blocks: 4 blocks per tile
     assert KV.prefill_tiles(16, 70) == (64, 16) and KV.prefill_tiles(16, 20) == (32, 16)
 
 
@@ -51,8 +53,8 @@ def test_split_kv_segments_is_what_the_wrapper_launches(monkeypatch, width, num_
 
 
 def test_split_kv_segments_examples_and_errors():
-    assert KV.split_kv_segments(32768, 33, 16) == (1008, 33)   # chapter 05's H100 question: 33 asked, 33 made
-    assert KV.split_kv_segments(32768, 33, 64) == (1024, 32)   # with 64-token tiles only 32 would fit
+    assert KV.split_kv_segments(32768, 33, 16) == (1008, 33)  # chapter 05's H100 question: 33 asked, 33 made
+    assert KV.split_kv_segments(32768, 33, 64) == (1024, 32)  # with 64-token tiles only 32 would fit
     assert KV.split_kv_segments(208, 4, 16) == (64, 4)
     assert KV.split_kv_segments(208, 1, 16) == (208, 1)
     with pytest.raises(ValueError):
@@ -64,7 +66,7 @@ def test_decode_plan_matches_the_kernel_docstring_picture():
     plan = KV.decode_read_plan([[7, 2, 5, 0, 3]], [19], block_size=4, num_splits=3, tile=4)
     assert [(p.first, p.end) for p in plan] == [(0, 8), (8, 16), (16, 19)]
     assert [p.physical_blocks for p in plan] == [[7, 2], [5, 0], [3]]
-    assert plan[2].reads == ((4, 3, 3),)   # logical 4, physical 3, a masked tail of 3 tokens
+    assert plan[2].reads == ((4, 3, 3),)  # logical 4, physical 3, a masked tail of 3 tokens
     assert "seq 0 · segment 1: tokens 8–15" in KV.format_read_plan(plan)
 
 
@@ -75,7 +77,7 @@ def test_decode_plan_covers_every_token_once_and_nothing_else():
     perm = torch.randperm(40, generator=g).tolist()
     tables, used = [], 0
     for n in lens:
-        tables.append(perm[used:used + -(-n // bs)] + [0] * (17 - -(-n // bs)))
+        tables.append(perm[used : used + -(-n // bs)] + [0] * (17 - -(-n // bs)))
         used += -(-n // bs)
     for splits in (1, 3, 5):
         plan = KV.decode_read_plan(tables, lens, bs, num_splits=splits)
@@ -100,10 +102,17 @@ def test_prefill_plan_is_what_the_wrapper_launches(monkeypatch):
     seq_lens, q_lens = [70, 64, 51], [70, 24, 1]
     tables = torch.arange(15, dtype=torch.int32).reshape(3, 5)
     cu = torch.tensor([0, 70, 94, 95], dtype=torch.int32)
-    cache = torch.zeros(15, 16, 1, 16, dtype=torch.float16)   # the pictures show half-precision tiles
-    paged_prefill.paged_prefill_attention(torch.zeros(95, 2, 16, dtype=torch.float16), cache, cache, tables, cu,
-                                          torch.tensor(seq_lens, dtype=torch.int32), 0.25)
-    (grid, _, kwargs), = spy.launches
+    cache = torch.zeros(15, 16, 1, 16, dtype=torch.float16)  # the pictures show half-precision tiles
+    paged_prefill.paged_prefill_attention(
+        torch.zeros(95, 2, 16, dtype=torch.float16),
+        cache,
+        cache,
+        tables,
+        cu,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        0.25,
+    )
+    ((grid, _, kwargs),) = spy.launches
     plan = KV.prefill_read_plan(tables, cu, seq_lens, 16)
     assert len(plan) == grid[0] * grid[2] and grid[2] == 2
     block_m = kwargs["BLOCK_M"]
@@ -115,14 +124,14 @@ def test_prefill_plan_is_what_the_wrapper_launches(monkeypatch):
         else:
             assert (p.first, p.end) == (0, min(seq_lens[p.seq], ctx + (p.part + 1) * block_m))
     # the fresh 70-token prompt: its first query tile stops at key 63 (causality), its second reads all 70
-    assert [(p.end, p.tiles) for p in plan if p.seq == 0] == [(64, 4), (70, 5)]   # 16-key tiles
+    assert [(p.end, p.tiles) for p in plan if p.seq == 0] == [(64, 4), (70, 5)]  # 16-key tiles
 
 
 def test_gqa_query_tile():
-    assert KV.gqa_query_tile(9, 3, 1) == [3, 4, 5] + [None] * 13           # SmolLM2
-    assert KV.gqa_query_tile(128, 8, 7) == list(range(112, 128))            # G = 16: no padding
-    assert len(KV.gqa_query_tile(64, 2, 0)) == 32                           # G = 32: next power of two
-    assert KV.gqa_query_tile(8, 8, 2) == [2] + [None] * 15                  # MHA: 15 of 16 rows padding
+    assert KV.gqa_query_tile(9, 3, 1) == [3, 4, 5] + [None] * 13  # SmolLM2
+    assert KV.gqa_query_tile(128, 8, 7) == list(range(112, 128))  # G = 16: no padding
+    assert len(KV.gqa_query_tile(64, 2, 0)) == 32  # G = 32: next power of two
+    assert KV.gqa_query_tile(8, 8, 2) == [2] + [None] * 15  # MHA: 15 of 16 rows padding
     with pytest.raises(ValueError):
         KV.gqa_query_tile(9, 2, 0)
     with pytest.raises(ValueError):
@@ -133,7 +142,7 @@ def test_traffic_counts():
     llama = KVSpec.from_preset("llama-3-8b")
     t = KV.decode_traffic(32, 8, 128, 2, batch=32, context=4096, num_layers=32)
     assert t["kv_bytes"] == llama.bytes_for_tokens(32 * 4096)
-    assert t["intensity"] == pytest.approx(2 * 4 / 2)                       # 2·G / bytes
+    assert t["intensity"] == pytest.approx(2 * 4 / 2)  # 2·G / bytes
     for spec in PRESETS.values():
         g = spec.num_attention_heads // spec.num_kv_heads
         assert KV.decode_traffic(spec.num_attention_heads, spec.num_kv_heads, 64, 2, 1, 7)["intensity"] == g
@@ -148,18 +157,23 @@ def test_traffic_counts():
 
 def test_roofline_figure():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig = KV.roofline_figure(989.4, 3350.0, [("decode", 4.0), ("prefill", 820.0)], title="t")
     ax = fig.axes[0]
-    assert len(ax.lines) == 1 + 1 + 2   # roof, ridge, two points
+    assert len(ax.lines) == 1 + 1 + 2  # roof, ridge, two points
     assert check_mpl_layout(fig) == []
     plt.close(fig)
     # chapter 05's figure: five long labels, each inside the axes, off the roof and the ridge, apart
-    points = [("decode Llama-2-7B (G=1)", 1.0), ("decode SmolLM2-135M (G=3)", 3.0),
-              ("decode Llama-3-70B (G=8)", 8.0), ("prefill 128 tokens (Llama-3-8B)", 51.6),
-              ("prefill 2048 tokens (Llama-3-8B)", 819.6)]
+    points = [
+        ("decode Llama-2-7B (G=1)", 1.0),
+        ("decode SmolLM2-135M (G=3)", 3.0),
+        ("decode Llama-3-70B (G=8)", 8.0),
+        ("prefill 128 tokens (Llama-3-8B)", 51.6),
+        ("prefill 2048 tokens (Llama-3-8B)", 819.6),
+    ]
     fig = KV.roofline_figure(989.4, 3352.0, points, title="H100 SXM roofline, fp16 attention")
     assert check_mpl_layout(fig) == [] and len(fig.axes[0].texts) == 6
     plt.close(fig)
@@ -175,9 +189,8 @@ LENS = [37, 100, 110]
 
 
 def test_read_view_driven_from_python():
-    view = PagedReadView(torch.tensor(TABLES, dtype=torch.int32), torch.tensor(LENS), 16, num_blocks=28,
-                         num_splits=1)
-    assert view.splits.max == 7 and view.segment_len == 112         # 7 blocks x 16 = 112 tokens: 7 tiles of 16
+    view = PagedReadView(torch.tensor(TABLES, dtype=torch.int32), torch.tensor(LENS), 16, num_blocks=28, num_splits=1)
+    assert view.splits.max == 7 and view.segment_len == 112  # 7 blocks x 16 = 112 tokens: 7 tiles of 16
     assert [p.label for p in view.programs] == ["seq 0 · segment 0", "seq 1 · segment 0", "seq 2 · segment 0"]
     assert view.selected is view.programs[0]
     read = [c["block"] for c in view.cells if c["read"]]
@@ -191,18 +204,18 @@ def test_read_view_driven_from_python():
     assert len(reads.x) == sum(len(p.reads) for p in view.programs) == 3 + 7 + 7
     assert len(view.figure.layout.shapes) == 1 + 3
 
-    view.program.value = 2                                           # pick seq 2
+    view.program.value = 2  # pick seq 2
     assert view.selected.seq == 2 and [c["block"] for c in view.cells if c["read"]] == sorted(TABLES[2])
 
-    view.splits.value = 2                                            # segments of 64 tokens
+    view.splits.value = 2  # segments of 64 tokens
     assert view.segment_len == 64 and len(view.programs) == 6
-    assert view.program.value == 2 and view.selected.label == "seq 1 · segment 0"   # the index is kept
+    assert view.program.value == 2 and view.selected.label == "seq 1 · segment 0"  # the index is kept
     labels = [label for label, _ in view.program.options]
     assert "seq 0 · segment 1 (returns at once)" in labels
     view.program.value = labels.index("seq 0 · segment 1 (returns at once)")
     assert view.selected.reads == () and not any(c["read"] for c in view.cells)
     assert len(view.figure.layout.shapes) == 0 and "returns at once" in view.caption.value
-    view.program.value = 5                                           # seq 2, segment 1: tokens 64–109
+    view.program.value = 5  # seq 2, segment 1: tokens 64–109
     assert view.selected.physical_blocks == [24, 7, 1] and view.selected.reads[-1] == (6, 1, 14)
     assert view.widget.children[1] is view.caption
     assert check_layout(view.figure) == []

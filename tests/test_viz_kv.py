@@ -1,8 +1,9 @@
 """Chapter 01 widgets, driven from Python as a learner would drive them."""
+
 import json
 import re
 
-from minipaged.kv_math import GiB, MiB, KVSpec
+from minipaged.kv_math import GiB, KVSpec, MiB
 from minipaged.viz import KVCalculator, KVGrowthView
 from minipaged.viz.layout import check_layout, contrast_ratio, text_px
 
@@ -34,10 +35,19 @@ def test_calculator_follows_its_controls():
 
 def test_calculator_labels_are_not_cut():
     calc = KVCalculator()
-    for w in (calc.model, calc.config_text, calc.tokens, calc.batch, calc.dtype, calc.block_size, calc.tp,
-              calc.gpu_gib, calc.utilization):
+    for w in (
+        calc.model,
+        calc.config_text,
+        calc.tokens,
+        calc.batch,
+        calc.dtype,
+        calc.block_size,
+        calc.tp,
+        calc.gpu_gib,
+        calc.utilization,
+    ):
         width = int(w.style.description_width.removesuffix("px"))
-        assert width >= text_px(w.description), w.description       # "GPU memory (…", "memory utiliz…" before
+        assert width >= text_px(w.description), w.description  # "GPU memory (…", "memory utiliz…" before
     options = int(calc.model.layout.width.removesuffix("px")) - int(calc.model.style.description_width[:-2])
     assert options >= max(text_px(label) for label, _ in calc.model.options)
 
@@ -46,8 +56,9 @@ def test_calculator_reads_a_pasted_config_and_reports_bad_json():
     calc = KVCalculator()
     calc.model.value = "custom"
     assert calc.config_text.layout.display == ""
-    calc.config_text.value = json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9,
-                                         "num_key_value_heads": 3, "hidden_size": 576})
+    calc.config_text.value = json.dumps(
+        {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    )
     assert calc.summary["bytes_per_token"] == KVSpec(30, 3, 64, 2).bytes_per_token
     assert calc.error.value == ""
     calc.config_text.value = "{not json"

@@ -1,11 +1,23 @@
 """The layout rules themselves: each one catches the problem it names, and passes a figure that reads well."""
+
 import plotly.graph_objects as go
 import pytest
 from plotly.subplots import make_subplots
 
-from minipaged.viz.layout import (aligned_ticks, check_layout, check_mpl_layout, contrast_ratio, delta_e,
-                                  label_style, legend_above, legend_right, nice_ticks, text_color, text_px,
-                                  widget_width)
+from minipaged.viz.layout import (
+    aligned_ticks,
+    check_layout,
+    check_mpl_layout,
+    contrast_ratio,
+    delta_e,
+    label_style,
+    legend_above,
+    legend_right,
+    nice_ticks,
+    text_color,
+    text_px,
+    widget_width,
+)
 
 
 def _two_lines(**layout):
@@ -16,13 +28,13 @@ def _two_lines(**layout):
 
 
 def test_a_figure_that_reads_well_passes():
-    assert check_layout(_two_lines()) == []                       # plotly's default: a legend right of the plot
+    assert check_layout(_two_lines()) == []  # plotly's default: a legend right of the plot
     assert check_layout(_two_lines(legend=legend_right())) == []
     assert check_layout(_two_lines(legend=legend_above())) == []
     assert check_layout(_two_lines(showlegend=False, legend=dict(x=0.5, y=0.5))) == []
-    assert check_layout(_two_lines().to_dict()) == []              # a dict works too
+    assert check_layout(_two_lines().to_dict()) == []  # a dict works too
     one = go.Figure(layout=dict(xaxis_title="x", yaxis_title="y", legend=dict(x=0.1, y=0.9)))
-    one.add_scatter(x=[1], y=[1], name="only")                   # one trace: plotly shows no legend
+    one.add_scatter(x=[1], y=[1], name="only")  # one trace: plotly shows no legend
     assert check_layout(one) == []
 
 
@@ -34,8 +46,9 @@ def test_axis_titles():
     with pytest.raises(AssertionError, match="yaxis shows data"):
         check_layout(fig, strict=True)
     # a secondary axis needs its own title
-    fig = _two_lines(legend=legend_above(), yaxis2=dict(overlaying="y", side="right", range=[0, 10],
-                                                         tickmode="linear", dtick=2.5))
+    fig = _two_lines(
+        legend=legend_above(), yaxis2=dict(overlaying="y", side="right", range=[0, 10], tickmode="linear", dtick=2.5)
+    )
     fig.data[1].yaxis = "y2"
     assert any("yaxis2 shows data" in p for p in check_layout(fig))
     # shared subplot axes count as one; hidden axes need none
@@ -43,7 +56,7 @@ def test_axis_titles():
     sub.add_scatter(x=[1, 2], y=[1, 2], row=1, col=1, showlegend=False)
     sub.add_scatter(x=[1, 2], y=[1, 2], row=2, col=1, showlegend=False)
     sub.update_yaxes(title_text="request")
-    assert len(check_layout(sub)) == 2                            # neither x axis has a title
+    assert len(check_layout(sub)) == 2  # neither x axis has a title
     sub.update_xaxes(title_text="step", row=2, col=1)
     assert check_layout(sub) == []
     grid = go.Figure(layout=dict(xaxis=dict(visible=False), yaxis=dict(visible=False)))
@@ -61,8 +74,9 @@ def test_legend_placement():
     assert "below the plot" in check_layout(_two_lines(legend=dict(orientation="h", y=-0.08)))[0]
     assert "below the plot" in check_layout(_two_lines(legend=dict(orientation="h")))[0]
     # right, over a right-side axis (chapter 07's latency figure)
-    fig = _two_lines(yaxis2=dict(title="p99 (s)", overlaying="y", side="right", range=[0, 10], tickmode="linear",
-                                 dtick=2.5))
+    fig = _two_lines(
+        yaxis2=dict(title="p99 (s)", overlaying="y", side="right", range=[0, 10], tickmode="linear", dtick=2.5)
+    )
     fig.data[1].yaxis = "y2"
     assert "right-side axis" in check_layout(fig)[0]
     fig.update_layout(legend=legend_above())
@@ -86,14 +100,17 @@ def test_legend_names_are_distinct():
     fig = _two_lines()
     fig.data[1].name = "a"
     assert "2 legend entries are called 'a'" in check_layout(fig)[0]
-    fig.data[1].showlegend = False                                # one entry for a legend group is fine
+    fig.data[1].showlegend = False  # one entry for a legend group is fine
     assert check_layout(fig) == []
 
 
 def test_secondary_axis_ticks():
     def fig_with(**y2):
-        fig = _two_lines(legend=legend_above(), yaxis=dict(title="a", range=[0, 8], tickmode="linear", dtick=2),
-                         yaxis2=dict(title="b", overlaying="y", side="right", **y2))
+        fig = _two_lines(
+            legend=legend_above(),
+            yaxis=dict(title="a", range=[0, 8], tickmode="linear", dtick=2),
+            yaxis2=dict(title="b", overlaying="y", side="right", **y2),
+        )
         fig.data[1].yaxis = "y2"
         return fig
 
@@ -112,13 +129,13 @@ def test_secondary_axis_ticks():
 def test_contrast_and_text_color():
     assert contrast_ratio("black", "white") == pytest.approx(21.0)
     assert contrast_ratio("#fff", "#ffffff") == pytest.approx(1.0)
-    assert contrast_ratio("#777777", "white") == pytest.approx(4.48, abs=0.01)   # WCAG's classic near miss
-    assert contrast_ratio("rgb(255, 255, 255)", "#ff9da6") < 2.1                  # white on light pink: ~2:1
+    assert contrast_ratio("#777777", "white") == pytest.approx(4.48, abs=0.01)  # WCAG's classic near miss
+    assert contrast_ratio("rgb(255, 255, 255)", "#ff9da6") < 2.1  # white on light pink: ~2:1
     assert text_color("#ff9da6") == "black" and text_color("#303030") == "white"
-    for grey in range(0, 256, 5):                                                 # any background has a text colour
+    for grey in range(0, 256, 5):  # any background has a text colour
         bg = f"#{grey:02x}{grey:02x}{grey:02x}"
         assert contrast_ratio(text_color(bg), bg) >= 4.5
-    assert delta_e("#f2c7c7", "#f7a8a8") < 20 < delta_e("#f4a3b4", "#d62728")    # the two old pinks were alike
+    assert delta_e("#f2c7c7", "#f7a8a8") < 20 < delta_e("#f4a3b4", "#d62728")  # the two old pinks were alike
 
 
 def test_nice_and_aligned_ticks():
@@ -134,13 +151,14 @@ def test_nice_and_aligned_ticks():
 
 def test_widget_sizes():
     style = label_style("GPU memory (GiB)", "memory utilization")
-    assert int(style["description_width"][:-2]) >= 123        # DejaVu Sans 13px draws them 123 px wide
+    assert int(style["description_width"][:-2]) >= 123  # DejaVu Sans 13px draws them 123 px wide
     assert int(widget_width("100px", ["seq 0 · segment 1 (returns at once)"])[:-2]) >= 100 + 231 + 30
     assert text_px("mmmm") > text_px("iiii")
 
 
 def test_matplotlib_check():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

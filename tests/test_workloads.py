@@ -1,12 +1,23 @@
 """Length distributions, traces, and the static-vs-paged table of "Inference at scale" (section 23.1)."""
+
 import numpy as np
 import pytest
 
 from minipaged.kv_math import KVSpec
-from minipaged.workloads import (STATIC_VS_PAGED_BYTES_PER_TOKEN, STATIC_VS_PAGED_MAX_CONTEXT,
-                                 STATIC_VS_PAGED_PRINTED, Trace, TraceRequest, chat_mix_lengths,
-                                 lognormal_lengths, make_trace, sharegpt_like_pairs, sharegpt_like_trace,
-                                 static_vs_paged_lengths, static_vs_paged_table)
+from minipaged.workloads import (
+    STATIC_VS_PAGED_BYTES_PER_TOKEN,
+    STATIC_VS_PAGED_MAX_CONTEXT,
+    STATIC_VS_PAGED_PRINTED,
+    Trace,
+    TraceRequest,
+    chat_mix_lengths,
+    lognormal_lengths,
+    make_trace,
+    sharegpt_like_pairs,
+    sharegpt_like_trace,
+    static_vs_paged_lengths,
+    static_vs_paged_table,
+)
 
 
 # ---- lognormal ---------------------------------------------------------------------------------
@@ -30,8 +41,9 @@ def test_lognormal_is_clipped():
     assert x.min() == 16 and x.max() == 512
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(mean=1, median=1), dict(mean=-5), dict(mean=10, lo=5, hi=4),
-                                dict(mean=10, sigma=-1)])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(mean=1, median=1), dict(mean=-5), dict(mean=10, lo=5, hi=4), dict(mean=10, sigma=-1)]
+)
 def test_lognormal_bad_arguments(kw):
     with pytest.raises(ValueError):
         lognormal_lengths(10, **kw)

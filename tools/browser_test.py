@@ -29,6 +29,7 @@ What it does, and why each piece is there:
 
 The last line is ``N passed, M failed`` (one per notebook); the exit status is 0 only when all passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 import traceback
 import urllib.error
 import urllib.request
@@ -51,13 +51,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 CHROMIUM = "/usr/bin/chromium"
 # The network here is closed: without these, Chromium keeps trying to reach Google's services (QUIC, component
 # updates, sync, field trials) and floods the log with refused connections.
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 VIEWPORT = {"width": 1200, "height": 900}
 SCREENSHOTS = REPO / "assets" / "screenshots"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -85,19 +94,22 @@ class Act:
 
     def __str__(self) -> str:
         where = f"{self.value:.0%}" if isinstance(self.value, float) else self.value
-        what = {"slider": f"drag slider '{self.label}' to {where}",
-                "type": f"type {self.value} into the readout of '{self.label}'",
-                "select": (f"pick option #{self.value}" if isinstance(self.value, int) else f"pick '{self.value}'")
-                + f" in '{self.label}'", "click": f"press '{self.label}'",
-                "play": "press play"}[self.kind]
+        what = {
+            "slider": f"drag slider '{self.label}' to {where}",
+            "type": f"type {self.value} into the readout of '{self.label}'",
+            "select": (f"pick option #{self.value}" if isinstance(self.value, int) else f"pick '{self.value}'")
+            + f" in '{self.label}'",
+            "click": f"press '{self.label}'",
+            "play": "press play",
+        }[self.kind]
         return what + (" → the first picture again" if self.initial else f" → {'+'.join(self.expect)} changes")
 
 
 @dataclass
 class WidgetSpec:
-    cell: str                      # a piece of the displaying cell's source, unique in the notebook
+    cell: str  # a piece of the displaying cell's source, unique in the notebook
     name: str
-    figures: int                   # plotly figures the widget draws
+    figures: int  # plotly figures the widget draws
     acts: list[Act] = field(default_factory=list)
     screenshot: str | None = None  # file name under assets/screenshots/
 
@@ -107,83 +119,164 @@ class NotebookSpec:
     path: str
     widgets: list[WidgetSpec]
     output_shots: list[tuple[str, str]] = field(default_factory=list)  # (cell source piece, file): an output cell
-    timeout: float | None = None   # seconds for Run All (default: --timeout)
+    timeout: float | None = None  # seconds for Run All (default: --timeout)
 
 
 def _timeline_acts() -> list[Act]:
-    return [Act("slider", "static batch B", 0.0, ("text", "figure")),
-            Act("slider", "pool blocks", 0.6, ("text", "figure"))]
+    return [
+        Act("slider", "static batch B", 0.0, ("text", "figure")),
+        Act("slider", "pool blocks", 0.6, ("text", "figure")),
+    ]
 
 
 SPECS = [
-    NotebookSpec("notebooks/01_kv_cache_math.ipynb", [
-        WidgetSpec("KVCalculator(preset=", "KVCalculator", 1, [
-            Act("slider", "tokens / request", 0.25, ("text", "figure")),
-            Act("select", "model", "Llama-2-7B", ("text", "figure")),
-            Act("select", "TP ranks", "2", ("text", "figure")),
-            Act("slider", "GPU memory (GiB)", 0.2, ("text",)),
-            Act("type", "tokens / request", 16384, ("text", "figure")),
-        ], "01_kv_calculator.png"),
-        WidgetSpec("KVGrowthView(sentence", "KVGrowthView", 0, [
-            Act("play", "play", None, ("text",)),
-            Act("slider", "tokens seen", 0.6, ("text",)),
-        ]),
-    ]),
-    NotebookSpec("notebooks/02_fragmentation.ipynb", [
-        WidgetSpec("ContiguousVsPaged(small", "ContiguousVsPaged", 2, [
-            Act("select", "reserve", "pow2", ("text", "figure")),
-            Act("play", "play", None, ("text", "figure")),
-            Act("slider", "step", 0.3, ("text", "figure")),
-            Act("type", "step", 450, ("text", "figure")),   # last: the screenshot shows a fixed step
-        ], "02_fragmentation_lab.png"),
-    ]),
-    NotebookSpec("notebooks/03_block_pool.ipynb", [
-        WidgetSpec("grid.step.value = 0", "BlockPoolGrid (the A/B trace)", 1, [
-            Act("slider", "snapshot", 0.5, ("text", "figure")),
-            Act("slider", "snapshot", 1.0, ("text", "figure")),
-        ]),
-        WidgetSpec("busy = BlockPoolGrid(", "BlockPoolGrid (64 blocks)", 1, [
-            Act("slider", "snapshot", 0.3, ("text", "figure")),
-            Act("slider", "snapshot", 0.75, ("text", "figure")),
-        ], "03_block_pool_grid.png"),
-    ]),
-    NotebookSpec("notebooks/04_block_tables.ipynb", [
-        WidgetSpec("BlockTableView.from_manager(", "BlockTableView", 1, [
-            Act("slider", "position", 0.1, ("text", "figure")),
-            Act("select", "request", "B", ("text", "figure")),
-            Act("slider", "position", 0.9, ("text", "figure")),
-        ], "04_block_table.png"),
-    ]),
-    NotebookSpec("notebooks/05_paged_kernels.ipynb", [
-        WidgetSpec("PagedReadView(", "PagedReadView", 1, [
-            Act("slider", "num_splits", 0.0, ("text", "figure")),
-            Act("select", "program", 2, ("text", "figure")),
-            Act("slider", "num_splits", 1.0, ("text", "figure")),
-        ]),
-    ], timeout=420),
-    NotebookSpec("notebooks/06_continuous_batching.ipynb", [
-        WidgetSpec("player = BatchingPlayer()", "BatchingPlayer", 1, [
-            Act("click", "step ▶", None, ("text", "figure")),
-            Act("click", "step ▶", None, ("text", "figure")),
-            Act("click", "reset ⟲", None, initial=True),
-            Act("play", "play", None, ("text", "figure")),
-            Act("slider", "step", 0.35, ("text", "figure")),
-        ], "06_batching_player.png"),
-        WidgetSpec("BatchingTimeline(seven", "BatchingTimeline", 1, _timeline_acts()),
-    ]),
-    NotebookSpec("notebooks/07_preemption.ipynb", [
-        WidgetSpec("BatchingTimeline(seven", "BatchingTimeline", 1, _timeline_acts()),
-    ]),
-    NotebookSpec("notebooks/08_prefix_caching.ipynb", [
-        WidgetSpec("PrefixSharingView.system_prompt(", "PrefixSharingView", 0, [
-            Act("slider", "snapshot", 0.0, ("text",)),
-            Act("slider", "snapshot", 1.0, ("text",)),
-            Act("slider", "snapshot", 0.4, ("text",)),   # four requests on one system prompt: the picture
-        ], "08_prefix_sharing.png"),
-    ]),
-    NotebookSpec("notebooks/10_capstone.ipynb", [],
-                 output_shots=[("print(ex10.report_card(package_parts, llm=llm))", "10_report_card.png")],
-                 timeout=600),
+    NotebookSpec(
+        "notebooks/01_kv_cache_math.ipynb",
+        [
+            WidgetSpec(
+                "KVCalculator(preset=",
+                "KVCalculator",
+                1,
+                [
+                    Act("slider", "tokens / request", 0.25, ("text", "figure")),
+                    Act("select", "model", "Llama-2-7B", ("text", "figure")),
+                    Act("select", "TP ranks", "2", ("text", "figure")),
+                    Act("slider", "GPU memory (GiB)", 0.2, ("text",)),
+                    Act("type", "tokens / request", 16384, ("text", "figure")),
+                ],
+                "01_kv_calculator.png",
+            ),
+            WidgetSpec(
+                "KVGrowthView(sentence",
+                "KVGrowthView",
+                0,
+                [
+                    Act("play", "play", None, ("text",)),
+                    Act("slider", "tokens seen", 0.6, ("text",)),
+                ],
+            ),
+        ],
+    ),
+    NotebookSpec(
+        "notebooks/02_fragmentation.ipynb",
+        [
+            WidgetSpec(
+                "ContiguousVsPaged(small",
+                "ContiguousVsPaged",
+                2,
+                [
+                    Act("select", "reserve", "pow2", ("text", "figure")),
+                    Act("play", "play", None, ("text", "figure")),
+                    Act("slider", "step", 0.3, ("text", "figure")),
+                    Act("type", "step", 450, ("text", "figure")),  # last: the screenshot shows a fixed step
+                ],
+                "02_fragmentation_lab.png",
+            ),
+        ],
+    ),
+    NotebookSpec(
+        "notebooks/03_block_pool.ipynb",
+        [
+            WidgetSpec(
+                "grid.step.value = 0",
+                "BlockPoolGrid (the A/B trace)",
+                1,
+                [
+                    Act("slider", "snapshot", 0.5, ("text", "figure")),
+                    Act("slider", "snapshot", 1.0, ("text", "figure")),
+                ],
+            ),
+            WidgetSpec(
+                "busy = BlockPoolGrid(",
+                "BlockPoolGrid (64 blocks)",
+                1,
+                [
+                    Act("slider", "snapshot", 0.3, ("text", "figure")),
+                    Act("slider", "snapshot", 0.75, ("text", "figure")),
+                ],
+                "03_block_pool_grid.png",
+            ),
+        ],
+    ),
+    NotebookSpec(
+        "notebooks/04_block_tables.ipynb",
+        [
+            WidgetSpec(
+                "BlockTableView.from_manager(",
+                "BlockTableView",
+                1,
+                [
+                    Act("slider", "position", 0.1, ("text", "figure")),
+                    Act("select", "request", "B", ("text", "figure")),
+                    Act("slider", "position", 0.9, ("text", "figure")),
+                ],
+                "04_block_table.png",
+            ),
+        ],
+    ),
+    NotebookSpec(
+        "notebooks/05_paged_kernels.ipynb",
+        [
+            WidgetSpec(
+                "PagedReadView(",
+                "PagedReadView",
+                1,
+                [
+                    Act("slider", "num_splits", 0.0, ("text", "figure")),
+                    Act("select", "program", 2, ("text", "figure")),
+                    Act("slider", "num_splits", 1.0, ("text", "figure")),
+                ],
+            ),
+        ],
+        timeout=420,
+    ),
+    NotebookSpec(
+        "notebooks/06_continuous_batching.ipynb",
+        [
+            WidgetSpec(
+                "player = BatchingPlayer()",
+                "BatchingPlayer",
+                1,
+                [
+                    Act("click", "step ▶", None, ("text", "figure")),
+                    Act("click", "step ▶", None, ("text", "figure")),
+                    Act("click", "reset ⟲", None, initial=True),
+                    Act("play", "play", None, ("text", "figure")),
+                    Act("slider", "step", 0.35, ("text", "figure")),
+                ],
+                "06_batching_player.png",
+            ),
+            WidgetSpec("BatchingTimeline(seven", "BatchingTimeline", 1, _timeline_acts()),
+        ],
+    ),
+    NotebookSpec(
+        "notebooks/07_preemption.ipynb",
+        [
+            WidgetSpec("BatchingTimeline(seven", "BatchingTimeline", 1, _timeline_acts()),
+        ],
+    ),
+    NotebookSpec(
+        "notebooks/08_prefix_caching.ipynb",
+        [
+            WidgetSpec(
+                "PrefixSharingView.system_prompt(",
+                "PrefixSharingView",
+                0,
+                [
+                    Act("slider", "snapshot", 0.0, ("text",)),
+                    Act("slider", "snapshot", 1.0, ("text",)),
+                    Act("slider", "snapshot", 0.4, ("text",)),  # four requests on one system prompt: the picture
+                ],
+                "08_prefix_sharing.png",
+            ),
+        ],
+    ),
+    NotebookSpec(
+        "notebooks/10_capstone.ipynb",
+        [],
+        output_shots=[("print(ex10.report_card(package_parts, llm=llm))", "10_report_card.png")],
+        timeout=600,
+    ),
 ]
 
 
@@ -200,8 +293,10 @@ def ensure_chromium() -> str:
         found = shutil.which("chromium")
         if found:
             return found
-    sys.exit("The browser test needs Debian's chromium: sudo apt-get install chromium "
-             "(Playwright drives it; no browser is downloaded).")
+    sys.exit(
+        "The browser test needs Debian's chromium: sudo apt-get install chromium "
+        "(Playwright drives it; no browser is downloaded)."
+    )
 
 
 def playwright_requirement() -> str:
@@ -217,8 +312,9 @@ def ensure_playwright() -> None:
     except ImportError:
         req = playwright_requirement()
         print(f"installing {req} into {sys.prefix} (the Python package only: no browser download)", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", req],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", req], check=True
+        )
         import importlib
 
         importlib.invalidate_caches()
@@ -237,12 +333,19 @@ class LabServer:
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.port, self.token = tmp, _free_port(), secrets.token_hex(24)
         self.root = tmp / "root"
-        shutil.copytree(REPO / "notebooks", self.root / "notebooks",
-                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+        shutil.copytree(
+            REPO / "notebooks",
+            self.root / "notebooks",
+            ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"),
+        )
         self.env = dict(os.environ)
-        for var, sub in [("JUPYTERLAB_SETTINGS_DIR", "settings"), ("JUPYTERLAB_WORKSPACES_DIR", "workspaces"),
-                         ("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_RUNTIME_DIR", "runtime"),
-                         ("JUPYTER_DATA_DIR", "data")]:
+        for var, sub in [
+            ("JUPYTERLAB_SETTINGS_DIR", "settings"),
+            ("JUPYTERLAB_WORKSPACES_DIR", "workspaces"),
+            ("JUPYTER_CONFIG_DIR", "config"),
+            ("JUPYTER_RUNTIME_DIR", "runtime"),
+            ("JUPYTER_DATA_DIR", "data"),
+        ]:
             (tmp / sub).mkdir()
             self.env[var] = str(tmp / sub)
         self.env.pop("JUPYTER_PATH", None)
@@ -266,16 +369,32 @@ class LabServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120) -> None:
-        cmd = [str(VENV_BIN / "jupyter"), "lab", "--no-browser", "--ServerApp.open_browser=False",
-               "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-               f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
-               "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-               "--expose-app-in-browser"]
+        cmd = [
+            str(VENV_BIN / "jupyter"),
+            "lab",
+            "--no-browser",
+            "--ServerApp.open_browser=False",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.root}",
+            "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--expose-app-in-browser",
+        ]
         if os.geteuid() == 0:
             cmd.append("--allow-root")
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=self.env, cwd=self.root, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=self.env,
+            cwd=self.root,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -288,8 +407,7 @@ class LabServer:
         raise RuntimeError(f"jupyter lab did not answer in {timeout:.0f} s:\n{self.log_tail()}")
 
     def api(self, method: str, path: str) -> Any:
-        req = urllib.request.Request(self.base + path, method=method,
-                                     headers={"Authorization": f"token {self.token}"})
+        req = urllib.request.Request(self.base + path, method=method, headers={"Authorization": f"token {self.token}"})
         with urllib.request.urlopen(req, timeout=10) as r:
             body = r.read()
         return json.loads(body) if body else None
@@ -326,7 +444,7 @@ class LabServer:
             except Exception:
                 pass
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)   # the server's own group (start_new_session)
+                os.killpg(self.proc.pid, signal.SIGTERM)  # the server's own group (start_new_session)
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -343,7 +461,8 @@ class LabServer:
 
 
 # ---- in the page -----------------------------------------------------------------------------------
-JS_HELPERS = r"""
+JS_HELPERS = (
+    r"""
 window.__bt = {
   panel(path) {
     if (!window.jupyterapp) return null;
@@ -384,7 +503,9 @@ window.__bt = {
     return [...p.content.model.cells].map((c, i) => {
       const outs = c.type === 'code' ? [...Array(c.outputs.length).keys()].map(j => c.outputs.get(j).toJSON()) : [];
       return {index: i, type: c.type, source: c.sharedModel.getSource(),
-              widgets: outs.filter(o => o.data && o.data['""" + WIDGET_MIME + r"""']).length,
+              widgets: outs.filter(o => o.data && o.data['"""
+    + WIDGET_MIME
+    + r"""']).length,
               errors: outs.filter(o => o.output_type === 'error').map(o => `${o.ename}: ${o.evalue}`)};
     });
   },
@@ -409,6 +530,7 @@ window.__bt = {
   },
 };
 """
+)
 
 
 def _request_failed(request) -> str | None:
@@ -447,7 +569,7 @@ class NotebookRun:
     def _kernel_messages(self) -> None:
         """Errors and stderr the kernel sent since the last call (from Run All, or from a widget's callback)."""
         msgs = self.js("() => window.__btKernelErrors || []")
-        new, self._kernel_seen = msgs[self._kernel_seen:], len(msgs)
+        new, self._kernel_seen = msgs[self._kernel_seen :], len(msgs)
         for m in new:
             lines = m.strip().splitlines()
             if lines and lines[0] in self._cell_errors:
@@ -495,11 +617,17 @@ class NotebookRun:
         page.set_default_timeout(60_000)
         try:
             page.goto(f"{self.server.base}/lab/tree/{path}?reset&token={self.server.token}")
-            self._poll("p => !!(window.__bt && window.__bt.kernel(p) && window.__bt.kernel(p).status === 'idle')",
-                       path, 180, "the kernel did not start")
+            self._poll(
+                "p => !!(window.__bt && window.__bt.kernel(p) && window.__bt.kernel(p).status === 'idle')",
+                path,
+                180,
+                "the kernel did not start",
+            )
             page.wait_for_selector(".jp-Notebook .jp-Cell")
-            self.js("() => { if (document.querySelector('#jp-left-stack:not(.lm-mod-hidden)')) "
-                    "jupyterapp.commands.execute('application:toggle-left-area'); }")
+            self.js(
+                "() => { if (document.querySelector('#jp-left-stack:not(.lm-mod-hidden)')) "
+                "jupyterapp.commands.execute('application:toggle-left-area'); }"
+            )
             self.js("p => window.__bt.listen(p)", path)
             # as a learner would: Edit → Clear Outputs of All Cells, then Run → Run All Cells
             self._menu("Edit", "Clear Outputs of All Cells")
@@ -526,8 +654,11 @@ class NotebookRun:
                 self._shoot_output(cells, piece, name)
             if self.problems:
                 raise Failures()
-            self.notes.insert(0, f"Run All {run_s:.0f} s; {len(widget_cells)} widget(s), {acts} interaction(s), "
-                                 f"{self.checked_figures} plotly figure check(s)")
+            self.notes.insert(
+                0,
+                f"Run All {run_s:.0f} s; {len(widget_cells)} widget(s), {acts} interaction(s), "
+                f"{self.checked_figures} plotly figure check(s)",
+            )
         except Failures:
             pass
         except Exception as exc:  # a timeout or a Playwright error: report it with what we know
@@ -539,8 +670,10 @@ class NotebookRun:
             except Exception:
                 pass
             if self.excused_204:
-                self.notes.append(f"{self.excused_204} request(s) answered 204 and reported as net::ERR_ABORTED by "
-                                  f"Chromium: not failures (see _request_failed)")
+                self.notes.append(
+                    f"{self.excused_204} request(s) answered 204 and reported as net::ERR_ABORTED by "
+                    f"Chromium: not failures (see _request_failed)"
+                )
             try:
                 page.close()
             except Exception:
@@ -608,8 +741,9 @@ class NotebookRun:
             cell = self._find(cells, w.cell)
             covered.add(cell["index"])
             if shown.get(cell["index"], 0) != 1:
-                self.problems.append(f"{w.name}: cell {cell['index']} displays {shown.get(cell['index'], 0)} widgets, "
-                                     f"expected 1")
+                self.problems.append(
+                    f"{w.name}: cell {cell['index']} displays {shown.get(cell['index'], 0)} widgets, expected 1"
+                )
                 continue
             root = self._root(cell)
             if root.count() != 1:
@@ -625,14 +759,17 @@ class NotebookRun:
             for i, f in enumerate(look["figs"]):
                 if not f["drawn"]:
                     self.problems.append(f"{w.name}: figure {i} is not drawn")
-            self.notes.append(f"{w.name} (cell {cell['index']}): 1 view, {parts} widget elements, "
-                              f"{len(look['figs'])} figure(s)")
+            self.notes.append(
+                f"{w.name} (cell {cell['index']}): 1 view, {parts} widget elements, {len(look['figs'])} figure(s)"
+            )
             out.append((w, cell))
         for index in shown:
             if index not in covered:
                 src = cells[index]["source"].strip().splitlines()[-1][:80]
-                self.problems.append(f"cell {index} ({src!r}) displays a widget the browser test does not drive: "
-                                     f"add it to SPECS in tools/browser_test.py")
+                self.problems.append(
+                    f"cell {index} ({src!r}) displays a widget the browser test does not drive: "
+                    f"add it to SPECS in tools/browser_test.py"
+                )
         return out
 
     def _check_no_widget_errors(self) -> None:
@@ -647,8 +784,9 @@ class NotebookRun:
             from minipaged.viz.layout import check_layout
         except ImportError:
             check_layout = None
-        figs = self.page.evaluate("() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')]"
-                                  ".map(gd => window.__bt.figJSON(gd))")
+        figs = self.page.evaluate(
+            "() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')].map(gd => window.__bt.figJSON(gd))"
+        )
         for i, fig in enumerate(figs):
             if not fig["data"]:
                 self.problems.append(f"plotly figure {i} {when}: no data drawn")
@@ -690,9 +828,14 @@ class NotebookRun:
             _check_interrupt()
             now = self._look(root)
             if act.initial:
-                missing = [] if (now["text"] == first["text"] and
-                                 [f["view"] for f in now["figs"]] == [f["view"] for f in first["figs"]]) \
+                missing = (
+                    []
+                    if (
+                        now["text"] == first["text"]
+                        and [f["view"] for f in now["figs"]] == [f["view"] for f in first["figs"]]
+                    )
                     else ["the first picture back"]
+                )
             else:
                 missing = self._changed(before, now, act.expect)
             if not missing:
@@ -702,8 +845,9 @@ class NotebookRun:
             self.page.wait_for_timeout(250)
 
     def _control(self, root, css: str, label: str):
-        loc = root.locator(css).filter(has=self.page.locator(".widget-label", has_text=re.compile(
-            rf"^\s*{re.escape(label)}\s*$")))
+        loc = root.locator(css).filter(
+            has=self.page.locator(".widget-label", has_text=re.compile(rf"^\s*{re.escape(label)}\s*$"))
+        )
         if loc.count() != 1:
             raise AssertionError(f"{loc.count()} controls labelled {label!r}")
         return loc
@@ -838,8 +982,9 @@ def _check_interrupt() -> None:
 
 # ---- main ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("only", nargs="*", help="notebook numbers or names to run (default: all in SPECS)")
     ap.add_argument("--timeout", type=float, default=240, help="seconds for one notebook's Run All (default 240)")
     ap.add_argument("--screenshots", default=str(SCREENSHOTS), help="where the PNGs go (default assets/screenshots)")
@@ -848,8 +993,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print what each notebook is checked for, and stop")
     args = ap.parse_args(argv)
 
-    specs = [s for s in SPECS if not args.only or any(Path(s.path).stem.startswith(o) or o in s.path
-                                                      for o in args.only)]
+    specs = [
+        s for s in SPECS if not args.only or any(Path(s.path).stem.startswith(o) or o in s.path for o in args.only)
+    ]
     if args.list:
         for s in specs:
             print(s.path)
@@ -884,8 +1030,13 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"the python3 kernel runs {argv[0]}, not this environment's {sys.executable}")
         with sync_playwright() as pw:
             ctx = pw.chromium.launch_persistent_context(
-                str(tmp / "chromium-profile"), executable_path=chromium, headless=True, args=CHROMIUM_FLAGS,
-                viewport=VIEWPORT, device_scale_factor=1)
+                str(tmp / "chromium-profile"),
+                executable_path=chromium,
+                headless=True,
+                args=CHROMIUM_FLAGS,
+                viewport=VIEWPORT,
+                device_scale_factor=1,
+            )
             print(f"browser: {chromium} {ctx.browser.version if ctx.browser else ''}".rstrip(), flush=True)
             try:
                 for spec in specs:

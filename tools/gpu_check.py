@@ -15,6 +15,7 @@ On a machine with CUDA it runs, in order, and stops at the first failure:
 Results (JSON and plots, with the device name and date) go to ``assets/benchmarks/gpu/``;
 commit them. Without CUDA it says so and exits 1: none of these figures can be made up.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -39,33 +40,51 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu-check needs an NVIDIA GPU with CUDA, and this machine has none "
-              f"(torch {torch.__version__}, torch.cuda.is_available() is False). Run it where a GPU is, with a "
-              "CUDA build of torch; on this machine `python -m minipaged kernels` compiles the kernels for "
-              "sm_80/sm_90 and reads their registers and spills without one.", file=sys.stderr)
+        print(
+            "gpu-check needs an NVIDIA GPU with CUDA, and this machine has none "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False). Run it where a GPU is, with a "
+            "CUDA build of torch; on this machine `python -m minipaged kernels` compiles the kernels for "
+            "sm_80/sm_90 and reads their registers and spills without one.",
+            file=sys.stderr,
+        )
         return 1
     OUT.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     arch = f"sm_{props.major}{props.minor}"
     py = sys.executable
     run("kernel tests, compiled", [py, "-m", "pytest", "-q", "tests/test_kernels.py"])
-    run("engine equality tests, Triton backend",
+    run(
+        "engine equality tests, Triton backend",
         [py, "-m", "pytest", "-q", "tests/test_engine_triton.py", "tests/test_engine.py"],
-        env={"MINIPAGED_TEST_BACKEND": "triton"})
+        env={"MINIPAGED_TEST_BACKEND": "triton"},
+    )
     report_arch = arch if arch in ("sm_80", "sm_90") else "sm_90"
     print(f"\n=== compile report for {report_arch}", flush=True)
-    rep = subprocess.run([py, "-m", "minipaged", "kernels", "--arch", report_arch, "--json"], cwd=REPO,
-                         capture_output=True, text=True)
+    rep = subprocess.run(
+        [py, "-m", "minipaged", "kernels", "--arch", report_arch, "--json"], cwd=REPO, capture_output=True, text=True
+    )
     (OUT / f"kernels_{report_arch}.jsonl").write_text(rep.stdout)
     if rep.returncode:
         raise SystemExit(f"gpu-check: compile report failed or found spills:\n{rep.stderr[-2000:]}")
     run("paged attention bandwidth", [py, "benchmarks/bench_paged_attention.py", "--out-dir", str(OUT)])
-    run("engine vs transformers static batching",
+    run(
+        "engine vs transformers static batching",
         [py, "bench_engine.py", "--device", "cuda", "--dtype", "bfloat16", "--rounds", "1", "--out", str(OUT)],
-        cwd=REPO / "benchmarks")
-    (OUT / "gpu_check.json").write_text(json.dumps(dict(
-        device=torch.cuda.get_device_name(0), arch=arch, date=dt.datetime.now(dt.timezone.utc).isoformat(),
-        torch=torch.__version__, cuda=torch.version.cuda), indent=1) + "\n")
+        cwd=REPO / "benchmarks",
+    )
+    (OUT / "gpu_check.json").write_text(
+        json.dumps(
+            dict(
+                device=torch.cuda.get_device_name(0),
+                arch=arch,
+                date=dt.datetime.now(dt.timezone.utc).isoformat(),
+                torch=torch.__version__,
+                cuda=torch.version.cuda,
+            ),
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"\ngpu-check passed on {torch.cuda.get_device_name(0)}; results in {OUT.relative_to(REPO)}: commit them")
     return 0
 

@@ -10,6 +10,7 @@ starter (``exercises/exNN_*.ipynb``) gets its check cells' expected outputs from
 its solution (``exercises/solutions/exNN_*.ipynb``), run first: a starter is
 expected to print what a correct solution prints.
 """
+
 from __future__ import annotations
 
 import re

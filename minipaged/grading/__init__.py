@@ -5,8 +5,19 @@ check cells call with the learner's code (so a learner sees their score while wo
 (``runner.grade_folder``, ``python -m minipaged grade``) trusts none of those printed lines: it runs the
 learner's code in a fresh process and calls the same check functions itself (``exercises.EXERCISES`` says which).
 """
+
 from .core import Check, CheckOutcome, close, parse_summaries, report
 from .runner import GroupScore, format_details, format_table, grade_folder, grade_notebook
 
-__all__ = ["Check", "CheckOutcome", "GroupScore", "close", "format_details", "format_table", "grade_folder",
-           "grade_notebook", "parse_summaries", "report"]
+__all__ = [
+    "Check",
+    "CheckOutcome",
+    "GroupScore",
+    "close",
+    "format_details",
+    "format_table",
+    "grade_folder",
+    "grade_notebook",
+    "parse_summaries",
+    "report",
+]

@@ -13,16 +13,25 @@ follow, one block per failed check: what was tried, what was expected, what came
 back, and a hint. The expected values are computed by the package's own
 reference implementation, never typed in.
 """
+
 from __future__ import annotations
 
 import operator
 import re
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Protocol
 
 # The one line per check group that grading reads back.
 SUMMARY_RE = re.compile(r"^(?P<group>[A-Za-z0-9_.\-]+): (?P<passed>\d+)/(?P<total>\d+) checks passed$")
+
+
+class Thunk(Protocol):
+    """What a check runs: a callable taken with no arguments. ``Callable[[], Any]`` would say the same, but mypy
+    cannot infer a lambda that binds loop variables as defaults (``lambda s=s: ...``) against it."""
+
+    def __call__(self) -> Any: ...
 
 
 @dataclass
@@ -30,7 +39,7 @@ class Check:
     """One thing to try: call ``run`` and compare what it returns with ``expected``."""
 
     tried: str  # shown on failure, e.g. "bytes_per_token(80, 8, 128, 2)"
-    run: Callable[[], Any]
+    run: Thunk
     expected: Any
     hint: str = ""
     same: Callable[[Any, Any], bool] = field(default=operator.eq)
@@ -103,6 +112,8 @@ def parse_summaries(text: str) -> list[tuple[str, int, int]]:
 
 def close(rel: float = 1e-9) -> Callable[[Any, Any], bool]:
     """A comparison for floats: equal up to a relative tolerance."""
+
     def same(got: Any, expected: Any) -> bool:
         return abs(float(got) - float(expected)) <= rel * max(1.0, abs(float(expected)))
+
     return same

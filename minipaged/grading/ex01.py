@@ -2,9 +2,11 @@
 
 The expected values come from ``minipaged.kv_math``, the package's own answer.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..kv_math import GiB, KVSpec
 from .core import Check, CheckOutcome, report
@@ -22,12 +24,14 @@ _MODELS = [
 
 def check_bytes_per_token(bytes_per_token: Callable[[int, int, int, int], int]) -> list[CheckOutcome]:
     checks = [
-        Check(f"bytes_per_token({L}, {kv}, {d}, {b})  # {label}",
-              lambda L=L, kv=kv, d=d, b=b: bytes_per_token(L, kv, d, b),
-              KVSpec(L, kv, d, b).bytes_per_token,
-              hint="count everything one token leaves in the cache: which tensors are kept per token, in how "
-                   "many layers, for which heads (the KV heads, not the query heads), how many numbers wide, and "
-                   "bytes, not numbers (chapter 01, section 2)")
+        Check(
+            f"bytes_per_token({L}, {kv}, {d}, {b})  # {label}",
+            lambda L=L, kv=kv, d=d, b=b: bytes_per_token(L, kv, d, b),
+            KVSpec(L, kv, d, b).bytes_per_token,
+            hint="count everything one token leaves in the cache: which tensors are kept per token, in how "
+            "many layers, for which heads (the KV heads, not the query heads), how many numbers wide, and "
+            "bytes, not numbers (chapter 01, section 2)",
+        )
         for label, L, kv, d, b in _MODELS
     ]
     return report("bytes_per_token", checks)
@@ -53,14 +57,24 @@ def check_block_capacity(block_capacity: Callable[[int, int, int, int], tuple[in
     checks = []
     for label, budget, bpt, bs, req in cases:
         cap = _capacity(budget, bpt, bs, req)
-        checks.append(Check(f"block_capacity({budget}, {bpt}, {bs}, {req})  # {label}",
-                            lambda a=(budget, bpt, bs, req): tuple(block_capacity(*a)), cap,
-                            hint="compare the two numbers of the pair with the label: a block exists only if the "
-                                 "budget holds all of it, and a request holds whole blocks, its last one possibly "
-                                 "part-empty (chapter 01, section 6)"))
-    checks.append(Check("block_capacity(1000, 46080, 16, 2048)  # smaller than one block",
-                        lambda: _raises_value_error(lambda: block_capacity(1000, 46_080, 16, 2048)),
-                        "ValueError", hint="a budget that cannot hold one block should raise ValueError"))
+        checks.append(
+            Check(
+                f"block_capacity({budget}, {bpt}, {bs}, {req})  # {label}",
+                lambda a=(budget, bpt, bs, req): tuple(block_capacity(*a)),
+                cap,
+                hint="compare the two numbers of the pair with the label: a block exists only if the "
+                "budget holds all of it, and a request holds whole blocks, its last one possibly "
+                "part-empty (chapter 01, section 6)",
+            )
+        )
+    checks.append(
+        Check(
+            "block_capacity(1000, 46080, 16, 2048)  # smaller than one block",
+            lambda: _raises_value_error(lambda: block_capacity(1000, 46_080, 16, 2048)),
+            "ValueError",
+            hint="a budget that cannot hold one block should raise ValueError",
+        )
+    )
     return report("block_capacity", checks)
 
 
@@ -68,4 +82,5 @@ def _capacity(budget: int, bytes_per_token: int, block_size: int, request_tokens
     # bytes/token = 2·L·n_kv·d·b; a spec with L=1, n_kv=1, b=1 and d = bytes/token / 2 reproduces it.
     spec = KVSpec(1, 1, bytes_per_token // 2, 1)
     cap = spec.capacity(budget, block_size, request_tokens)
+    assert cap.full_requests is not None  # set whenever request_tokens is given
     return cap.num_blocks, cap.full_requests

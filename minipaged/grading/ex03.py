@@ -8,9 +8,11 @@ count every read and write of their ``prev_free_block``/``next_free_block``, and
 a removal may touch only the removed block and its two neighbours. Walking the
 list, even once, touches thousands of other blocks.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from ..block_pool import FreeKVCacheBlockQueue, KVCacheBlock
 from ..kv_cache_manager import KVCacheManager
@@ -28,13 +30,13 @@ class ProbeBlock(KVCacheBlock):
     """A ``KVCacheBlock`` that counts reads and writes of its queue links in ``touches`` (block id -> count)."""
 
     __slots__ = ()
-    touches: dict[int, int] = {}
+    touches: ClassVar[dict[int, int]] = {}
 
     def _touch(self) -> None:
         ProbeBlock.touches[self.block_id] = ProbeBlock.touches.get(self.block_id, 0) + 1
 
     @property
-    def prev_free_block(self) -> KVCacheBlock | None:  # type: ignore[override]
+    def prev_free_block(self) -> KVCacheBlock | None:
         self._touch()
         return _PREV.__get__(self)
 
@@ -44,7 +46,7 @@ class ProbeBlock(KVCacheBlock):
         _PREV.__set__(self, value)
 
     @property
-    def next_free_block(self) -> KVCacheBlock | None:  # type: ignore[override]
+    def next_free_block(self) -> KVCacheBlock | None:
         self._touch()
         return _NEXT.__get__(self)
 
@@ -141,29 +143,55 @@ def _remove_then_append(remove: Remove) -> tuple[list[int], list[int], int]:
 
 def check_remove_links(remove: Remove) -> list[CheckOutcome]:
     """``remove(queue, block)``: unlink ``block`` from anywhere in ``queue``; the list stays whole both ways."""
-    cases = [("the first block (next to the fake head)", 6, [0]),
-             ("a block in the middle", 6, [3]),
-             ("the last block (next to the fake tail)", 6, [5]),
-             ("blocks 1, 3, 5 one after the other", 7, [1, 3, 5]),
-             ("every block, back to front", 5, [4, 3, 2, 1, 0])]
-    hint = ("compare the three parts: the ids read front to back, back to front, and the count. After a removal "
-            "the list must read the same both ways without the block, and num_free_blocks must agree with it; "
-            "thanks to the fake head and tail a queued block always has two neighbours (chapter 03, section 3)")
-    checks = [Check(f"remove blocks {ids} from a queue of {n}  # {label}; then (ids front→back, ids back→front, "
-                    f"num_free_blocks)", lambda n=n, ids=ids: _after_removals(remove, n, ids),
-                    _after_removals(_reference, n, ids), hint=hint) for label, n, ids in cases]
-    checks.append(Check("remove block 3 of 6, then read (block.prev_free_block, block.next_free_block)",
-                        lambda: _removed_links(remove), _removed_links(_reference),
-                        hint="a block outside the queue must not point into it: what did your removal leave in "
-                             "the removed block itself?"))
-    checks.append(Check("remove block 1 and block 4, then queue.append(block 1)",
-                        lambda: _remove_then_append(remove), _remove_then_append(_reference),
-                        hint="append refuses a block that still looks linked: look at the removed block's own "
-                             "fields after your removal"))
-    checks.append(Check("remove block 2 twice: the second call raises ValueError and changes nothing",
-                        lambda: _remove_twice(remove), _remove_twice(_reference),
-                        hint="how can you tell, from the block alone, that it is not in the queue? That case must "
-                             "raise ValueError before changing anything"))
+    cases = [
+        ("the first block (next to the fake head)", 6, [0]),
+        ("a block in the middle", 6, [3]),
+        ("the last block (next to the fake tail)", 6, [5]),
+        ("blocks 1, 3, 5 one after the other", 7, [1, 3, 5]),
+        ("every block, back to front", 5, [4, 3, 2, 1, 0]),
+    ]
+    hint = (
+        "compare the three parts: the ids read front to back, back to front, and the count. After a removal "
+        "the list must read the same both ways without the block, and num_free_blocks must agree with it; "
+        "thanks to the fake head and tail a queued block always has two neighbours (chapter 03, section 3)"
+    )
+    checks = [
+        Check(
+            f"remove blocks {ids} from a queue of {n}  # {label}; then (ids front→back, ids back→front, "
+            f"num_free_blocks)",
+            lambda n=n, ids=ids: _after_removals(remove, n, ids),
+            _after_removals(_reference, n, ids),
+            hint=hint,
+        )
+        for label, n, ids in cases
+    ]
+    checks.append(
+        Check(
+            "remove block 3 of 6, then read (block.prev_free_block, block.next_free_block)",
+            lambda: _removed_links(remove),
+            _removed_links(_reference),
+            hint="a block outside the queue must not point into it: what did your removal leave in "
+            "the removed block itself?",
+        )
+    )
+    checks.append(
+        Check(
+            "remove block 1 and block 4, then queue.append(block 1)",
+            lambda: _remove_then_append(remove),
+            _remove_then_append(_reference),
+            hint="append refuses a block that still looks linked: look at the removed block's own "
+            "fields after your removal",
+        )
+    )
+    checks.append(
+        Check(
+            "remove block 2 twice: the second call raises ValueError and changes nothing",
+            lambda: _remove_twice(remove),
+            _remove_twice(_reference),
+            hint="how can you tell, from the block alone, that it is not in the queue? That case must "
+            "raise ValueError before changing anything",
+        )
+    )
     return report("remove_links", checks)
 
 
@@ -192,17 +220,31 @@ def check_remove_is_O1(remove: Remove) -> list[CheckOutcome]:
     ref_q, ref_blocks = _huge_queue()
     q, blocks = _huge_queue()
     checks = []
-    for label, i in (("the middle block", HUGE // 2), ("the first block", 0), ("the last block", HUGE - 1),
-                     ("a block near the back", HUGE - 17)):
+    for label, i in (
+        ("the middle block", HUGE // 2),
+        ("the first block", 0),
+        ("the last block", HUGE - 1),
+        ("a block near the back", HUGE - 17),
+    ):
         expected = _far_touches(_reference, ref_q, ref_blocks, i)
-        checks.append(Check(f"remove {label} (id {i}) of a {HUGE:,}-block queue; count link reads/writes on "
-                            "other blocks", lambda i=i: _far_touches(remove, q, blocks, i), expected,
-                            hint="this counts link reads and writes on blocks other than the removed one and its "
-                                 "two neighbours, so any walk or search over the queue shows up; everything a "
-                                 "removal needs is reachable from the block itself"))
-    checks.append(Check(f"after those 4 removals: num_free_blocks of the {HUGE:,}-block queue",
-                        lambda: q.num_free_blocks, ref_q.num_free_blocks,
-                        hint="the queue's count must follow its removals"))
+        checks.append(
+            Check(
+                f"remove {label} (id {i}) of a {HUGE:,}-block queue; count link reads/writes on other blocks",
+                lambda i=i: _far_touches(remove, q, blocks, i),
+                expected,
+                hint="this counts link reads and writes on blocks other than the removed one and its "
+                "two neighbours, so any walk or search over the queue shows up; everything a "
+                "removal needs is reachable from the block itself",
+            )
+        )
+    checks.append(
+        Check(
+            f"after those 4 removals: num_free_blocks of the {HUGE:,}-block queue",
+            lambda: q.num_free_blocks,
+            ref_q.num_free_blocks,
+            hint="the queue's count must follow its removals",
+        )
+    )
     return report("remove_is_O1", checks)
 
 
@@ -214,7 +256,8 @@ def _pool_scenario(remove: Remove | None) -> tuple[list[int], int, list[int], li
     mgr = KVCacheManager(block_size=4, num_blocks=12, enable_caching=True, watermark=0.0)
     q = mgr.block_pool.free_block_queue
     if remove is not None:
-        q.remove = lambda block: remove(q, block)  # the pool's cache hits now go through the learner's code
+        # The pool's cache hits now go through the learner's code (patched on this one queue, on purpose).
+        q.remove = lambda block: remove(q, block)  # type: ignore[method-assign]
     for rid, prompt in (("p1", list(range(9))), ("p2", list(range(100, 109)))):
         req = Request(rid, prompt)
         mgr.allocate_slots(req, req.num_tokens)
@@ -230,11 +273,21 @@ def _pool_scenario(remove: Remove | None) -> tuple[list[int], int, list[int], li
 def check_remove_in_pool(remove: Remove) -> list[CheckOutcome]:
     """The learner's ``remove`` serving a real ``BlockPool``: prefix-cache hits take cached blocks out of the queue."""
     expected = _pool_scenario(None)
-    labels = ["the free queue after the hit (ids front→back)", "free blocks after the hit",
-              "ref counts of the two hit blocks", "the hitting request's block table"]
-    checks = [Check(f"KVCacheManager(block_size=4, num_blocks=12): p1, p2 cached and freed, a request with p1's "
-                    f"prefix hits 2 blocks; {label}", lambda k=k: _pool_scenario(remove)[k], expected[k],
-                    hint="a cache hit calls your remove on a block in the middle of the free queue: make "
-                         "remove_links pass first, then compare what the pool did next")
-              for k, label in enumerate(labels)]
+    labels = [
+        "the free queue after the hit (ids front→back)",
+        "free blocks after the hit",
+        "ref counts of the two hit blocks",
+        "the hitting request's block table",
+    ]
+    checks = [
+        Check(
+            f"KVCacheManager(block_size=4, num_blocks=12): p1, p2 cached and freed, a request with p1's "
+            f"prefix hits 2 blocks; {label}",
+            lambda k=k: _pool_scenario(remove)[k],
+            expected[k],
+            hint="a cache hit calls your remove on a block in the middle of the free queue: make "
+            "remove_links pass first, then compare what the pool did next",
+        )
+        for k, label in enumerate(labels)
+    ]
     return report("remove_in_pool", checks)

@@ -7,6 +7,7 @@ twice, once for the learner's function and once for a scheduler with no running
 request, ``max_num_batched_tokens = token_budget`` and ``max_num_seqs =
 free_seats``, whose ``schedule()`` then does exactly the admission loop.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -40,24 +41,51 @@ def _prompt(n: int, start: int) -> list[int]:
 
 SCENARIOS = [
     Scenario("three short prompts, room for all", [_prompt(10, 1), _prompt(6, 20), _prompt(8, 30)]),
-    Scenario("a token budget of 24: the third prompt is chunked", [_prompt(10, 1), _prompt(6, 20), _prompt(20, 30)],
-             token_budget=24),
-    Scenario("a budget of 16 used up by the first two: the others wait",
-             [_prompt(8, 1), _prompt(8, 20), _prompt(8, 30), _prompt(4, 40)], token_budget=16),
+    Scenario(
+        "a token budget of 24: the third prompt is chunked",
+        [_prompt(10, 1), _prompt(6, 20), _prompt(20, 30)],
+        token_budget=24,
+    ),
+    Scenario(
+        "a budget of 16 used up by the first two: the others wait",
+        [_prompt(8, 1), _prompt(8, 20), _prompt(8, 30), _prompt(4, 40)],
+        token_budget=16,
+    ),
     Scenario("only two free seats (max_num_seqs)", [_prompt(5, 1), _prompt(5, 20), _prompt(5, 30)], free_seats=2),
-    Scenario("6 blocks free, the head needs 10: nobody overtakes it, not even a 1-block request",
-             [_prompt(40, 1), _prompt(4, 60)], others=[104]),
-    Scenario("7 blocks free, a watermark of 2: the second request (6 blocks) must wait",
-             [_prompt(4, 1), _prompt(24, 20)], others=[100], watermark_blocks=2),
-    Scenario("a cached 16-token system prompt: only the rest of the prompt is computed",
-             [SYSTEM + _prompt(5, 1), SYSTEM + _prompt(9, 20)], cached=[SYSTEM + _prompt(3, 90)]),
-    Scenario("a prefix hit, then a budget of 6 chunks what is left", [SYSTEM + _prompt(10, 1)], token_budget=6,
-             cached=[SYSTEM + _prompt(3, 90)]),
-    Scenario("a fully cached, block-aligned prompt still computes its last block",
-             [list(SYSTEM)], cached=[SYSTEM + _prompt(3, 90)]),
-    Scenario("a prefix hit takes cached-but-free blocks; then the pool says no, and the small one behind waits",
-             [SYSTEM + _prompt(30, 1), _prompt(60, 40), _prompt(2, 200)], token_budget=40,
-             cached=[SYSTEM + _prompt(3, 90)], others=[72]),
+    Scenario(
+        "6 blocks free, the head needs 10: nobody overtakes it, not even a 1-block request",
+        [_prompt(40, 1), _prompt(4, 60)],
+        others=[104],
+    ),
+    Scenario(
+        "7 blocks free, a watermark of 2: the second request (6 blocks) must wait",
+        [_prompt(4, 1), _prompt(24, 20)],
+        others=[100],
+        watermark_blocks=2,
+    ),
+    Scenario(
+        "a cached 16-token system prompt: only the rest of the prompt is computed",
+        [SYSTEM + _prompt(5, 1), SYSTEM + _prompt(9, 20)],
+        cached=[SYSTEM + _prompt(3, 90)],
+    ),
+    Scenario(
+        "a prefix hit, then a budget of 6 chunks what is left",
+        [SYSTEM + _prompt(10, 1)],
+        token_budget=6,
+        cached=[SYSTEM + _prompt(3, 90)],
+    ),
+    Scenario(
+        "a fully cached, block-aligned prompt still computes its last block",
+        [list(SYSTEM)],
+        cached=[SYSTEM + _prompt(3, 90)],
+    ),
+    Scenario(
+        "a prefix hit takes cached-but-free blocks; then the pool says no, and the small one behind waits",
+        [SYSTEM + _prompt(30, 1), _prompt(60, 40), _prompt(2, 200)],
+        token_budget=40,
+        cached=[SYSTEM + _prompt(3, 90)],
+        others=[72],
+    ),
 ]
 
 
@@ -81,19 +109,22 @@ def build(s: Scenario) -> tuple[deque[Request], KVCacheManager]:
 
 
 def _state(waiting_before: list[Request], waiting: deque[Request], kv: KVCacheManager) -> dict[str, Any]:
-    return dict(waiting=[r.request_id for r in waiting],
-                status={r.request_id: r.status.value for r in waiting_before},
-                computed={r.request_id: r.num_computed_tokens for r in waiting_before},
-                blocks={r.request_id: kv.get_num_blocks(r.request_id) for r in waiting_before},
-                free_blocks=kv.get_num_free_blocks())
+    return dict(
+        waiting=[r.request_id for r in waiting],
+        status={r.request_id: r.status.value for r in waiting_before},
+        computed={r.request_id: r.num_computed_tokens for r in waiting_before},
+        blocks={r.request_id: kv.get_num_blocks(r.request_id) for r in waiting_before},
+        free_blocks=kv.get_num_free_blocks(),
+    )
 
 
 def expected(s: Scenario) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     """What the real scheduler admits, and what it leaves behind."""
     waiting, kv = build(s)
     before = list(waiting)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=s.free_seats, max_num_batched_tokens=s.token_budget,
-                                      max_model_len=4096), kv)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=s.free_seats, max_num_batched_tokens=s.token_budget, max_model_len=4096), kv
+    )
     for r in before:
         sched.add_request(r)
     out = sched.schedule()
@@ -109,28 +140,39 @@ def _run(admit_waiting: Callable[..., Any], s: Scenario) -> tuple[Any, dict[str,
 
 
 def _describe(s: Scenario) -> str:
-    return (f"admit_waiting(waiting={[len(p) for p in s.waiting]} tokens, kv, token_budget={s.token_budget}, "
-            f"free_seats={s.free_seats})  # {s.label}")
+    return (
+        f"admit_waiting(waiting={[len(p) for p in s.waiting]} tokens, kv, token_budget={s.token_budget}, "
+        f"free_seats={s.free_seats})  # {s.label}"
+    )
 
 
 def check_admit_waiting(admit_waiting: Callable[..., Any]) -> list[CheckOutcome]:
     """What ``admit_waiting`` returns: ``[(request_id, num_new_tokens), ...]`` in admission order."""
-    hint = ("compare the admitted list with the label: who got in, in what order, and with how many tokens. "
-            "Look at the three limits (queue, token budget, seats), at what a prefix-cache hit saves, at a prompt "
-            "longer than the budget left, and at what 'first come, first served' means when the head does not "
-            "fit (chapter 06, sections 3 and 4)")
-    checks = [Check(_describe(s), lambda s=s: _run(admit_waiting, s)[0], expected(s)[0], hint=hint)
-              for s in SCENARIOS]
+    hint = (
+        "compare the admitted list with the label: who got in, in what order, and with how many tokens. "
+        "Look at the three limits (queue, token budget, seats), at what a prefix-cache hit saves, at a prompt "
+        "longer than the budget left, and at what 'first come, first served' means when the head does not "
+        "fit (chapter 06, sections 3 and 4)"
+    )
+    checks = [Check(_describe(s), lambda s=s: _run(admit_waiting, s)[0], expected(s)[0], hint=hint) for s in SCENARIOS]
     return report("admit_waiting", checks)
 
 
 def check_admission_state(admit_waiting: Callable[..., Any]) -> list[CheckOutcome]:
     """What ``admit_waiting`` leaves behind: the queue, each request's status, computed tokens and blocks, the
     free pool."""
-    hint = ("compare each part of the state: which requests are still waiting, each request's status (an "
-            "admitted request has changed state), how many tokens count as already computed for a prefix hit, "
-            "and the blocks held by requests that were not admitted (chapter 06, section 3)")
-    checks = [Check(_describe(s).replace("admit_waiting(", "state after admit_waiting(", 1),
-                    lambda s=s: _run(admit_waiting, s)[1], expected(s)[1], hint=hint)
-              for s in SCENARIOS]
+    hint = (
+        "compare each part of the state: which requests are still waiting, each request's status (an "
+        "admitted request has changed state), how many tokens count as already computed for a prefix hit, "
+        "and the blocks held by requests that were not admitted (chapter 06, section 3)"
+    )
+    checks = [
+        Check(
+            _describe(s).replace("admit_waiting(", "state after admit_waiting(", 1),
+            lambda s=s: _run(admit_waiting, s)[1],
+            expected(s)[1],
+            hint=hint,
+        )
+        for s in SCENARIOS
+    ]
     return report("admission_state", checks)

@@ -10,6 +10,7 @@ real scheduler (``preempt`` for part 1; ``schedule()`` for part 2, with
 ``max_num_seqs`` equal to the running count so that step 2 admits nobody), and
 the two end states are compared.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -49,8 +50,10 @@ class Scenario:
 def build(s: Scenario) -> Scheduler:
     """A scheduler whose running requests hold blocks for their computed tokens, as after a real step."""
     kv = KVCacheManager(block_size=4, num_blocks=s.num_blocks, enable_caching=s.caching, watermark_blocks=0)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=max(1, len(s.running)), max_num_batched_tokens=s.token_budget,
-                                      max_model_len=1024), kv)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=max(1, len(s.running)), max_num_batched_tokens=s.token_budget, max_model_len=1024),
+        kv,
+    )
     for i, r in enumerate(s.running):
         own = list(range(1000 * (i + 1), 1000 * (i + 1) + r.prompt - (len(SHARED) if r.shared_prefix else 0)))
         prompt = (SHARED + own) if r.shared_prefix else own
@@ -71,24 +74,42 @@ def build(s: Scenario) -> Scheduler:
 def _state(sched: Scheduler, reqs: list[Request]) -> dict[str, Any]:
     kv = sched.kv
     return dict(
-        running=[r.request_id for r in sched.running], waiting=[r.request_id for r in sched.waiting],
-        requests={r.request_id: (r.status.value, r.num_computed_tokens, r.num_output_tokens, r.num_preemptions,
-                                 kv.get_num_blocks(r.request_id)) for r in reqs},
+        running=[r.request_id for r in sched.running],
+        waiting=[r.request_id for r in sched.waiting],
+        requests={
+            r.request_id: (
+                r.status.value,
+                r.num_computed_tokens,
+                r.num_output_tokens,
+                r.num_preemptions,
+                kv.get_num_blocks(r.request_id),
+            )
+            for r in reqs
+        },
         free_blocks=kv.get_num_free_blocks(),
-        ref_counts=sorted((b.block_id, b.ref_cnt) for b in kv.block_pool.blocks[1:] if b.ref_cnt))
+        ref_counts=sorted((b.block_id, b.ref_cnt) for b in kv.block_pool.blocks[1:] if b.ref_cnt),
+    )
 
 
 # ---- part 1: undo one victim's allocation ----------------------------------------------------
 PREEMPT_SCENARIOS = [
     Scenario("a decoding victim: 12 prompt tokens, 5 outputs", [Running("a", 12, 3), Running("b", 12, 5)]),
-    Scenario("a victim halfway through its prompt (chunked prefill)",
-             [Running("a", 12, 3), Running("b", 30, 0, computed=14)]),
-    Scenario("two requests waiting: the victim goes to the front of the queue",
-             [Running("a", 12, 3), Running("b", 9, 2)], waiting=[5, 6]),
-    Scenario("a victim preempted once before", [Running("a", 12, 3), Running("b", 10, 4, preempted_before=1)],
-             waiting=[4]),
-    Scenario("prefix caching: the victim shares its first 2 blocks with another request",
-             [Running("a", 14, 2, shared_prefix=True), Running("b", 13, 6, shared_prefix=True)], caching=True),
+    Scenario(
+        "a victim halfway through its prompt (chunked prefill)", [Running("a", 12, 3), Running("b", 30, 0, computed=14)]
+    ),
+    Scenario(
+        "two requests waiting: the victim goes to the front of the queue",
+        [Running("a", 12, 3), Running("b", 9, 2)],
+        waiting=[5, 6],
+    ),
+    Scenario(
+        "a victim preempted once before", [Running("a", 12, 3), Running("b", 10, 4, preempted_before=1)], waiting=[4]
+    ),
+    Scenario(
+        "prefix caching: the victim shares its first 2 blocks with another request",
+        [Running("a", 14, 2, shared_prefix=True), Running("b", 13, 6, shared_prefix=True)],
+        caching=True,
+    ),
 ]
 
 
@@ -110,34 +131,63 @@ def _run_preempt(preempt_recompute: Callable[..., Any], s: Scenario) -> dict[str
 
 def check_preempt_recompute(preempt_recompute: Callable[..., Any]) -> list[CheckOutcome]:
     """``preempt_recompute(victim, kv, waiting)``: the victim gives back its blocks and waits to be recomputed."""
-    hint = ("compare the victim's tuple (status, computed, outputs, preemptions, blocks), then the queues and the "
-            "pool: recompute means its K/V is gone but its tokens are kept, its blocks go back, its new state and "
-            "its preemption are recorded, and it was admitted before everyone still waiting (chapter 07, section 2)")
+    hint = (
+        "compare the victim's tuple (status, computed, outputs, preemptions, blocks), then the queues and the "
+        "pool: recompute means its K/V is gone but its tokens are kept, its blocks go back, its new state and "
+        "its preemption are recorded, and it was admitted before everyone still waiting (chapter 07, section 2)"
+    )
     checks = []
     for s in PREEMPT_SCENARIOS:
         victim = s.running[-1]
-        checks.append(Check(f"preempt_recompute({victim.rid}, kv, waiting)  # {s.label}; then: (status, computed, "
-                            f"outputs, preemptions, blocks) per request, queues, free blocks, ref counts",
-                            lambda s=s: _run_preempt(preempt_recompute, s), expected_preempt(s), hint=hint))
+        checks.append(
+            Check(
+                f"preempt_recompute({victim.rid}, kv, waiting)  # {s.label}; then: (status, computed, "
+                f"outputs, preemptions, blocks) per request, queues, free blocks, ref counts",
+                lambda s=s: _run_preempt(preempt_recompute, s),
+                expected_preempt(s),
+                hint=hint,
+            )
+        )
     return report("preempt_recompute", checks)
 
 
 # ---- part 2: serve the running requests, preempting the newest --------------------------------
 RUNNING_SCENARIOS = [
-    Scenario("room for everyone: one decode token each, nobody preempted",
-             [Running("a", 8, 1), Running("b", 12, 1), Running("c", 4, 1)]),
-    Scenario("the pool is dry: the newest request makes room for the older ones",
-             [Running("a", 28, 1), Running("b", 28, 1), Running("c", 28, 1)], num_blocks=23),
-    Scenario("one victim is not enough: the two newest go",
-             [Running("a", 44, 1), Running("b", 20, 1), Running("c", 4, 1), Running("d", 4, 1)], num_blocks=19),
-    Scenario("the newest request is the one that needs a block: it preempts itself",
-             [Running("a", 10, 2), Running("b", 13, 2), Running("c", 35, 2)], num_blocks=17),
-    Scenario("a token budget of 2: only the two oldest run this step",
-             [Running("a", 8, 1), Running("b", 12, 1), Running("c", 4, 1)], token_budget=2),
-    Scenario("a running request mid-prompt takes a chunk of what the budget leaves",
-             [Running("a", 8, 1), Running("b", 40, 0, computed=8), Running("c", 4, 1)], token_budget=20),
-    Scenario("victims go to the front of the queue, ahead of requests that were already waiting",
-             [Running("a", 28, 1), Running("b", 28, 1), Running("c", 28, 1)], waiting=[5], num_blocks=23),
+    Scenario(
+        "room for everyone: one decode token each, nobody preempted",
+        [Running("a", 8, 1), Running("b", 12, 1), Running("c", 4, 1)],
+    ),
+    Scenario(
+        "the pool is dry: the newest request makes room for the older ones",
+        [Running("a", 28, 1), Running("b", 28, 1), Running("c", 28, 1)],
+        num_blocks=23,
+    ),
+    Scenario(
+        "one victim is not enough: the two newest go",
+        [Running("a", 44, 1), Running("b", 20, 1), Running("c", 4, 1), Running("d", 4, 1)],
+        num_blocks=19,
+    ),
+    Scenario(
+        "the newest request is the one that needs a block: it preempts itself",
+        [Running("a", 10, 2), Running("b", 13, 2), Running("c", 35, 2)],
+        num_blocks=17,
+    ),
+    Scenario(
+        "a token budget of 2: only the two oldest run this step",
+        [Running("a", 8, 1), Running("b", 12, 1), Running("c", 4, 1)],
+        token_budget=2,
+    ),
+    Scenario(
+        "a running request mid-prompt takes a chunk of what the budget leaves",
+        [Running("a", 8, 1), Running("b", 40, 0, computed=8), Running("c", 4, 1)],
+        token_budget=20,
+    ),
+    Scenario(
+        "victims go to the front of the queue, ahead of requests that were already waiting",
+        [Running("a", 28, 1), Running("b", 28, 1), Running("c", 28, 1)],
+        waiting=[5],
+        num_blocks=23,
+    ),
 ]
 
 
@@ -151,21 +201,30 @@ def expected_running(s: Scenario) -> tuple[list[tuple[str, int]], list[str], dic
 def _run_running(schedule_running: Callable[..., Any], s: Scenario) -> tuple[Any, Any, dict[str, Any]]:
     sched = build(s)
     reqs = list(sched.requests.values())
-    scheduled, preempted = schedule_running(sched.running, sched.waiting, sched.kv, s.token_budget,
-                                            preempt_recompute)  # part 1's answer: part 2 is not failed for a bug there
+    scheduled, preempted = schedule_running(
+        sched.running, sched.waiting, sched.kv, s.token_budget, preempt_recompute
+    )  # part 1's answer: part 2 is not failed for a bug there
     return [(str(r), int(n)) for r, n in scheduled], [str(r) for r in preempted], _state(sched, reqs)
 
 
 def check_schedule_running(schedule_running: Callable[..., Any]) -> list[CheckOutcome]:
     """``schedule_running(running, waiting, kv, token_budget, preempt) -> (scheduled, preempted)``."""
-    hint = ("compare the scheduled and preempted lists: who is served first, who gives way when the pool runs "
-            "dry (chapter 07: which end of the running list), how many tokens a request still in its prompt gets "
-            "from the budget, and what becomes of the step once a request had to preempt itself (chapter 07, section 1)")
+    hint = (
+        "compare the scheduled and preempted lists: who is served first, who gives way when the pool runs "
+        "dry (chapter 07: which end of the running list), how many tokens a request still in its prompt gets "
+        "from the budget, and what becomes of the step once a request had to preempt itself (chapter 07, section 1)"
+    )
     checks = []
     for s in RUNNING_SCENARIOS:
         desc = ", ".join(f"{r.rid}: {r.prompt}+{r.outputs} tokens" for r in s.running)
-        checks.append(Check(f"schedule_running([{desc}], waiting, kv, token_budget={s.token_budget}, preempt)"
-                            f"  # {s.label} ({s.num_blocks - 1} usable blocks of 4); then (scheduled, preempted, "
-                            f"state)", lambda s=s: _run_running(schedule_running, s), expected_running(s),
-                            hint=hint))
+        checks.append(
+            Check(
+                f"schedule_running([{desc}], waiting, kv, token_budget={s.token_budget}, preempt)"
+                f"  # {s.label} ({s.num_blocks - 1} usable blocks of 4); then (scheduled, preempted, "
+                f"state)",
+                lambda s=s: _run_running(schedule_running, s),
+                expected_running(s),
+                hint=hint,
+            )
+        )
     return report("schedule_running", checks)

@@ -6,6 +6,7 @@ expected hashes are the ones a ``Request`` computes with the package's
 num_tokens, block_size)``: the expected blocks are the ones
 ``KVCacheManager.get_computed_blocks`` finds on the same pool.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -37,8 +38,12 @@ HASH_CASES = [
     ("block size 1: one hash per token", _tokens(5), 1, None),
     ("the same 4 tokens after a different first block: a different hash", [9, 9, 9, 9] + _tokens(4), 4, None),
     ("a cache salt goes into the first block, and through the chain into every block", _tokens(12), 4, "tenant-a"),
-    ("chapter 08's 1000-token system prompt, block size 16: 62 full blocks (the 63rd is partial)", SYSTEM_1000, 16,
-     None),
+    (
+        "chapter 08's 1000-token system prompt, block size 16: 62 full blocks (the 63rd is partial)",
+        SYSTEM_1000,
+        16,
+        None,
+    ),
 ]
 
 
@@ -52,16 +57,23 @@ def _short(hashes: list[bytes]) -> list[str]:
 
 def check_chain_block_hashes(chain_block_hashes: Callable[..., Any]) -> list[CheckOutcome]:
     """``chain_block_hashes(token_ids, block_size, cache_salt=None) -> list of hashes``, one per full block."""
-    hint = ("compare the lists hash by hash: how many there are, and where the first difference is. A block's "
-            "hash must name its whole prefix (the chain), only full blocks are hashed, and the salt enters once, "
-            "reaching every later block through the chain (chapter 08, sections 1 and 5)")
+    hint = (
+        "compare the lists hash by hash: how many there are, and where the first difference is. A block's "
+        "hash must name its whole prefix (the chain), only full blocks are hashed, and the salt enters once, "
+        "reaching every later block through the chain (chapter 08, sections 1 and 5)"
+    )
     checks = []
     for label, tokens, bs, salt in HASH_CASES:
         shown = tokens if len(tokens) <= 12 else f"[{len(tokens)} tokens]"
-        checks.append(Check(f"chain_block_hashes({shown}, {bs}, cache_salt={salt!r})  # {label}  "
-                            f"(hashes shown by their first 4 bytes)",
-                            lambda a=(tokens, bs, salt): _short(_as_bytes_list(chain_block_hashes(*a))),
-                            _short(reference_hashes(tokens, bs, salt)), hint=hint))
+        checks.append(
+            Check(
+                f"chain_block_hashes({shown}, {bs}, cache_salt={salt!r})  # {label}  "
+                f"(hashes shown by their first 4 bytes)",
+                lambda a=(tokens, bs, salt): _short(_as_bytes_list(chain_block_hashes(*a))),
+                _short(reference_hashes(tokens, bs, salt)),
+                hint=hint,
+            )
+        )
     return report("chain_block_hashes", checks)
 
 
@@ -82,19 +94,32 @@ class Lookup:
 
 LOOKUPS = [
     Lookup("an empty cache", SYSTEM + [1, 2, 3]),
-    Lookup("a finished request's system prompt is still cached (free, ref_cnt 0)", SYSTEM + [1, 2, 3],
-           finished=[SYSTEM + [7, 8, 9, 10, 11]]),
-    Lookup("a running request holds the same prefix (shared, ref_cnt 1)", SYSTEM + _tokens(9, 900),
-           running=[SYSTEM + [7, 8]]),
-    Lookup("the prompts part ways in block 2: only blocks 0 and 1 match", SYSTEM[:8] + [5] * 8 + [1],
-           finished=[SYSTEM + [7]]),
-    Lookup("block 1 was evicted: the chain breaks there, block 2 does not count", SYSTEM + _tokens(6, 40),
-           finished=[SYSTEM + [7]], evict=[1]),
-    Lookup("a fully cached, block-aligned prompt: the last block is left to compute", list(SYSTEM),
-           finished=[SYSTEM + [7]]),
+    Lookup(
+        "a finished request's system prompt is still cached (free, ref_cnt 0)",
+        SYSTEM + [1, 2, 3],
+        finished=[SYSTEM + [7, 8, 9, 10, 11]],
+    ),
+    Lookup(
+        "a running request holds the same prefix (shared, ref_cnt 1)",
+        SYSTEM + _tokens(9, 900),
+        running=[SYSTEM + [7, 8]],
+    ),
+    Lookup(
+        "the prompts part ways in block 2: only blocks 0 and 1 match",
+        SYSTEM[:8] + [5] * 8 + [1],
+        finished=[SYSTEM + [7]],
+    ),
+    Lookup(
+        "block 1 was evicted: the chain breaks there, block 2 does not count",
+        SYSTEM + _tokens(6, 40),
+        finished=[SYSTEM + [7]],
+        evict=[1],
+    ),
+    Lookup(
+        "a fully cached, block-aligned prompt: the last block is left to compute", list(SYSTEM), finished=[SYSTEM + [7]]
+    ),
     Lookup("a prompt one token longer: every full block can hit", SYSTEM + [3], finished=[SYSTEM + [7]]),
-    Lookup("another tenant's salt: the same tokens, no hit", SYSTEM + [1, 2], finished=[SYSTEM + [7]],
-           salt="tenant-b"),
+    Lookup("another tenant's salt: the same tokens, no hit", SYSTEM + [1, 2], finished=[SYSTEM + [7]], salt="tenant-b"),
 ]
 
 
@@ -132,13 +157,21 @@ def _run_lookup(find_prefix_hits: Callable[..., Any], c: Lookup) -> tuple[list[i
 
 def check_find_prefix_hits(find_prefix_hits: Callable[..., Any]) -> list[CheckOutcome]:
     """``find_prefix_hits(pool, block_hashes, num_tokens, block_size) -> list of block ids``, and it only looks."""
-    hint = ("compare the block ids, then the change in free blocks: a hit after a miss cannot be used (the "
-            "chain), the last prompt token must still run through the model so a fully cached prompt cannot hit "
-            "every block, and a lookup must leave the pool as it was (chapter 08, section 2)")
+    hint = (
+        "compare the block ids, then the change in free blocks: a hit after a miss cannot be used (the "
+        "chain), the last prompt token must still run through the model so a fully cached prompt cannot hit "
+        "every block, and a lookup must leave the pool as it was (chapter 08, section 2)"
+    )
     checks = []
     for c in LOOKUPS:
-        kv, query = build_lookup(c)
-        checks.append(Check(f"find_prefix_hits(pool, hashes of a {query.num_tokens}-token prompt, "
-                            f"{query.num_tokens}, 4)  # {c.label}; then (block ids, change in free blocks)",
-                            lambda c=c: _run_lookup(find_prefix_hits, c), (expected_hits(c), 0), hint=hint))
+        _kv, query = build_lookup(c)
+        checks.append(
+            Check(
+                f"find_prefix_hits(pool, hashes of a {query.num_tokens}-token prompt, "
+                f"{query.num_tokens}, 4)  # {c.label}; then (block ids, change in free blocks)",
+                lambda c=c: _run_lookup(find_prefix_hits, c),
+                (expected_hits(c), 0),
+                hint=hint,
+            )
+        )
     return report("find_prefix_hits", checks)

@@ -18,6 +18,7 @@ model). A run that differs is run again with the parts checked call by call
     ex09  paged_decode_attention            calls 330       request 2 differs from its token 1 (engine step 9);
                                                             first wrong call: part 'paged_decode_attention' ...
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,9 +54,16 @@ MAX_TOKENS = 12
 # random Llama with 8 query heads over 2 KV heads, 32-token blocks and ragged prompts that share one block tells
 # such parts apart; its reference is the package's own engine on the same model.
 SHAPE = dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=128, intermediate_size=192)
-SHAPE_SETTINGS = dict(block_size=32, num_gpu_blocks_override=5, max_num_batched_tokens=40, max_num_seqs=4,
-                      enable_prefix_caching=True, dtype="float32", max_model_len=96)
-SHAPE_TAILS = (9, 14, 38, 1)   # prompt tokens after the shared 32: prompts of 41, 46, 70 and 33 tokens
+SHAPE_SETTINGS = dict(
+    block_size=32,
+    num_gpu_blocks_override=5,
+    max_num_batched_tokens=40,
+    max_num_seqs=4,
+    enable_prefix_caching=True,
+    dtype="float32",
+    max_model_len=96,
+)
+SHAPE_TAILS = (9, 14, 38, 1)  # prompt tokens after the shared 32: prompts of 41, 46, 70 and 33 tokens
 SHAPE_LABEL = "8 query heads over 2 KV heads, blocks of 32"
 
 
@@ -110,11 +118,18 @@ def package_parts() -> dict[str, Callable[..., Any]]:
     from ..kv_cache_manager import KVCacheManager, find_prefix_hits
     from ..scheduler import admit_waiting, preempt_recompute, schedule_running
 
-    return dict(free_queue_remove=FreeKVCacheBlockQueue.remove, slot_mapping=slot_mapping,
-                would_allocate=KVCacheManager.can_allocate, reshape_and_cache=reference.reshape_and_cache,
-                admit_waiting=admit_waiting, schedule_running=schedule_running, preempt_recompute=preempt_recompute,
-                chain_block_hashes=chain_block_hashes, find_prefix_hits=find_prefix_hits,
-                paged_decode_attention=reference.paged_decode_attention)
+    return dict(
+        free_queue_remove=FreeKVCacheBlockQueue.remove,
+        slot_mapping=slot_mapping,
+        would_allocate=KVCacheManager.can_allocate,
+        reshape_and_cache=reference.reshape_and_cache,
+        admit_waiting=admit_waiting,
+        schedule_running=schedule_running,
+        preempt_recompute=preempt_recompute,
+        chain_block_hashes=chain_block_hashes,
+        find_prefix_hits=find_prefix_hits,
+        paged_decode_attention=reference.paged_decode_attention,
+    )
 
 
 def shape_model() -> Path:
@@ -139,15 +154,20 @@ def shape_prompts() -> list[list[int]]:
 @dataclass
 class Run:
     outputs: list[list[int]] = field(default_factory=list)
-    steps: list[list[int]] = field(default_factory=list)   # the engine step that produced each token
+    steps: list[list[int]] = field(default_factory=list)  # the engine step that produced each token
     calls: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     num_preemptions: int = 0
     prefix_hit_tokens: int = 0
 
 
-def serve(llm: Any, prompts: list[list[int]], plugged: dict[str, Callable[..., Any]], check: bool,
-          max_tokens: int = MAX_TOKENS) -> Run:
+def serve(
+    llm: Any,
+    prompts: list[list[int]],
+    plugged: dict[str, Callable[..., Any]],
+    check: bool,
+    max_tokens: int = MAX_TOKENS,
+) -> Run:
     """One batch on a fresh engine (same weights) with ``plugged`` parts; errors are caught and kept."""
     from ..sampling_params import SamplingParams
 
@@ -156,20 +176,21 @@ def serve(llm: Any, prompts: list[list[int]], plugged: dict[str, Callable[..., A
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     block = parts.use(check=check, **plugged)
     try:
-        wrappers = block.__enter__()   # checked: the probes run here, before the engine does
+        wrappers = block.__enter__()  # checked: the probes run here, before the engine does
     except parts.PartError as exc:
         run.error, run.calls = f"{exc}", {name: 0 for name in plugged}
         return run
     try:
         for out in llm.stream(prompts, params):
             i = int(out.request_id)
-            new = out.outputs[0].token_ids[len(run.outputs[i]):]
+            new = out.outputs[0].token_ids[len(run.outputs[i]) :]
             run.outputs[i] += new
             run.steps[i] += [llm.num_steps] * len(new)
     except Exception as exc:
         step = getattr(exc, "step", None) or llm.num_steps
-        run.error = f"{exc}" if isinstance(exc, parts.PartError) else \
-            f"{type(exc).__name__} at engine step {step}: {exc}"
+        run.error = (
+            f"{exc}" if isinstance(exc, parts.PartError) else f"{type(exc).__name__} at engine step {step}: {exc}"
+        )
     finally:
         block.__exit__(None, None, None)
     run.calls = {name: w.calls for name, w in wrappers.items()}
@@ -184,8 +205,10 @@ def first_difference(run: Run, reference: list[list[int]]) -> str | None:
         if got != want:
             k = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             step = f" (engine step {run.steps[i][k]})" if k < len(run.steps[i]) else ""
-            return f"request {i} differs from its token {k}{step}: {got[k:k + 3]}... where transformers has " \
-                   f"{want[k:k + 3]}..."
+            return (
+                f"request {i} differs from its token {k}{step}: {got[k : k + 3]}... where transformers has "
+                f"{want[k : k + 3]}..."
+            )
     return None
 
 
@@ -194,11 +217,11 @@ class Row:
     label: str
     part_names: list[str]
     calls: dict[str, int]
-    verdict: str   # "token-exact", or what went wrong
-    title: str = ""   # for a row of all parts: what it ran them on
+    verdict: str  # "token-exact", or what went wrong
+    title: str = ""  # for a row of all parts: what it ran them on
 
     def line(self) -> str:
-        if len(self.part_names) > 2:   # all of them: the calls are the rows' above
+        if len(self.part_names) > 2:  # all of them: the calls are the rows' above
             title = self.title or f"all {len(self.part_names)} parts together"
             return f"  {self.label:<5} {title:<58} {self.verdict}"
         calls = ", ".join(str(self.calls.get(n, 0)) for n in self.part_names)
@@ -213,17 +236,20 @@ class ReportCard:
     num_blocks: int
 
     def __str__(self) -> str:
-        head = (f"report card: {len(PROMPTS)} SmolLM2 chat requests, {MAX_TOKENS} greedy tokens each, a pool of "
-                f"{self.num_blocks - 1} blocks\n  with all parts: preemptions {self.num_preemptions}, "
-                f"{self.prefix_hit_tokens} prompt tokens from the prefix cache")
+        head = (
+            f"report card: {len(PROMPTS)} SmolLM2 chat requests, {MAX_TOKENS} greedy tokens each, a pool of "
+            f"{self.num_blocks - 1} blocks\n  with all parts: preemptions {self.num_preemptions}, "
+            f"{self.prefix_hit_tokens} prompt tokens from the prefix cache"
+        )
         return "\n".join([head, *(r.line() for r in self.rows)])
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))
 
 
-def _verdict(llm: Any, prompts: list[list[int]], reference: list[list[int]], plugged: dict[str, Callable[..., Any]]
-             ) -> tuple[str, Run]:
+def _verdict(
+    llm: Any, prompts: list[list[int]], reference: list[list[int]], plugged: dict[str, Callable[..., Any]]
+) -> tuple[str, Run]:
     run = serve(llm, prompts, plugged, check=False)
     problem = run.error or first_difference(run, reference)
     idle = [name for name, n in run.calls.items() if n == 0]
@@ -246,8 +272,9 @@ def engine(settings: dict[str, Any]) -> Any:
     return LLM(**{"max_model_len": longest, **settings})
 
 
-def report_card(my_parts: dict[str, Callable[..., Any]], settings: dict[str, Any] | None = None,
-                llm: Any = None) -> ReportCard:
+def report_card(
+    my_parts: dict[str, Callable[..., Any]], settings: dict[str, Any] | None = None, llm: Any = None
+) -> ReportCard:
     """Each exercise's parts alone, then all together, against transformers (see the module docstring).
     The engine is built from ``settings``, or ``llm`` is used as it is (reset before every run)."""
     prompts = prompt_ids()
@@ -271,11 +298,17 @@ def shape_row(my_parts: dict[str, Callable[..., Any]]) -> Row:
 
     llm = LLM(shape_model(), **SHAPE_SETTINGS)
     prompts = shape_prompts()
-    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS,
-                                                                                          temperature=0))]
+    reference = [
+        o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    ]
     verdict, run = _verdict(llm, prompts, reference, dict(my_parts))
-    return Row("shape", list(parts.PARTS), run.calls, verdict.replace("transformers", "the package's engine"),
-               title=f"all {len(parts.PARTS)} parts, {SHAPE_LABEL}")
+    return Row(
+        "shape",
+        list(parts.PARTS),
+        run.calls,
+        verdict.replace("transformers", "the package's engine"),
+        title=f"all {len(parts.PARTS)} parts, {SHAPE_LABEL}",
+    )
 
 
 # ---- the checks ------------------------------------------------------------------------------------------
@@ -290,6 +323,7 @@ def check_parts(my_parts: Callable[[], dict[str, Callable[..., Any]]]) -> list[C
     """Every part is there, is a function of the learner's, and takes the part's arguments."""
     checks = []
     for name, spec in parts.PARTS.items():
+
         def plug(name: str = name) -> str:
             fn = _assembled(my_parts).get(name)
             if fn is None:
@@ -298,8 +332,15 @@ def check_parts(my_parts: Callable[[], dict[str, Callable[..., Any]]]) -> list[C
                 return f"the package's own {fn.__module__}.{fn.__name__}: use the function you wrote"
             with parts.use(**{name: fn}):
                 return "plugs in"
-        checks.append(Check(f"my_parts()[{name!r}]  # {spec.exercise}: {spec.signature}", plug, "plugs in",
-                            hint=f"the function you wrote in {spec.exercise}; the table in the task names each one"))
+
+        checks.append(
+            Check(
+                f"my_parts()[{name!r}]  # {spec.exercise}: {spec.signature}",
+                plug,
+                "plugs in",
+                hint=f"the function you wrote in {spec.exercise}; the table in the task names each one",
+            )
+        )
     return report("capstone_parts", checks)
 
 
@@ -309,6 +350,7 @@ def _pool_blocks(settings: dict[str, Any]) -> int | None:
 
 def check_engine_settings(engine_settings: Callable[[], dict[str, Any]]) -> list[CheckOutcome]:
     """Settings in which every part has work: prefix caching on, recompute, a pool smaller than the batch."""
+
     def settings() -> dict[str, Any]:
         got = engine_settings()
         if not isinstance(got, dict):
@@ -337,29 +379,50 @@ def check_engine_settings(engine_settings: Callable[[], dict[str, Any]]) -> list
         return trial[0]
 
     checks = [
-        Check("engine_settings()['enable_prefix_caching']", lambda: settings().get("enable_prefix_caching"), True,
-              hint="find_prefix_hits, chain_block_hashes and the free queue's remove only run with the prefix cache on"),
-        Check("engine_settings().get('preemption_mode', 'recompute')",
-              lambda: settings().get("preemption_mode", "recompute"), "recompute",
-              hint="preempt_recompute runs only when a victim is recomputed, not swapped"),
-        Check("engine_settings()['num_gpu_blocks_override']  # the pool, against the batch", pool_verdict,
-              "smaller than the batch, big enough for any one request",
-              hint="count the blocks each request needs for its prompt and its outputs (chapter 04)"),
-        Check("engine_settings().get('dtype', 'auto')  # on this CPU", lambda: settings().get("dtype", "auto"),
-              "auto", same=lambda got, want: got in ("auto", "float32"),
-              hint="transformers' reference runs in float32; so must the engine for token-exact outputs"),
-        Check("the batch on LLM(**engine_settings()) with the package's pieces: preemptions > 0",
-              lambda: in_the_engine().num_preemptions > 0, True,
-              hint="with the prefix cache on the requests share blocks: they need fewer than the plain sum"),
-        Check("the same run: parts the engine never called", lambda: sorted(n for n, k in in_the_engine().calls.items()
-                                                                            if k == 0), [],
-              hint="each part runs only in its situation: a prefix hit, a decode-only step, a preemption..."),
+        Check(
+            "engine_settings()['enable_prefix_caching']",
+            lambda: settings().get("enable_prefix_caching"),
+            True,
+            hint="find_prefix_hits, chain_block_hashes and the free queue's remove only run with the prefix cache on",
+        ),
+        Check(
+            "engine_settings().get('preemption_mode', 'recompute')",
+            lambda: settings().get("preemption_mode", "recompute"),
+            "recompute",
+            hint="preempt_recompute runs only when a victim is recomputed, not swapped",
+        ),
+        Check(
+            "engine_settings()['num_gpu_blocks_override']  # the pool, against the batch",
+            pool_verdict,
+            "smaller than the batch, big enough for any one request",
+            hint="count the blocks each request needs for its prompt and its outputs (chapter 04)",
+        ),
+        Check(
+            "engine_settings().get('dtype', 'auto')  # on this CPU",
+            lambda: settings().get("dtype", "auto"),
+            "auto",
+            same=lambda got, want: got in ("auto", "float32"),
+            hint="transformers' reference runs in float32; so must the engine for token-exact outputs",
+        ),
+        Check(
+            "the batch on LLM(**engine_settings()) with the package's pieces: preemptions > 0",
+            lambda: in_the_engine().num_preemptions > 0,
+            True,
+            hint="with the prefix cache on the requests share blocks: they need fewer than the plain sum",
+        ),
+        Check(
+            "the same run: parts the engine never called",
+            lambda: sorted(n for n, k in in_the_engine().calls.items() if k == 0),
+            [],
+            hint="each part runs only in its situation: a prefix hit, a decode-only step, a preemption...",
+        ),
     ]
     return report("capstone_engine", checks)
 
 
-def check_report_card(my_parts: Callable[[], dict[str, Callable[..., Any]]],
-                      engine_settings: Callable[[], dict[str, Any]]) -> list[CheckOutcome]:
+def check_report_card(
+    my_parts: Callable[[], dict[str, Callable[..., Any]]], engine_settings: Callable[[], dict[str, Any]]
+) -> list[CheckOutcome]:
     """Serve the batch with your parts: each exercise alone and all together must be token-exact."""
     card: list[ReportCard] = []
 
@@ -371,17 +434,37 @@ def check_report_card(my_parts: Callable[[], dict[str, Callable[..., Any]]],
     def row(i: int) -> str:
         return the_card().rows[i].verdict
 
-    labels = [*(f"{ex} alone, {len(PROMPTS)} requests against transformers" for ex in EXERCISES),
-              f"all parts together, {len(PROMPTS)} requests against transformers",
-              f"all parts, {SHAPE_LABEL}, {len(SHAPE_TAILS)} requests against the package's engine"]
-    checks = [Check(f"report card: {label}", lambda i=i: row(i),
-                    "token-exact", hint="the verdict names the first request and token that differ, and the "
-                    "first wrong call of your part; run that exercise's checks again")
-              for i, label in enumerate(labels)]
-    checks.append(Check("report card: preemptions with all parts", lambda: the_card().num_preemptions > 0, True,
-                        hint="a pool smaller than the batch makes the scheduler preempt"))
-    checks.append(Check("report card: prompt tokens found in the prefix cache", lambda: the_card().prefix_hit_tokens > 0,
-                        True, hint="the chat template's system prompt is the same for every request"))
+    labels = [
+        *(f"{ex} alone, {len(PROMPTS)} requests against transformers" for ex in EXERCISES),
+        f"all parts together, {len(PROMPTS)} requests against transformers",
+        f"all parts, {SHAPE_LABEL}, {len(SHAPE_TAILS)} requests against the package's engine",
+    ]
+    checks = [
+        Check(
+            f"report card: {label}",
+            lambda i=i: row(i),
+            "token-exact",
+            hint="the verdict names the first request and token that differ, and the "
+            "first wrong call of your part; run that exercise's checks again",
+        )
+        for i, label in enumerate(labels)
+    ]
+    checks.append(
+        Check(
+            "report card: preemptions with all parts",
+            lambda: the_card().num_preemptions > 0,
+            True,
+            hint="a pool smaller than the batch makes the scheduler preempt",
+        )
+    )
+    checks.append(
+        Check(
+            "report card: prompt tokens found in the prefix cache",
+            lambda: the_card().prefix_hit_tokens > 0,
+            True,
+            hint="the chat template's system prompt is the same for every request",
+        )
+    )
     outcomes = report("report_card", checks)
     if card:
         print(card[0])

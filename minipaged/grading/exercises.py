@@ -8,6 +8,7 @@ printed by hand changes nothing: every group below gets a row, and only what the
 Plain data only, so the grader's parent process knows every group and total without importing torch or triton.
 ``tests/test_grading.py`` proves the table matches the notebooks' check cells and what the checks count.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,18 +19,18 @@ from dataclasses import dataclass
 class Group:
     """One check group: ``minipaged.grading.<exercise>.<check>(*learner's args)`` runs ``total`` checks."""
 
-    name: str                 # the group name the summary line prints, e.g. "remove_links"
-    check: str                # the check function in the exercise's grading module
-    args: tuple[str, ...]     # names the learner's notebook must define, passed in this order
+    name: str  # the group name the summary line prints, e.g. "remove_links"
+    check: str  # the check function in the exercise's grading module
+    args: tuple[str, ...]  # names the learner's notebook must define, passed in this order
     total: int
 
 
 @dataclass(frozen=True)
 class Exercise:
-    key: str                  # "ex03"
-    stem: str                 # "ex03_free_queue": the starter's file name without .ipynb
+    key: str  # "ex03"
+    stem: str  # "ex03_free_queue": the starter's file name without .ipynb
     groups: tuple[Group, ...]
-    triton: bool = False      # its code runs Triton kernels: without a GPU, the interpreter must be on first
+    triton: bool = False  # its code runs Triton kernels: without a GPU, the interpreter must be on first
 
     @property
     def total(self) -> int:
@@ -40,30 +41,66 @@ def _ex(stem: str, *groups: tuple[str, str, str, int], triton: bool = False) -> 
     return Exercise(stem[:4], stem, tuple(Group(n, c, tuple(a.split()), t) for n, c, a, t in groups), triton)
 
 
-EXERCISES: dict[str, Exercise] = {e.key: e for e in (
-    _ex("ex01_kv_bytes", ("bytes_per_token", "check_bytes_per_token", "bytes_per_token", 6),
-        ("block_capacity", "check_block_capacity", "block_capacity", 6)),
-    _ex("ex02_fragmentation", ("free_extents", "check_free_extents", "free_extents", 7),
-        ("fragmentation", "check_fragmentation", "fragmentation", 11)),
-    _ex("ex03_free_queue", ("remove_links", "check_remove_links", "remove", 8),
-        ("remove_is_O1", "check_remove_is_O1", "remove", 5),
-        ("remove_in_pool", "check_remove_in_pool", "remove", 4)),
-    _ex("ex04_slots_and_admission", ("slot_mapping", "check_slot_mapping", "slot_mapping", 8),
-        ("would_allocate", "check_would_allocate", "would_allocate", 9)),
-    _ex("ex05_scatter_write", ("scatter_write", "check_scatter_write", "reshape_and_cache", 8),
-        ("scatter_edges", "check_scatter_edges", "reshape_and_cache", 6), triton=True),
-    _ex("ex06_admission", ("admit_waiting", "check_admit_waiting", "admit_waiting", 10),
-        ("admission_state", "check_admission_state", "admit_waiting", 10)),
-    _ex("ex07_preemption", ("preempt_recompute", "check_preempt_recompute", "preempt_recompute", 5),
-        ("schedule_running", "check_schedule_running", "schedule_running", 7)),
-    _ex("ex08_prefix_hashing", ("chain_block_hashes", "check_chain_block_hashes", "chain_block_hashes", 7),
-        ("find_prefix_hits", "check_find_prefix_hits", "find_prefix_hits", 8)),
-    _ex("ex09_paged_decode", ("paged_decode", "check_paged_decode", "paged_decode_attention", 8),
-        ("paged_decode_edges", "check_paged_decode_edges", "paged_decode_attention", 8), triton=True),
-    _ex("ex10_capstone", ("capstone_parts", "check_parts", "my_parts", 10),
-        ("capstone_engine", "check_engine_settings", "engine_settings", 6),
-        ("report_card", "check_report_card", "my_parts engine_settings", 11), triton=True),
-)}
+EXERCISES: dict[str, Exercise] = {
+    e.key: e
+    for e in (
+        _ex(
+            "ex01_kv_bytes",
+            ("bytes_per_token", "check_bytes_per_token", "bytes_per_token", 6),
+            ("block_capacity", "check_block_capacity", "block_capacity", 6),
+        ),
+        _ex(
+            "ex02_fragmentation",
+            ("free_extents", "check_free_extents", "free_extents", 7),
+            ("fragmentation", "check_fragmentation", "fragmentation", 11),
+        ),
+        _ex(
+            "ex03_free_queue",
+            ("remove_links", "check_remove_links", "remove", 8),
+            ("remove_is_O1", "check_remove_is_O1", "remove", 5),
+            ("remove_in_pool", "check_remove_in_pool", "remove", 4),
+        ),
+        _ex(
+            "ex04_slots_and_admission",
+            ("slot_mapping", "check_slot_mapping", "slot_mapping", 8),
+            ("would_allocate", "check_would_allocate", "would_allocate", 9),
+        ),
+        _ex(
+            "ex05_scatter_write",
+            ("scatter_write", "check_scatter_write", "reshape_and_cache", 8),
+            ("scatter_edges", "check_scatter_edges", "reshape_and_cache", 6),
+            triton=True,
+        ),
+        _ex(
+            "ex06_admission",
+            ("admit_waiting", "check_admit_waiting", "admit_waiting", 10),
+            ("admission_state", "check_admission_state", "admit_waiting", 10),
+        ),
+        _ex(
+            "ex07_preemption",
+            ("preempt_recompute", "check_preempt_recompute", "preempt_recompute", 5),
+            ("schedule_running", "check_schedule_running", "schedule_running", 7),
+        ),
+        _ex(
+            "ex08_prefix_hashing",
+            ("chain_block_hashes", "check_chain_block_hashes", "chain_block_hashes", 7),
+            ("find_prefix_hits", "check_find_prefix_hits", "find_prefix_hits", 8),
+        ),
+        _ex(
+            "ex09_paged_decode",
+            ("paged_decode", "check_paged_decode", "paged_decode_attention", 8),
+            ("paged_decode_edges", "check_paged_decode_edges", "paged_decode_attention", 8),
+            triton=True,
+        ),
+        _ex(
+            "ex10_capstone",
+            ("capstone_parts", "check_parts", "my_parts", 10),
+            ("capstone_engine", "check_engine_settings", "engine_settings", 6),
+            ("report_card", "check_report_card", "my_parts engine_settings", 11),
+            triton=True,
+        ),
+    )
+}
 
 _NAME = re.compile(r"^(ex\d\d)(?:_|\.ipynb$)")
 

@@ -22,6 +22,7 @@ notebook, a name that matches no exercise), it gets its rows, named in the row, 
 A learner who deliberately patches the grader from inside their notebook is outside what this defends:
 the checks run in the same process as the learner's code, as in any notebook autograder without a sandbox.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,15 +36,29 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .exercises import EXERCISES, Exercise, exercise_for
 
+if sys.version_info >= (3, 11):
+    from contextlib import chdir as _chdir
+else:  # Python 3.10 has no contextlib.chdir
+
+    @contextlib.contextmanager
+    def _chdir(path: str | os.PathLike) -> Iterator[None]:
+        before = os.getcwd()
+        os.chdir(path)
+        try:
+            yield
+        finally:
+            os.chdir(before)
+
+
 CHECK_MARK = "NBVAL_CHECK_OUTPUT"
-DEFAULT_TIMEOUT_S = 300   # per notebook; the slowest solution (ex10) takes about 40 s on 2 cores
+DEFAULT_TIMEOUT_S = 300  # per notebook; the slowest solution (ex10) takes about 40 s on 2 cores
 # A check cell calls one of the grading modules' check functions; such a cell is never run as the learner's code,
 # even when its NBVAL mark was deleted.
 _CHECK_CALL = re.compile(r"\bex\d\d\.check_\w+\s*\(")
@@ -55,10 +70,10 @@ class GroupScore:
     group: str
     passed: int
     total: int
-    note: str = ""          # short, shown in the table: why a group scored 0, or why a notebook has no scores
-    detail: str = ""        # longer, shown below the table: failed checks, errors
-    counted: bool = True    # False for a second notebook of the same exercise in one folder
-    cell_errors: tuple[str, ...] = ()   # the notebook's code cells that raised (the same on each of its rows)
+    note: str = ""  # short, shown in the table: why a group scored 0, or why a notebook has no scores
+    detail: str = ""  # longer, shown below the table: failed checks, errors
+    counted: bool = True  # False for a second notebook of the same exercise in one folder
+    cell_errors: tuple[str, ...] = ()  # the notebook's code cells that raised (the same on each of its rows)
 
 
 # ---- the learner's code, out of their notebook ----------------------------------------------------------------
@@ -74,7 +89,7 @@ def _python_source(source: str) -> str:
         return source
     try:
         return TransformerManager().transform_cell(source)
-    except Exception:   # leave it to compile(), which names the line
+    except Exception:  # leave it to compile(), which names the line
         return source
 
 
@@ -88,8 +103,9 @@ def _ipython_names() -> dict[str, Any]:
     return {"display": display, "get_ipython": InteractiveShell.instance}
 
 
-def run_code_cells(path: str | os.PathLike, name: str,
-                   on_cell: Callable[[int], None] | None = None) -> tuple[dict[str, Any], list[str]]:
+def run_code_cells(
+    path: str | os.PathLike, name: str, on_cell: Callable[[int], None] | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """Run a notebook's code cells in this process, in its folder, skipping its check cells, in a fresh namespace
     called ``name``; return the namespace and the errors of the cells that failed (the rest still ran). What the
     cells print is swallowed. Used to take a learner's functions out of their notebook. ``on_cell(i)`` is
@@ -108,10 +124,10 @@ def run_code_cells(path: str | os.PathLike, name: str,
         source = _python_source(cell.source) + "\n"
         # @triton.jit reads its function's source back: make the cell findable, as IPython does.
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        try:   # in the notebook's folder, as Jupyter runs it
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.chdir(Path(path).resolve().parent):
+        try:  # in the notebook's folder, as Jupyter runs it
+            with contextlib.redirect_stdout(io.StringIO()), _chdir(Path(path).resolve().parent):
                 exec(compile(source, filename, "exec"), namespace)
-        except Exception as exc:   # a stub's NotImplementedError in a try-it cell, say
+        except Exception as exc:  # a stub's NotImplementedError in a try-it cell, say
             errors.append(f"cell {i}: {type(exc).__name__}: {exc}")
     return namespace, errors
 
@@ -140,8 +156,13 @@ def execute(path: str | os.PathLike, timeout: int = 600):
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(path.parent.resolve())}})
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(path.parent.resolve())}},
+    )
     client.execute()
     return nb
 
@@ -171,7 +192,7 @@ def _events(path: Path) -> list[dict[str, Any]]:
         try:
             events.append(json.loads(line))
         except json.JSONDecodeError:
-            break   # a line cut short by a kill: what came before it stands
+            break  # a line cut short by a kill: what came before it stands
     return events
 
 
@@ -188,9 +209,16 @@ def grade_notebook(path: str | os.PathLike, timeout: float = DEFAULT_TIMEOUT_S) 
     exercise = exercise_for(name)
     if exercise is None:
         keys = ", ".join(EXERCISES)
-        return [GroupScore(name, "-", 0, 0, "not an exercise of this course",
-                           f"{name}: an exercise notebook is named exNN_<topic>.ipynb with NN one of "
-                           f"{keys.replace('ex', '')}")]
+        return [
+            GroupScore(
+                name,
+                "-",
+                0,
+                0,
+                "not an exercise of this course",
+                f"{name}: an exercise notebook is named exNN_<topic>.ipynb with NN one of {keys.replace('ex', '')}",
+            )
+        ]
     problem = _read_notebook_error(path)
     if problem is not None:
         return _rows(name, exercise, "not a readable notebook", f"{name}: not a readable notebook: {problem}")
@@ -201,13 +229,20 @@ def grade_notebook(path: str | os.PathLike, timeout: float = DEFAULT_TIMEOUT_S) 
         cmd = [sys.executable, "-m", "minipaged.grading.worker", str(path.resolve()), exercise.key, str(events_path)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
         with open(err_path, "wb") as err:
-            proc = subprocess.Popen(cmd, cwd=path.resolve().parent, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=path.resolve().parent,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+            )
             try:
                 rc: int | None = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 rc = None
-            finally:   # a time limit, Ctrl-C, anything: the worker and whatever it started go with it
+            finally:  # a time limit, Ctrl-C, anything: the worker and whatever it started go with it
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -227,35 +262,41 @@ def _where(events: list[dict[str, Any]]) -> str:
     return "before its first cell"
 
 
-def _scores_from_events(name: str, exercise: Exercise, events: list[dict[str, Any]], rc: int | None,
-                        timeout: float, stderr_tail: str) -> list[GroupScore]:
-    cell_errors = next((ev["errors"] for ev in events if ev["event"] == "cells"), [])
+def _scores_from_events(
+    name: str, exercise: Exercise, events: list[dict[str, Any]], rc: int | None, timeout: float, stderr_tail: str
+) -> list[GroupScore]:
+    cell_errors: list[str] = next((ev["errors"] for ev in events if ev["event"] == "cells"), [])
     got: dict[str, GroupScore] = {}
     for ev in events:
         if ev["event"] != "group":
             continue
         group = next((g for g in exercise.groups if g.name == ev["group"]), None)
         if group is None or group.name in got or ev["total"] != group.total:
-            continue   # only the exercise's own groups, once each, with their own number of checks
+            continue  # only the exercise's own groups, once each, with their own number of checks
         detail = ev.get("detail", "")
-        got[group.name] = GroupScore(name, group.name, min(int(ev["passed"]), group.total), group.total,
-                                     ev.get("note", ""), detail)
+        got[group.name] = GroupScore(
+            name, group.name, min(int(ev["passed"]), group.total), group.total, ev.get("note", ""), detail
+        )
     finished = any(ev["event"] == "done" for ev in events)
     if finished and rc == 0:
         note, why = "", ""
     elif rc is None:
         note = f"timed out after {timeout:g} s {_where(events)}"
-        why = f"{name}: stopped at the time limit ({timeout:g} s) {_where(events)}; grade it alone with a " \
-              f"longer --timeout if it only needs more time"
+        why = (
+            f"{name}: stopped at the time limit ({timeout:g} s) {_where(events)}; grade it alone with a "
+            f"longer --timeout if it only needs more time"
+        )
     else:
         code = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
         note = f"the notebook's process died ({code}) {_where(events)}"
         why = f"{name}: its process ended ({code}) {_where(events)}" + (f":\n{stderr_tail}" if stderr_tail else "")
     errors = tuple(cell_errors)
-    return [GroupScore(name, g.name, got[g.name].passed, g.total, got[g.name].note, got[g.name].detail,
-                       cell_errors=errors) if g.name in got
-            else GroupScore(name, g.name, 0, g.total, note or "not graded", why, cell_errors=errors)
-            for g in exercise.groups]
+    return [
+        GroupScore(name, g.name, got[g.name].passed, g.total, got[g.name].note, got[g.name].detail, cell_errors=errors)
+        if g.name in got
+        else GroupScore(name, g.name, 0, g.total, note or "not graded", why, cell_errors=errors)
+        for g in exercise.groups
+    ]
 
 
 # ---- a folder -------------------------------------------------------------------------------------------------
@@ -274,9 +315,11 @@ def notebooks_in(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return found
 
 
-def grade_folder(folder: str | os.PathLike | Iterable[str | os.PathLike] = "exercises",
-                 timeout: float = DEFAULT_TIMEOUT_S,
-                 progress: Callable[[Path], None] | None = None) -> list[GroupScore]:
+def grade_folder(
+    folder: str | os.PathLike | Iterable[str | os.PathLike] = "exercises",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    progress: Callable[[Path], None] | None = None,
+) -> list[GroupScore]:
     """Scores of every notebook in ``folder`` (or of each path in a list of folders and notebooks). One notebook
     of each exercise counts in the total (the one named like the starter, else the first by name); another one of
     the same exercise is graded, and marked as not counted."""
@@ -286,8 +329,12 @@ def grade_folder(folder: str | os.PathLike | Iterable[str | os.PathLike] = "exer
         raise ValueError(f"no notebooks to grade in {', '.join(map(str, paths))}")
     # One notebook per exercise counts: the one with the starter's name, else the first by name.
     counted: dict[str, Path] = {}
-    for nb in sorted(notebooks, key=lambda p: (exercise_for(p.name) is None or p.stem != exercise_for(p.name).stem,
-                                               p.name)):
+
+    def starter_named_first(p: Path) -> tuple[bool, str]:
+        exercise = exercise_for(p.name)
+        return (exercise is None or p.stem != exercise.stem, p.name)
+
+    for nb in sorted(notebooks, key=starter_named_first):
         exercise = exercise_for(nb.name)
         if exercise is not None:
             counted.setdefault(exercise.key, nb)
@@ -299,8 +346,10 @@ def grade_folder(folder: str | os.PathLike | Iterable[str | os.PathLike] = "exer
         exercise = exercise_for(nb.name)
         if exercise is not None and counted[exercise.key] != nb:
             first = counted[exercise.key].name
-            rows = [dataclasses.replace(r, note=f"{exercise.key} again (counted: {first}): not in TOTAL",
-                                        counted=False) for r in rows]
+            rows = [
+                dataclasses.replace(r, note=f"{exercise.key} again (counted: {first}): not in TOTAL", counted=False)
+                for r in rows
+            ]
         scores += rows
     return scores
 

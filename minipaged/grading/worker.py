@@ -13,6 +13,7 @@ The parent (``runner.grade_notebook``) reads that file after the process ends, h
 that loops is killed at its time limit, one that calls ``os._exit`` just stops, and the events written so far
 say where it was. Nothing the notebook prints is read: the scores are what the check functions return here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import IO, Any
 
-DETAIL_LINES = 9    # lines of a failing group's explanation kept for the details below the table (two failed checks)
+DETAIL_LINES = 9  # lines of a failing group's explanation kept for the details below the table (two failed checks)
 
 
 class _Events:
@@ -48,27 +49,38 @@ def grade(path: str, exercise_key: str, emit: Callable[..., None]) -> None:
     from .runner import run_code_cells
 
     exercise = EXERCISES[exercise_key]
-    namespace, errors = run_code_cells(path, f"learner_{exercise_key}",
-                                       on_cell=lambda i: emit("cell", index=i))
+    namespace, errors = run_code_cells(path, f"learner_{exercise_key}", on_cell=lambda i: emit("cell", index=i))
     emit("cells", errors=errors)
     module = importlib.import_module(f"minipaged.grading.{exercise_key}")
     for group in exercise.groups:
         absent = [a for a in group.args if not callable(namespace.get(a))]
         if absent:
-            emit("group", group=group.name, passed=0, total=group.total, note=f"`{absent[0]}` not defined",
-                 detail=_missing(absent[0], errors))
+            emit(
+                "group",
+                group=group.name,
+                passed=0,
+                total=group.total,
+                note=f"`{absent[0]}` not defined",
+                detail=_missing(absent[0], errors),
+            )
             continue
         emit("checking", group=group.name)
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
                 outcomes = getattr(module, group.check)(*(namespace[a] for a in group.args))
-        except Exception as exc:   # the checks catch a learner's errors; this is what got past them
-            emit("group", group=group.name, passed=0, total=group.total, note="the checks stopped",
-                 detail=f"the checks stopped: {describe_error(exc)}")
+        except Exception as exc:  # the checks catch a learner's errors; this is what got past them
+            emit(
+                "group",
+                group=group.name,
+                passed=0,
+                total=group.total,
+                note="the checks stopped",
+                detail=f"the checks stopped: {describe_error(exc)}",
+            )
             continue
         passed = sum(bool(o.passed) for o in outcomes)
-        lines = printed.getvalue().splitlines()[1:]   # the summary line is ours to print
+        lines = printed.getvalue().splitlines()[1:]  # the summary line is ours to print
         detail = "\n".join(lines[:DETAIL_LINES] + (["  ..."] if len(lines) > DETAIL_LINES else []))
         emit("group", group=group.name, passed=passed, total=len(outcomes), note="", detail=detail)
     emit("done")
@@ -76,10 +88,10 @@ def grade(path: str, exercise_key: str, emit: Callable[..., None]) -> None:
 
 def main(argv: list[str]) -> int:
     path, exercise_key, events_path = argv
-    os.environ.setdefault("MPLBACKEND", "Agg")   # a learner's plt.show() must not wait for a window
+    os.environ.setdefault("MPLBACKEND", "Agg")  # a learner's plt.show() must not wait for a window
     from .exercises import EXERCISES
 
-    if EXERCISES[exercise_key].triton:   # first: without a GPU, Triton's interpreter must be on before triton
+    if EXERCISES[exercise_key].triton:  # first: without a GPU, Triton's interpreter must be on before triton
         import minipaged.kernels  # noqa: F401
 
     # The path of the events file leaves argv before any learner code runs.

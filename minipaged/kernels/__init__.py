@@ -23,22 +23,25 @@ triton, unless the variable is already set (``TRITON_INTERPRET=0`` opts out) or 
 was imported first (then the Triton wrappers raise an error saying so). Import
 ``minipaged.kernels`` first, and your own ``@triton.jit`` kernels are interpreted too.
 """
+
 from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from . import reference, torch_backend  # noqa: E402
-from .paged_decode import paged_decode_attention  # noqa: E402
-from .paged_prefill import paged_prefill_attention  # noqa: E402
-from .reshape_and_cache import reshape_and_cache  # noqa: E402
-from .validation import triton_interpreter_ready as triton_interpreting  # noqa: E402
+from ..config import ATTENTION_BACKENDS
+from . import reference, torch_backend
+from .paged_decode import paged_decode_attention
+from .paged_prefill import paged_prefill_attention
+from .reshape_and_cache import reshape_and_cache
+from .validation import triton_interpreter_ready as triton_interpreting
 
 
 def triton_available() -> bool:
@@ -48,13 +51,14 @@ def triton_available() -> bool:
 
 class AttentionBackend(NamedTuple):
     """The three paged operations of one implementation family."""
+
     name: str
     reshape_and_cache: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
 
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ATTENTION_BACKENDS
 
 
 def get_attention_backend(name: str = "auto") -> AttentionBackend:
@@ -70,14 +74,28 @@ def get_attention_backend(name: str = "auto") -> AttentionBackend:
         name = "triton" if torch.cuda.is_available() and not triton_interpreting() else "torch"
     if name == "triton":
         if not triton_available():
-            raise ValueError("the Triton backend needs a CUDA GPU, or the interpreter: TRITON_INTERPRET=1 set "
-                             "before triton is first imported (importing minipaged.kernels first does it)")
+            raise ValueError(
+                "the Triton backend needs a CUDA GPU, or the interpreter: TRITON_INTERPRET=1 set "
+                "before triton is first imported (importing minipaged.kernels first does it)"
+            )
         return AttentionBackend("triton", reshape_and_cache, paged_decode_attention, paged_prefill_attention)
-    return AttentionBackend("torch", torch_backend.reshape_and_cache, torch_backend.paged_decode_attention,
-                            torch_backend.paged_prefill_attention)
+    return AttentionBackend(
+        "torch",
+        torch_backend.reshape_and_cache,
+        torch_backend.paged_decode_attention,
+        torch_backend.paged_prefill_attention,
+    )
 
 
 __all__ = [
-    "AttentionBackend", "BACKENDS", "get_attention_backend", "paged_decode_attention", "paged_prefill_attention",
-    "reference", "reshape_and_cache", "torch_backend", "triton_available", "triton_interpreting",
+    "BACKENDS",
+    "AttentionBackend",
+    "get_attention_backend",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "reference",
+    "reshape_and_cache",
+    "torch_backend",
+    "triton_available",
+    "triton_interpreting",
 ]

@@ -22,6 +22,7 @@ With no compiler, or a compiler that fails, the engine logs one line and runs th
 (``MINIPAGED_CPU_KERNEL=0`` chooses the fallback quietly); ``kernels/reference.py`` stays the
 specification both are tested against (``tests/test_cpu_kernel.py``).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -77,8 +78,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)  # other processes may build it too
         os.close(fd)
         try:
-            proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                                  timeout=300)
+            proc = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+            )
             if proc.returncode:
                 first = (proc.stderr.strip().splitlines() or ["no output"])[0]
                 return None, f"{Path(compiler).name} could not compile {SOURCE.name}: {first}"
@@ -89,8 +91,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib = ctypes.CDLL(str(lib_path))
     fn = lib.minipaged_paged_attention
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 \
+    fn.argtypes = (
+        [ctypes.c_void_p] * 5
+        + [ctypes.c_int64]
+        + [ctypes.c_void_p] * 2
+        + [ctypes.c_int64] * 5
         + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
+    )
     return lib, ""
 
 
@@ -99,7 +106,7 @@ def library() -> ctypes.CDLL | None:
     if "lib" not in _state:
         try:
             lib, reason = _build()
-        except (OSError, subprocess.SubprocessError) as e:   # an unwritable cache, a library that will not load
+        except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache, a library that will not load
             lib, reason = None, f"could not build or load {SOURCE.name}: {e}"
         _state.update(lib=lib, reason=reason)
         if lib is None:
@@ -115,13 +122,26 @@ def unavailable_reason() -> str | None:
 
 def usable(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """True when the kernel can read these caches: on the CPU, fp32 or bf16, contiguous, and it compiled."""
-    return (key_cache.device.type == "cpu" and key_cache.dtype in CACHE_DTYPES and value_cache.dtype == key_cache.dtype
-            and key_cache.is_contiguous() and value_cache.is_contiguous() and library() is not None)
+    return (
+        key_cache.device.type == "cpu"
+        and key_cache.dtype in CACHE_DTYPES
+        and value_cache.dtype == key_cache.dtype
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and library() is not None
+    )
 
 
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, max_q_len: int | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
     """``reference.paged_prefill_attention``'s result (a decode is a prefill of one row), unchecked.
 
     The caller has checked the arguments (``validation.check_paged_prefill``) and ``usable``.
@@ -136,9 +156,22 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     cu = cu_seqlens_q.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    lib.minipaged_paged_attention(q.data_ptr(), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                                  tables.data_ptr(), tables.shape[1] if tables.dim() == 2 else 0, cu.data_ptr(),
-                                  lens.data_ptr(), lens.shape[0], q.shape[1], num_kv_heads, head_dim,
-                                  key_cache.shape[1], float(scale), q.shape[0] if max_q_len is None else max_q_len,
-                                  CACHE_DTYPES[key_cache.dtype])
+    lib.minipaged_paged_attention(
+        q.data_ptr(),
+        out.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1] if tables.dim() == 2 else 0,
+        cu.data_ptr(),
+        lens.data_ptr(),
+        lens.shape[0],
+        q.shape[1],
+        num_kv_heads,
+        head_dim,
+        key_cache.shape[1],
+        float(scale),
+        q.shape[0] if max_q_len is None else max_q_len,
+        CACHE_DTYPES[key_cache.dtype],
+    )
     return out.to(query.dtype)

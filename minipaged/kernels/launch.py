@@ -9,6 +9,7 @@ compiles each ``Launch`` for an NVIDIA GPU instead of running it, so what it rep
 is exactly what the wrapper launches: the same constexprs, the same ``num_warps``, the
 same argument specialisation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,16 +21,18 @@ import torch
 @dataclass(frozen=True)
 class TileConfig:
     """Tile sizes and launch options of one kernel configuration (one row of a kernel's table)."""
-    tile_n: int          # keys per K/V tile (attention), or 0 where the kernel has no key loop
+
+    tile_n: int  # keys per K/V tile (attention), or 0 where the kernel has no key loop
     num_warps: int
     num_stages: int
-    block_m: int = 0     # prefill: new tokens per query tile
+    block_m: int = 0  # prefill: new tokens per query tile
 
 
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch, fully decided."""
-    kernel: Any                  # a triton JITFunction (or the interpreter's wrapper of one)
+
+    kernel: Any  # a triton JITFunction (or the interpreter's wrapper of one)
     grid: tuple[int, ...]
     args: tuple
     constexprs: dict[str, Any]
@@ -37,8 +40,7 @@ class Launch:
     num_stages: int
 
     def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps,
-                               num_stages=self.num_stages)
+        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 def is_half(dtype: torch.dtype) -> bool:
@@ -66,12 +68,15 @@ def kv_tile_n(block_size: int, cap: int) -> int:
     block), and at least 16 (``tl.dot``'s minimum on a GPU); blocks under 16 tokens are tiled 16 at a time."""
     if block_size < 16:
         if 16 % block_size:
-            raise ValueError(f"the Triton attention kernels need a block_size that divides 16 or is a multiple "
-                             f"of 16, got {block_size}")
+            raise ValueError(
+                f"the Triton attention kernels need a block_size that divides 16 or is a multiple "
+                f"of 16, got {block_size}"
+            )
         return 16
     if block_size % 16:
-        raise ValueError(f"the Triton attention kernels need a block_size that divides 16 or is a multiple of 16, "
-                         f"got {block_size}")
+        raise ValueError(
+            f"the Triton attention kernels need a block_size that divides 16 or is a multiple of 16, got {block_size}"
+        )
     tile = 16
     while tile * 2 <= cap and block_size % (tile * 2) == 0:
         tile *= 2

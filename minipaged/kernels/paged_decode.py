@@ -55,45 +55,64 @@ reduce kernel is skipped.
 Softmax runs in base 2 (``exp2``, scores pre-multiplied by ``scale · log2 e``), in
 float32 whatever the cache dtype.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from ..utils import check_int
 from .launch import Launch, TileConfig, check_tile_n, dot_precision, is_half, kv_tile_n
 from .paged_tile import attend_tile, tile_offsets
-from ..utils import check_int
 from .validation import check_last_dim_contiguous, check_paged_decode, check_triton_runtime
 
 LOG2E = 1.4426950408889634
 MIN_SEGMENT_LEN = 256  # the default split never makes a segment shorter than this
-MAX_SPLITS = 64        # the reduce kernel holds all segments of one head in one tile
+MAX_SPLITS = 64  # the reduce kernel holds all segments of one head in one tile
 
 
 @triton.jit(do_not_specialize=["segment_len", "stride_bt"])
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    part_out_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2,                                            # scale * log2(e)
-    segment_len,                                           # tokens per segment, a multiple of TILE_N
-    stride_qs, stride_qh,                                  # query [num_seqs, num_q_heads, head_dim]
-    stride_kb, stride_ko, stride_kh,                       # key_cache [num_blocks, block_size, kv_heads, head_dim]
-    stride_vb, stride_vo, stride_vh,
-    stride_bt,                                             # block_tables [num_seqs, max_blocks]
-    stride_pos, stride_poh, stride_pog,                    # part_out [num_seqs, num_q_heads, num_segments, head_dim]
-    stride_pms, stride_pmh,                                # part_max/sum [num_seqs, num_q_heads, num_segments]
-    QUERIES_PER_KV: tl.constexpr, GROUP_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PER_TOKEN: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    scale_log2,  # scale * log2(e)
+    segment_len,  # tokens per segment, a multiple of TILE_N
+    stride_qs,
+    stride_qh,  # query [num_seqs, num_q_heads, head_dim]
+    stride_kb,
+    stride_ko,
+    stride_kh,  # key_cache [num_blocks, block_size, kv_heads, head_dim]
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    stride_bt,  # block_tables [num_seqs, max_blocks]
+    stride_pos,
+    stride_poh,
+    stride_pog,  # part_out [num_seqs, num_q_heads, num_segments, head_dim]
+    stride_pms,
+    stride_pmh,  # part_max/sum [num_seqs, num_q_heads, num_segments]
+    QUERIES_PER_KV: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     seg_start = segment * segment_len
-    if seg_start >= seq_len:          # this sequence is shorter than the longest: nothing to do
+    if seg_start >= seq_len:  # this sequence is shorter than the longest: nothing to do
         return
     seg_end = tl.minimum(seg_start + segment_len, seq_len)
 
@@ -103,8 +122,11 @@ def _paged_decode_kernel(
     q_heads = kv_head * QUERIES_PER_KV + rows
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_mask = dims < HEAD_DIM
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + q_heads[:, None] * stride_qh + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qs + q_heads[:, None] * stride_qh + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
 
     # Loop invariants: this KV head's slice of each cache, the int32 offsets of a tile inside a block.
     tok, inner_k, inner_v = tile_offsets(dims, stride_ko, stride_vo, TILE_N)
@@ -112,19 +134,49 @@ def _paged_decode_kernel(
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)     # running max (log2 units)
-    l_i = tl.zeros([GROUP_P2], tl.float32)                   # running sum of 2^(s - m)
-    acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)      # running sum of 2^(s - m) * v
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([GROUP_P2], tl.float32)  # running sum of 2^(s - m)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)  # running sum of 2^(s - m) * v
     for start in range(seg_start, seg_end, TILE_N):
         visible = (start + tok < seg_end)[None, :]
-        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, table_ptr, start, seg_end, visible,
-                                    inner_k, inner_v, tok, dims, dim_mask, stride_kb, stride_ko, stride_vb, stride_vo,
-                                    scale_log2, TILE_N, BLOCK_SIZE, DOT_PRECISION, PER_TOKEN)
+        acc, m_i, l_i = attend_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_head_ptr,
+            v_head_ptr,
+            table_ptr,
+            start,
+            seg_end,
+            visible,
+            inner_k,
+            inner_v,
+            tok,
+            dims,
+            dim_mask,
+            stride_kb,
+            stride_ko,
+            stride_vb,
+            stride_vo,
+            scale_log2,
+            TILE_N,
+            BLOCK_SIZE,
+            DOT_PRECISION,
+            PER_TOKEN,
+        )
 
     # This segment's partial result (or, with one segment, the final output).
     out = acc / l_i[:, None]
-    tl.store(part_out_ptr + seq.to(tl.int64) * stride_pos + q_heads[:, None] * stride_poh + segment * stride_pog
-             + dims[None, :], out.to(part_out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+    tl.store(
+        part_out_ptr
+        + seq.to(tl.int64) * stride_pos
+        + q_heads[:, None] * stride_poh
+        + segment * stride_pog
+        + dims[None, :],
+        out.to(part_out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
     stat = seq.to(tl.int64) * stride_pms + q_heads * stride_pmh + segment
     tl.store(part_max_ptr + stat, m_i, mask=row_mask)
     tl.store(part_sum_ptr + stat, l_i, mask=row_mask)
@@ -132,12 +184,21 @@ def _paged_decode_kernel(
 
 @triton.jit(do_not_specialize=["segment_len"])
 def _reduce_segments_kernel(
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    seq_lens_ptr,
     segment_len,
-    stride_os, stride_oh,
-    stride_pos, stride_poh, stride_pog,
-    stride_pms, stride_pmh,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+    stride_os,
+    stride_oh,
+    stride_pos,
+    stride_poh,
+    stride_pog,
+    stride_pms,
+    stride_pmh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
     NUM_SEGMENTS_P2: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -151,10 +212,13 @@ def _reduce_segments_kernel(
 
     stat = seq * stride_pms + head * stride_pmh + segs
     m = tl.load(part_max_ptr + stat, mask=seg_mask, other=float("-inf"))
-    l = tl.load(part_sum_ptr + stat, mask=seg_mask, other=0.0)
-    w = l * tl.exp2(m - tl.max(m, 0))                          # each segment's share, up to a common factor
-    o = tl.load(part_out_ptr + seq * stride_pos + head * stride_poh + segs[:, None] * stride_pog + dims[None, :],
-                mask=seg_mask[:, None] & dim_mask[None, :], other=0.0)
+    sums = tl.load(part_sum_ptr + stat, mask=seg_mask, other=0.0)
+    w = sums * tl.exp2(m - tl.max(m, 0))  # each segment's share, up to a common factor
+    o = tl.load(
+        part_out_ptr + seq * stride_pos + head * stride_poh + segs[:, None] * stride_pog + dims[None, :],
+        mask=seg_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
@@ -191,15 +255,24 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, capacity: int, device: 
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         want = triton.cdiv(2 * sms, num_seqs * num_kv_heads)
-    else:   # the interpreter runs programs one after another: fewer, longer segments
+    else:  # the interpreter runs programs one after another: fewer, longer segments
         want = 1
     return max(1, min(want, triton.cdiv(capacity, MIN_SEGMENT_LEN), MAX_SPLITS))
 
 
-def plan_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor, *,
-                      num_splits: int | None = None, per_token: bool = False, tile_n: int | None = None
-                      ) -> list[Launch]:
+def plan_paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    num_splits: int | None = None,
+    per_token: bool = False,
+    tile_n: int | None = None,
+) -> list[Launch]:
     """The launches of one decode call (the attention kernel, then the reduce kernel when a sequence
     has several segments), writing into ``out``. Checks nothing: the wrapper has.
 
@@ -214,47 +287,102 @@ def plan_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     cfg = decode_config(query.dtype, head_dim, block_size)
     if tile_n is not None:
         cfg = TileConfig(check_tile_n(tile_n, block_size), cfg.num_warps, cfg.num_stages)
-    capacity = block_tables.shape[1] * block_size            # no sequence is longer: no need to read seq_lens
+    capacity = block_tables.shape[1] * block_size  # no sequence is longer: no need to read seq_lens
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, capacity, query.device)
     check_int("num_splits", num_splits, 1, MAX_SPLITS)
-    segment_len = triton.cdiv(triton.cdiv(capacity, num_splits), cfg.tile_n) * cfg.tile_n   # whole tiles
+    segment_len = triton.cdiv(triton.cdiv(capacity, num_splits), cfg.tile_n) * cfg.tile_n  # whole tiles
     num_segments = triton.cdiv(capacity, segment_len)
 
-    if num_segments == 1:    # the partial output is the output
+    if num_segments == 1:  # the partial output is the output
         part_out, po_strides = out, (out.stride(0), out.stride(1), 0)
     else:
-        part_out = torch.empty((num_seqs, num_q_heads, num_segments, head_dim), dtype=torch.float32,
-                               device=query.device)
-        po_strides = part_out.stride()[:3]
+        part_out = torch.empty(
+            (num_seqs, num_q_heads, num_segments, head_dim), dtype=torch.float32, device=query.device
+        )
+        po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
     part_max = torch.empty((num_seqs, num_q_heads, num_segments), dtype=torch.float32, device=query.device)
     part_sum = torch.empty_like(part_max)
     hd_p2 = head_dim_p2(head_dim)
-    launches = [Launch(
-        _paged_decode_kernel, (num_seqs, num_kv_heads, num_segments),
-        (query, key_cache, value_cache, block_tables, seq_lens, part_out, part_max, part_sum,
-         scale * LOG2E, segment_len,
-         query.stride(0), query.stride(1),
-         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-         block_tables.stride(0), *po_strides, part_max.stride(0), part_max.stride(1)),
-        dict(QUERIES_PER_KV=group, GROUP_P2=max(16, triton.next_power_of_2(group)),
-             HEAD_DIM=head_dim, HEAD_DIM_P2=hd_p2, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
-             DOT_PRECISION=dot_precision(query.dtype), PER_TOKEN=per_token),
-        cfg.num_warps, cfg.num_stages)]
+    launches = [
+        Launch(
+            _paged_decode_kernel,
+            (num_seqs, num_kv_heads, num_segments),
+            (
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                part_out,
+                part_max,
+                part_sum,
+                scale * LOG2E,
+                segment_len,
+                query.stride(0),
+                query.stride(1),
+                key_cache.stride(0),
+                key_cache.stride(1),
+                key_cache.stride(2),
+                value_cache.stride(0),
+                value_cache.stride(1),
+                value_cache.stride(2),
+                block_tables.stride(0),
+                *po_strides,
+                part_max.stride(0),
+                part_max.stride(1),
+            ),
+            dict(
+                QUERIES_PER_KV=group,
+                GROUP_P2=max(16, triton.next_power_of_2(group)),
+                HEAD_DIM=head_dim,
+                HEAD_DIM_P2=hd_p2,
+                BLOCK_SIZE=block_size,
+                TILE_N=cfg.tile_n,
+                DOT_PRECISION=dot_precision(query.dtype),
+                PER_TOKEN=per_token,
+            ),
+            cfg.num_warps,
+            cfg.num_stages,
+        )
+    ]
     if num_segments > 1:
-        launches.append(Launch(
-            _reduce_segments_kernel, (num_seqs, num_q_heads),
-            (out, part_out, part_max, part_sum, seq_lens, segment_len, out.stride(0), out.stride(1),
-             *po_strides, part_max.stride(0), part_max.stride(1)),
-            dict(HEAD_DIM=head_dim, HEAD_DIM_P2=hd_p2, NUM_SEGMENTS_P2=triton.next_power_of_2(num_segments)),
-            REDUCE_CONFIG.num_warps, REDUCE_CONFIG.num_stages))
+        launches.append(
+            Launch(
+                _reduce_segments_kernel,
+                (num_seqs, num_q_heads),
+                (
+                    out,
+                    part_out,
+                    part_max,
+                    part_sum,
+                    seq_lens,
+                    segment_len,
+                    out.stride(0),
+                    out.stride(1),
+                    *po_strides,
+                    part_max.stride(0),
+                    part_max.stride(1),
+                ),
+                dict(HEAD_DIM=head_dim, HEAD_DIM_P2=hd_p2, NUM_SEGMENTS_P2=triton.next_power_of_2(num_segments)),
+                REDUCE_CONFIG.num_warps,
+                REDUCE_CONFIG.num_stages,
+            )
+        )
     return launches
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                           num_splits: int | None = None, checked: bool = False) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    checked: bool = False,
+) -> torch.Tensor:
     """Triton twin of :func:`minipaged.kernels.reference.paged_decode_attention`.
 
     ``num_splits`` (keyword only, like flash-attn's) caps the number of KV segments per
@@ -263,12 +391,14 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     checks: the engine validates a step's metadata once, not once per layer.
     """
     if not checked:
-        check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                           check_values=query.device.type == "cpu")
+        check_paged_decode(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, check_values=query.device.type == "cpu"
+        )
         check_triton_runtime(query.dtype, query.device)
         check_last_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    for launch in plan_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, out,
-                                    num_splits=num_splits):
+    for launch in plan_paged_decode(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, out, num_splits=num_splits
+    ):
         launch.run()
     return out

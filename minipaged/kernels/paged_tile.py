@@ -42,6 +42,7 @@ Online softmax over the tile (base 2: scores were scaled by ``scale·log2 e``)::
 Kept as ``@triton.jit`` functions so there is one copy of the gather and of the
 online-softmax update; Triton inlines them into each kernel.
 """
+
 from __future__ import annotations
 
 import triton
@@ -56,8 +57,21 @@ def tile_offsets(dims, stride_ko, stride_vo, TILE_N: tl.constexpr):
 
 
 @triton.jit
-def load_kv_tile(head_ptr, table_ptr, start, end, inner, tok, dims, dim_mask, stride_b, stride_o,
-                 TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PER_TOKEN: tl.constexpr):
+def load_kv_tile(
+    head_ptr,
+    table_ptr,
+    start,
+    end,
+    inner,
+    tok,
+    dims,
+    dim_mask,
+    stride_b,
+    stride_o,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
+):
     """Tokens ``start .. start+TILE_N-1`` (those ``< end``) of one KV head: ``[TILE_N, HEAD_DIM_P2]``.
 
     ``head_ptr`` points at the KV head's slice of the cache; ``inner`` is the int32
@@ -88,20 +102,68 @@ def load_kv_tile(head_ptr, table_ptr, start, end, inner, tok, dims, dim_mask, st
 
 
 @triton.jit
-def attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, table_ptr, start, end, visible,
-                inner_k, inner_v, tok, dims, dim_mask, stride_kb, stride_ko, stride_vb, stride_vo, scale_log2,
-                TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                PER_TOKEN: tl.constexpr):
+def attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_head_ptr,
+    v_head_ptr,
+    table_ptr,
+    start,
+    end,
+    visible,
+    inner_k,
+    inner_v,
+    tok,
+    dims,
+    dim_mask,
+    stride_kb,
+    stride_ko,
+    stride_vb,
+    stride_vo,
+    scale_log2,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
+):
     """Fold one tile of keys into the running (acc, m_i, l_i); ``visible`` is [rows, TILE_N]."""
-    k = load_kv_tile(k_head_ptr, table_ptr, start, end, inner_k, tok, dims, dim_mask, stride_kb, stride_ko,
-                     TILE_N, BLOCK_SIZE, PER_TOKEN)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2        # [rows, TILE_N]
+    k = load_kv_tile(
+        k_head_ptr,
+        table_ptr,
+        start,
+        end,
+        inner_k,
+        tok,
+        dims,
+        dim_mask,
+        stride_kb,
+        stride_ko,
+        TILE_N,
+        BLOCK_SIZE,
+        PER_TOKEN,
+    )
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [rows, TILE_N]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)                                                  # rescales the sums so far
+    alpha = tl.exp2(m_i - m_new)  # rescales the sums so far
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_kv_tile(v_head_ptr, table_ptr, start, end, inner_v, tok, dims, dim_mask, stride_vb, stride_vo,
-                     TILE_N, BLOCK_SIZE, PER_TOKEN)
+    v = load_kv_tile(
+        v_head_ptr,
+        table_ptr,
+        start,
+        end,
+        inner_v,
+        tok,
+        dims,
+        dim_mask,
+        stride_vb,
+        stride_vo,
+        TILE_N,
+        BLOCK_SIZE,
+        PER_TOKEN,
+    )
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i

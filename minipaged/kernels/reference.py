@@ -20,6 +20,7 @@ Gather the blocks, flatten them, keep the first ``seq_lens[i]`` tokens, and what
 left is ordinary attention over a contiguous K and V. Scores and softmax are
 computed in float32 whatever the cache dtype, and the result is cast back.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,13 @@ from ..utils import cdiv
 from .validation import check_paged_decode, check_paged_prefill, check_reshape_and_cache
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write each new token's K and V into its slot of the paged cache, in place.
 
     ``key``/``value`` are ``[num_tokens, num_kv_heads, head_dim]``; the caches are
@@ -43,8 +49,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     write_slots(key[keep], value[keep], key_cache, value_cache, slot_mapping[keep].long())
 
 
-def write_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                slots: torch.Tensor) -> None:
+def write_slots(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     """The scatter itself, unchecked: row ``t`` of K/V goes to slot ``slots[t]`` (int64, no padding).
 
     A ``[num_blocks, block_size, ...]`` cache viewed as ``[num_blocks * block_size, ...]``
@@ -69,8 +76,9 @@ def slot_view(cache: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's K and V, ``[seq_len, num_kv_heads, head_dim]`` each, gathered through its block table."""
     block_size = key_cache.shape[1]
     blocks = block_table[: cdiv(seq_len, block_size)].long()
@@ -79,27 +87,44 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: t
     return k, v
 
 
-def _attend_each_sequence(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                          block_tables: torch.Tensor, cu_seqlens_q: list[int], seq_lens: list[int],
-                          scale: float) -> torch.Tensor:
+def _attend_each_sequence(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
     """One sequence at a time: gather its K/V through its block table, then ordinary causal attention."""
     out = torch.empty_like(query)
     for i, n in enumerate(seq_lens):
         start, end = cu_seqlens_q[i], cu_seqlens_q[i + 1]
         if start == end:
             continue
-        k, v = gather_kv(key_cache, value_cache, block_tables[i], n)           # [n, kv_heads, d]
-        q_pos = torch.arange(n - (end - start), n, device=query.device)         # the new tokens' positions
+        k, v = gather_kv(key_cache, value_cache, block_tables[i], n)  # [n, kv_heads, d]
+        q_pos = torch.arange(n - (end - start), n, device=query.device)  # the new tokens' positions
         causal = torch.arange(n, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, n]
-        o = F.scaled_dot_product_attention(query[start:end].float().transpose(0, 1), k.float().transpose(0, 1),
-                                           v.float().transpose(0, 1), attn_mask=causal, scale=scale,
-                                           enable_gqa=True)                      # [q_heads, q_len, d]
+        o = F.scaled_dot_product_attention(
+            query[start:end].float().transpose(0, 1),
+            k.float().transpose(0, 1),
+            v.float().transpose(0, 1),
+            attn_mask=causal,
+            scale=scale,
+            enable_gqa=True,
+        )  # [q_heads, q_len, d]
         out[start:end] = o.transpose(0, 1).to(query.dtype)
     return out
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Attention of one new token per sequence over all of its cached tokens.
 
     ``query`` is ``[num_seqs, num_q_heads, head_dim]``; sequence ``i`` attends to its
@@ -107,13 +132,20 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     cache). Returns ``[num_seqs, num_q_heads, head_dim]`` in the query's dtype.
     """
     check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    return _attend_each_sequence(query, key_cache, value_cache, block_tables, list(range(query.shape[0] + 1)),
-                                 seq_lens.tolist(), scale)
+    return _attend_each_sequence(
+        query, key_cache, value_cache, block_tables, list(range(query.shape[0] + 1)), seq_lens.tolist(), scale
+    )
 
 
-def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of a packed, variable-length batch of new tokens over their paged context.
 
     ``query`` is ``[total_new_tokens, num_q_heads, head_dim]``; sequence ``i``'s new
@@ -124,5 +156,6 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     position ``seq_len - q_len + j`` and attends to every position up to its own.
     """
     check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-    return _attend_each_sequence(query, key_cache, value_cache, block_tables, cu_seqlens_q.tolist(),
-                                 seq_lens.tolist(), scale)
+    return _attend_each_sequence(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q.tolist(), seq_lens.tolist(), scale
+    )

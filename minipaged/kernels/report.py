@@ -22,19 +22,25 @@ planner (``plan_paged_decode``, ``plan_paged_prefill``, ``plan_reshape_and_cache
 example tensors in the engine's layouts, and specialised by Triton's own binder the way
 a launch would be (pointer alignment, integers divisible by 16): the same constexprs,
 warps and stages the wrapper would use. Compiling without that specialisation reports
-worse code than a launch ever runs (unaligned, scalar loads).
+worse code than a launch ever runs (unaligned, scalar loads). Triton's binder is private API
+(``create_function_from_signature``, ``JITFunction._pack_args``); where a release drops it,
+:func:`specialize_by_hand` applies the same rules to the launch's arguments (tests hold the two
+equal on the planners' launches over a matrix of shapes, and decode's cubins byte for byte).
 
 Compiling needs ``TRITON_INTERPRET=0`` before triton is imported, so the work runs in
 fresh worker processes; the caller may have the interpreter on.
 
     python -m minipaged kernels --arch sm_80,sm_90 [--json]
 """
+
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,36 +56,38 @@ DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 128)
 ARCHS = ("sm_80", "sm_90")
 KERNELS = ("reshape_and_cache", "paged_decode", "paged_prefill")
-DEFAULT_GROUP = 4           # GQA group of Llama-3-8B / -70B: 4 query heads per KV head
-SMOLLM2 = dict(head_dim=64, group=3, num_kv_heads=3)   # 9 query heads over 3 KV heads
+DEFAULT_GROUP = 4  # GQA group of Llama-3-8B / -70B: 4 query heads per KV head
+SMOLLM2 = dict(head_dim=64, group=3, num_kv_heads=3)  # 9 query heads over 3 KV heads
 
 # Per-SM limits of the CUDA occupancy rules (CUDA C Programming Guide, "Compute capabilities").
 ARCH_LIMITS: dict[str, dict[str, int]] = {
     "sm_80": dict(max_warps=64, max_programs=32, registers=65536, shared_per_sm=167936, shared_per_program=166912),
     "sm_90": dict(max_warps=64, max_programs=32, registers=65536, shared_per_sm=233472, shared_per_program=232448),
 }
-REG_ALLOC_UNIT = 256        # registers are given to a warp in chunks of 256
-SHARED_RESERVED = 1024      # the system reserves 1 KiB of shared memory per program
+REG_ALLOC_UNIT = 256  # registers are given to a warp in chunks of 256
+SHARED_RESERVED = 1024  # the system reserves 1 KiB of shared memory per program
 SHARED_ALLOC_UNIT = 128
 
 
 @dataclass(frozen=True)
 class Config:
     """One point of the matrix: a kernel family on one shape, dtype and GPU."""
-    kernel: str             # "reshape_and_cache" | "paged_decode" | "paged_prefill"
-    dtype: str              # torch name: "float16", "bfloat16", "float32"
+
+    kernel: str  # "reshape_and_cache" | "paged_decode" | "paged_prefill"
+    dtype: str  # torch name: "float16", "bfloat16", "float32"
     head_dim: int
     block_size: int
-    group: int              # query heads per KV head
+    group: int  # query heads per KV head
     num_kv_heads: int
-    arch: str               # "sm_80", "sm_90"
-    addressing: str = "block"   # "block": one table lookup per tile (the kernels'); "token": the first version's
-    tile_n: int | None = None   # a key tile other than the kernel's table gives (experiments)
+    arch: str  # "sm_80", "sm_90"
+    addressing: str = "block"  # "block": one table lookup per tile (the kernels'); "token": the first version's
+    tile_n: int | None = None  # a key tile other than the kernel's table gives (experiments)
 
 
 @dataclass
 class Row:
     """One compiled kernel (a family may launch several: decode, its split variant and the reduce)."""
+
     kernel: str
     dtype: str
     head_dim: int
@@ -93,7 +101,7 @@ class Row:
     registers: int | None = None
     spill_bytes: int | None = None
     shared_bytes: int | None = None
-    occupancy: int | None = None      # resident warps per SM
+    occupancy: int | None = None  # resident warps per SM
     occupancy_pct: float | None = None
     error: str | None = None
 
@@ -115,10 +123,16 @@ def occupancy(arch: str, registers: int, shared_bytes: int, num_warps: int) -> i
     return min(by_regs, by_shared, by_warps, lim["max_programs"]) * num_warps
 
 
-def default_configs(archs: Sequence[str] = ARCHS, block_sizes: Sequence[int] = (16,),
-                    groups: Sequence[int] = (DEFAULT_GROUP,), dtypes: Sequence[str] = DTYPES,
-                    head_dims: Sequence[int] = HEAD_DIMS, kernels: Sequence[str] = KERNELS,
-                    addressing: str = "block", tile_n: int | None = None) -> list[Config]:
+def default_configs(
+    archs: Sequence[str] = ARCHS,
+    block_sizes: Sequence[int] = (16,),
+    groups: Sequence[int] = (DEFAULT_GROUP,),
+    dtypes: Sequence[str] = DTYPES,
+    head_dims: Sequence[int] = HEAD_DIMS,
+    kernels: Sequence[str] = KERNELS,
+    addressing: str = "block",
+    tile_n: int | None = None,
+) -> list[Config]:
     """The matrix: kernels × dtypes × head_dims × block sizes × groups × archs (2 KV heads), plus
     SmolLM2's own shape (head_dim 64, 3 query heads on each of 3 KV heads) at every block size."""
     if addressing not in ("block", "token"):
@@ -132,15 +146,19 @@ def default_configs(archs: Sequence[str] = ARCHS, block_sizes: Sequence[int] = (
     for a in archs:
         if a not in ARCH_LIMITS:
             raise ValueError(f"unknown arch {a!r}; choose from {', '.join(ARCH_LIMITS)}")
-    out = [Config(k, dt, hd, bs, g, 2, a, addressing, tile_n)
-           for k, dt, hd, bs, g, a in itertools.product(kernels, dtypes, head_dims, block_sizes, groups, archs)]
-    out += [Config(k, dt, SMOLLM2["head_dim"], bs, SMOLLM2["group"], SMOLLM2["num_kv_heads"], a, addressing, tile_n)
-            for k, dt, bs, a in itertools.product(kernels, dtypes, block_sizes, archs)]
-    seen: set[Config] = set()
-    return [c for c in out if not (c in seen or seen.add(c))]
+    out = [
+        Config(k, dt, hd, bs, g, 2, a, addressing, tile_n)
+        for k, dt, hd, bs, g, a in itertools.product(kernels, dtypes, head_dims, block_sizes, groups, archs)
+    ]
+    out += [
+        Config(k, dt, SMOLLM2["head_dim"], bs, SMOLLM2["group"], SMOLLM2["num_kv_heads"], a, addressing, tile_n)
+        for k, dt, bs, a in itertools.product(kernels, dtypes, block_sizes, archs)
+    ]
+    return list(dict.fromkeys(out))  # without repeats, in order
 
 
 # ---- what runs in a worker (TRITON_INTERPRET=0) -----------------------------------------------------
+
 
 def example_launches(cfg: Config) -> list[tuple[str, Any]]:
     """(name, Launch) for every kernel the wrapper would launch for ``cfg``, from its own planner.
@@ -165,18 +183,41 @@ def example_launches(cfg: Config) -> list[tuple[str, Any]]:
     value_cache = torch.empty_like(key_cache)
     tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
     seq_lens = torch.ones(num_seqs, dtype=torch.int32)
-    scale = hd ** -0.5
+    scale = hd**-0.5
     if cfg.kernel == "reshape_and_cache":
         k = torch.empty(num_seqs, kvh, hd, dtype=dtype)
-        return [("reshape_and_cache", launch) for launch in
-                plan_reshape_and_cache(k, torch.empty_like(k), key_cache, value_cache,
-                                       torch.zeros(num_seqs, dtype=torch.int64))]
+        return [
+            ("reshape_and_cache", launch)
+            for launch in plan_reshape_and_cache(
+                k, torch.empty_like(k), key_cache, value_cache, torch.zeros(num_seqs, dtype=torch.int64)
+            )
+        ]
     if cfg.kernel == "paged_decode":
         q = torch.empty(num_seqs, num_q_heads, hd, dtype=dtype)
-        one = plan_paged_decode(q, key_cache, value_cache, tables, seq_lens, scale, torch.empty_like(q),
-                                num_splits=1, per_token=per_token, tile_n=cfg.tile_n)
-        split = plan_paged_decode(q, key_cache, value_cache, tables, seq_lens, scale, torch.empty_like(q),
-                                  num_splits=4, per_token=per_token, tile_n=cfg.tile_n)
+        one = plan_paged_decode(
+            q,
+            key_cache,
+            value_cache,
+            tables,
+            seq_lens,
+            scale,
+            torch.empty_like(q),
+            num_splits=1,
+            per_token=per_token,
+            tile_n=cfg.tile_n,
+        )
+        split = plan_paged_decode(
+            q,
+            key_cache,
+            value_cache,
+            tables,
+            seq_lens,
+            scale,
+            torch.empty_like(q),
+            num_splits=4,
+            per_token=per_token,
+            tile_n=cfg.tile_n,
+        )
         return [("paged_decode", one[0]), ("paged_decode_split", split[0]), ("reduce_segments", split[1])]
     if cfg.kernel == "paged_prefill":
         largest = PREFILL_TABLE[(dtype != torch.float32, max(64, hd))].block_m
@@ -187,9 +228,22 @@ def example_launches(cfg: Config) -> list[tuple[str, Any]]:
             seen.add(prefill_config(dtype, hd, bs, q_len).block_m)
             q = torch.empty(num_seqs * q_len, num_q_heads, hd, dtype=dtype)
             cu = torch.arange(0, num_seqs + 1, dtype=torch.int32) * q_len
-            out += [("paged_prefill", launch) for launch in
-                    plan_paged_prefill(q, key_cache, value_cache, tables, cu, seq_lens, scale, torch.empty_like(q),
-                                       q_len, per_token=per_token, tile_n=cfg.tile_n)]
+            out += [
+                ("paged_prefill", launch)
+                for launch in plan_paged_prefill(
+                    q,
+                    key_cache,
+                    value_cache,
+                    tables,
+                    cu,
+                    seq_lens,
+                    scale,
+                    torch.empty_like(q),
+                    q_len,
+                    per_token=per_token,
+                    tile_n=cfg.tile_n,
+                )
+            ]
         return out
     raise ValueError(f"unknown kernel {cfg.kernel!r}; choose from {', '.join(KERNELS)}")
 
@@ -200,9 +254,21 @@ def _tiles(launch: Any) -> str:
 
 
 def _tool(name: str) -> Path:
+    """Where ``name`` (ptxas, cuobjdump) is: ``TRITON_<NAME>_PATH``, else the triton wheel's copy, else ``PATH``.
+
+    The same order Triton itself looks for ptxas in (its variable, then its bundled binary), and the
+    system's CUDA toolkit last, for a triton build that ships no NVIDIA tools. When nothing is found,
+    the wheel's path, so the error names where the tool was expected."""
     import triton
 
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    override = os.environ.get(f"TRITON_{name.upper().replace('-', '_')}_PATH")
+    if override and Path(override).is_file():
+        return Path(override)
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if bundled.exists():
+        return bundled
+    found = shutil.which(name)
+    return Path(found) if found else bundled
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
@@ -210,38 +276,202 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
-        text = subprocess.run([str(_tool("cuobjdump")), "--dump-resource-usage", str(path)], capture_output=True,
-                              text=True, check=True).stdout
+        text = subprocess.run(
+            [str(_tool("cuobjdump")), "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True
+        ).stdout
     usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
     if "REG" not in usage:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{text}")
     return {k: int(v) for k, v in usage.items()}
 
 
-def compile_launch(launch: Any, arch: str) -> Any:
-    """Compile one planned launch for ``arch`` ("sm_90"), specialised as Triton's launcher would."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
+# torch dtype name -> Triton's type name for a pointer to it (as Triton's own binder writes them).
+_POINTER_TYPES = {
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32",
+    "float64": "fp64",
+    "int8": "i8",
+    "int16": "i16",
+    "int32": "i32",
+    "int64": "i64",
+    "uint8": "u8",
+    "uint16": "u16",
+    "uint32": "u32",
+    "uint64": "u64",
+    "bool": "u1",
+    "float8_e4m3fn": "fp8e4nv",
+    "float8_e5m2": "fp8e5",
+    "float8_e4m3fnuz": "fp8e4b8",
+    "float8_e5m2fnuz": "fp8e5b16",
+}
+_DIVISIBILITY = 16  # Triton marks an integer or a pointer divisible by 16 so loads can be vectorised
 
-    kernel = launch.kernel
-    if not isinstance(kernel, JITFunction):
-        raise RuntimeError("kernels are interpreted in this process (TRITON_INTERPRET=1): compile in a fresh "
-                           "process with TRITON_INTERPRET=0, as compile_report() does")
-    target = GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
-    backend = make_backend(target)
+
+def _param_names(kernel: Any) -> list[str]:
+    """The kernel's parameter names, in order, from the Python function it wraps."""
+    fn = getattr(kernel, "fn", None)
+    if fn is not None:
+        return list(inspect.signature(fn).parameters)
+    return list(kernel.arg_names)
+
+
+def _names(items: Iterable[str | int], names: Sequence[str]) -> set[str]:
+    """``do_not_specialize`` lists names or positions: as names."""
+    return {names[i] if isinstance(i, int) else i for i in items}
+
+
+def _specialize(value: Any, specialize: bool, align: bool) -> tuple[str, str | None]:
+    """(Triton type, specialisation key) of one runtime argument, by Triton's rules: "D" divisible by 16,
+    "" not, None not specialised at all; an integer 1 becomes a constexpr unless told otherwise."""
+    if isinstance(value, bool):  # before int: a bool is an int to Python
+        return "u1", None
+    if isinstance(value, int):
+        if -(2**31) <= value < 2**31:
+            ty = "i32"
+        elif 2**63 <= value < 2**64:
+            ty = "u64"
+        else:
+            ty = "i64"
+        if not specialize:
+            return ty, None
+        if value == 1:
+            return "constexpr", ""
+        return ty, "D" if align and value % _DIVISIBILITY == 0 else ""
+    if isinstance(value, float):
+        return "fp32", None
+    if hasattr(value, "data_ptr") and hasattr(value, "dtype"):  # a tensor, or anything that passes for one
+        dtype = str(value.dtype).removeprefix("torch.")
+        if dtype not in _POINTER_TYPES:
+            raise TypeError(f"no Triton pointer type for a {dtype} tensor")
+        ty = "*" + _POINTER_TYPES[dtype]
+        if not specialize:
+            return ty, None
+        return ty, "D" if align and value.data_ptr() % _DIVISIBILITY == 0 else ""
+    raise TypeError(f"cannot bind a {type(value).__name__} argument by hand")
+
+
+def _is_constexpr_annotation(annotation: Any) -> bool:
+    import triton.language as tl
+
+    return annotation is tl.constexpr or (isinstance(annotation, str) and "constexpr" in annotation)
+
+
+def specialize_by_hand(
+    kernel: Any, launch: Any, backend: Any
+) -> tuple[Any, dict[str, str], dict[tuple[int, ...], Any], dict[tuple[int, ...], Any]]:
+    """(options, signature, constexprs, attrs) for ``ASTSource``, built from the launch's own arguments.
+
+    The fallback for :func:`specialize_with_triton`, which calls Triton's private binder: the same
+    rules, written out. Positional ``launch.args`` are runtime arguments (tensor -> ``*fp16`` ..., int ->
+    ``i32``/``i64``, float -> ``fp32``), ``launch.constexprs`` are the constexprs, and Triton's
+    specialisation is applied as a launch would: 16-byte aligned pointers and integers divisible by
+    16 are marked so, an integer 1 becomes a constexpr, both unless the kernel's ``do_not_specialize``
+    (or ``..._on_alignment``) names the parameter. Only ``backend.parse_options``, public, is Triton's.
+    """
+    names = _param_names(kernel)
+    if len(launch.args) > len(names):
+        raise TypeError(f"{len(launch.args)} arguments for a kernel of {len(names)} parameters")
+    runtime_names = names[: len(launch.args)]
+    unknown = [k for k in launch.constexprs if k not in names or k in runtime_names]
+    if unknown:
+        raise KeyError(f"keyword argument(s) {unknown} are not constexpr parameters of the kernel")
+    no_spec = _names(getattr(kernel, "do_not_specialize", None) or (), names)
+    no_align = _names(getattr(kernel, "do_not_specialize_on_alignment", None) or (), names)
+    fn = getattr(kernel, "fn", None)
+    params = inspect.signature(fn).parameters if fn is not None else {}
+    signature: dict[str, str] = {}
+    constexprs: dict[tuple[int, ...], Any] = {}
+    attrs: dict[tuple[int, ...], Any] = {}
+    for i, name in enumerate(names):
+        if i < len(launch.args):
+            value, is_constexpr = launch.args[i], False
+        elif name in launch.constexprs:
+            value, is_constexpr = launch.constexprs[name], True
+        elif name in params and params[name].default is not inspect.Parameter.empty:
+            value, is_constexpr = params[name].default, _is_constexpr_annotation(params[name].annotation)
+        else:
+            raise TypeError(f"missing argument {name!r}")
+        key: str | None = ""
+        if is_constexpr or value is None:  # Triton folds a None argument into the code, as a constexpr
+            ty = "constexpr"
+        else:
+            ty, key = _specialize(value, name not in no_spec, name not in no_align)
+        signature[name] = ty
+        if ty == "constexpr":
+            constexprs[(i,)] = value
+        if key is not None:
+            attrs[(i,)] = [["tt.divisibility", _DIVISIBILITY]] if key == "D" else []
+    kwargs = dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return backend.parse_options(kwargs), signature, constexprs, attrs
+
+
+def specialize_with_triton(
+    kernel: Any, launch: Any, backend: Any
+) -> tuple[Any, dict[str, str], dict[tuple[int, ...], Any], dict[tuple[int, ...], Any]]:
+    """(options, signature, constexprs, attrs) from Triton's own launcher code: exactly what a launch does.
+
+    Private API (``create_function_from_signature``, ``JITFunction._pack_args``): Triton may change it
+    in any release, so :func:`compile_launch` takes :func:`specialize_by_hand` when it is gone."""
+    from triton.runtime.jit import create_function_from_signature
+
     kwargs = dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, opts = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, opts)
+    return kernel._pack_args(backend, kwargs, bound, specialization, opts)
+
+
+def triton_binder_available(kernel: Any) -> bool:
+    """True when Triton's private binder (what :func:`specialize_with_triton` calls) is there for ``kernel``."""
+    try:
+        from triton.runtime.jit import create_function_from_signature  # noqa: F401
+    except ImportError:
+        return False
+    return all(hasattr(kernel, a) for a in ("_pack_args", "signature", "params"))
+
+
+def compile_launch(launch: Any, arch: str, *, binder: str = "auto") -> Any:
+    """Compile one planned launch for ``arch`` ("sm_90"), specialised as Triton's launcher would.
+
+    ``binder``: "triton" (Triton's private launcher code), "by_hand" (:func:`specialize_by_hand`), or
+    "auto": Triton's when it is there, by hand when it is gone or no longer takes these arguments
+    (a TypeError or AttributeError from its changed signature)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    if binder not in ("auto", "triton", "by_hand"):
+        raise ValueError(f"binder must be 'auto', 'triton' or 'by_hand', got {binder!r}")
+    kernel = launch.kernel
+    if not isinstance(kernel, triton.JITFunction):  # the interpreter's InterpretedFunction cannot be compiled
+        raise RuntimeError(
+            "kernels are interpreted in this process (TRITON_INTERPRET=1): compile in a fresh "
+            "process with TRITON_INTERPRET=0, as compile_report() does"
+        )
+    target = GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
+    backend = make_backend(target)
+    if binder == "triton" or (binder == "auto" and triton_binder_available(kernel)):
+        try:
+            options, signature, constexprs, attrs = specialize_with_triton(kernel, launch, backend)
+        except (TypeError, AttributeError):
+            if binder == "triton":
+                raise
+            options, signature, constexprs, attrs = specialize_by_hand(kernel, launch, backend)
+    else:
+        options, signature, constexprs, attrs = specialize_by_hand(kernel, launch, backend)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def compile_config(cfg: Config) -> list[Row]:
     """Every kernel of one configuration, compiled and measured (errors become rows with ``error``)."""
-    base = dict(dtype=cfg.dtype, head_dim=cfg.head_dim, block_size=cfg.block_size, group=cfg.group, arch=cfg.arch,
-                addressing=cfg.addressing)
+    base: dict[str, Any] = dict(
+        dtype=cfg.dtype,
+        head_dim=cfg.head_dim,
+        block_size=cfg.block_size,
+        group=cfg.group,
+        arch=cfg.arch,
+        addressing=cfg.addressing,
+    )
     try:
         launches = example_launches(cfg)
     except Exception as e:  # a configuration the planner refuses is a finding, not a crash of the report
@@ -279,6 +509,7 @@ def _worker_main() -> None:
 
 # ---- the caller's side ------------------------------------------------------------------------------
 
+
 def compile_report(configs: Iterable[Config] | None = None, *, processes: int | None = None) -> list[Row]:
     """Compile ``configs`` (default: :func:`default_configs`) in fresh worker processes; rows in order.
 
@@ -291,19 +522,33 @@ def compile_report(configs: Iterable[Config] | None = None, *, processes: int | 
             raise ValueError(f"unknown arch {c.arch!r}; choose from {', '.join(ARCH_LIMITS)}")
     if not configs:
         return []
-    if not _tool("ptxas").exists():
-        raise RuntimeError(f"Triton's bundled ptxas is missing ({_tool('ptxas')}): this triton build cannot "
-                           "compile for NVIDIA GPUs")
+    ptxas = _tool("ptxas")
+    if not ptxas.exists():
+        raise RuntimeError(
+            f"no ptxas: not in this triton build ({ptxas}), not on PATH, and TRITON_PTXAS_PATH is not set; "
+            "install the CUDA toolkit's ptxas or a triton wheel that bundles it"
+        )
     processes = max(1, min(len(configs), processes or os.cpu_count() or 1))
     # Each worker imports triton with the interpreter off, and fuses multiply-adds as a launch would.
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    # Triton looks for ptxas in TRITON_PTXAS_PATH, then in its wheel only: hand it the one found (on PATH, say).
+    if not Path(env.get("TRITON_PTXAS_PATH", "")).is_file():
+        env["TRITON_PTXAS_PATH"] = str(ptxas)
     numbered = list(enumerate(asdict(c) for c in configs))
     chunks = [numbered[i::processes] for i in range(processes)]
-    workers = [subprocess.Popen([sys.executable, "-m", "minipaged.kernels.report", "--worker"], env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for _ in chunks]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "minipaged.kernels.report", "--worker"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in chunks
+    ]
     try:
-        with ThreadPoolExecutor(len(workers)) as pool:   # feed and drain every worker at once
+        with ThreadPoolExecutor(len(workers)) as pool:  # feed and drain every worker at once
             outputs = list(pool.map(lambda wc: wc[0].communicate(json.dumps(wc[1])), zip(workers, chunks)))
     finally:
         for w in workers:
@@ -316,19 +561,41 @@ def compile_report(configs: Iterable[Config] | None = None, *, processes: int | 
         for line in out.splitlines():
             item = json.loads(line)
             by_config.setdefault(item["index"], []).append(Row(**item["row"]))
-    return [row for i in range(len(configs)) for row in by_config.get(i, [])]   # the caller's order
+    return [row for i in range(len(configs)) for row in by_config.get(i, [])]  # the caller's order
 
 
-COLUMNS = (("kernel", 18), ("dtype", 8), ("head_dim", 8), ("block_size", 10), ("group", 5), ("arch", 5),
-           ("addressing", 5),
-           ("tiles", 30), ("num_warps", 5), ("num_stages", 6), ("registers", 4), ("spill_bytes", 5),
-           ("shared_bytes", 6), ("occupancy", 9))
-HEADERS = dict(head_dim="head_dim", block_size="block", addressing="addr", num_warps="warps", num_stages="stages", registers="regs",
-               spill_bytes="spill", shared_bytes="shared", occupancy="warps/SM")
+COLUMNS = (
+    ("kernel", 18),
+    ("dtype", 8),
+    ("head_dim", 8),
+    ("block_size", 10),
+    ("group", 5),
+    ("arch", 5),
+    ("addressing", 5),
+    ("tiles", 30),
+    ("num_warps", 5),
+    ("num_stages", 6),
+    ("registers", 4),
+    ("spill_bytes", 5),
+    ("shared_bytes", 6),
+    ("occupancy", 9),
+)
+HEADERS = dict(
+    head_dim="head_dim",
+    block_size="block",
+    addressing="addr",
+    num_warps="warps",
+    num_stages="stages",
+    registers="regs",
+    spill_bytes="spill",
+    shared_bytes="shared",
+    occupancy="warps/SM",
+)
 
 
 def format_table(rows: Sequence[Row]) -> str:
     """The report as an aligned text table, one compiled kernel a line."""
+
     def cell(row: Row, key: str) -> str:
         if key == "occupancy":
             return "-" if row.occupancy is None else f"{row.occupancy} ({row.occupancy_pct:.0f}%)"
@@ -341,8 +608,10 @@ def format_table(rows: Sequence[Row]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     for r in rows:
         if r.error:
-            lines.append(f"error: {r.kernel} {r.dtype} head_dim {r.head_dim} block {r.block_size} group {r.group} "
-                         f"{r.arch}: {r.error}")
+            lines.append(
+                f"error: {r.kernel} {r.dtype} head_dim {r.head_dim} block {r.block_size} group {r.group} "
+                f"{r.arch}: {r.error}"
+            )
     return "\n".join(lines)
 
 
@@ -351,11 +620,15 @@ def summary(rows: Sequence[Row]) -> str:
     ok = [r for r in rows if r.error is None]
     spilling = [r for r in ok if r.spill_bytes]
     worst = min(ok, key=lambda r: r.occupancy or 0, default=None)
-    text = (f"{len(ok)} of {len(rows)} kernels compiled; {len(spilling)} spill registers; "
-            f"most registers {max((r.registers for r in ok), default=0)}")
+    text = (
+        f"{len(ok)} of {len(rows)} kernels compiled; {len(spilling)} spill registers; "
+        f"most registers {max((r.registers or 0 for r in ok), default=0)}"
+    )
     if worst is not None:
-        text += f"; lowest occupancy {worst.occupancy} warps/SM ({worst.kernel} {worst.dtype} d{worst.head_dim} " \
-                f"{worst.arch})"
+        text += (
+            f"; lowest occupancy {worst.occupancy} warps/SM ({worst.kernel} {worst.dtype} d{worst.head_dim} "
+            f"{worst.arch})"
+        )
     return text
 
 

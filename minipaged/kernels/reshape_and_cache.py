@@ -15,6 +15,7 @@ One program per token. It loads the token's whole ``[num_kv_heads, head_dim]`` t
 of K and of V, and stores both at ``cache[block, offset]``. A padding token (slot -1)
 returns before touching anything.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,15 +31,30 @@ RESHAPE_AND_CACHE_CONFIG = TileConfig(tile_n=0, num_warps=4, num_stages=1)
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,                      # new K/V: token, head (head_dim stride is 1)
-    stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,  # caches: block, offset, head
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_P2: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,  # new K/V: token, head (head_dim stride is 1)
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,  # caches: block, offset, head
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    if slot < 0:                  # padding token: nothing to write
+    if slot < 0:  # padding token: nothing to write
         return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
@@ -53,34 +69,68 @@ def _reshape_and_cache_kernel(
     tl.store(value_cache_ptr + block * stride_vcb + offset * stride_vco + heads * stride_vch + dims, v, mask=mask)
 
 
-def plan_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> list[Launch]:
+def plan_reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> list[Launch]:
     """The launch of one scatter-write. Checks nothing: the wrapper has."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return []
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     cfg = RESHAPE_AND_CACHE_CONFIG
-    return [Launch(
-        _reshape_and_cache_kernel, (num_tokens,),
-        (key, value, key_cache, value_cache, slot_mapping,
-         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)),
-        dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_P2=triton.next_power_of_2(num_kv_heads),
-             HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size),
-        cfg.num_warps, cfg.num_stages)]
+    return [
+        Launch(
+            _reshape_and_cache_kernel,
+            (num_tokens,),
+            (
+                key,
+                value,
+                key_cache,
+                value_cache,
+                slot_mapping,
+                key.stride(0),
+                key.stride(1),
+                value.stride(0),
+                value.stride(1),
+                key_cache.stride(0),
+                key_cache.stride(1),
+                key_cache.stride(2),
+                value_cache.stride(0),
+                value_cache.stride(1),
+                value_cache.stride(2),
+            ),
+            dict(
+                NUM_KV_HEADS=num_kv_heads,
+                HEAD_DIM=head_dim,
+                HEADS_P2=triton.next_power_of_2(num_kv_heads),
+                HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+                BLOCK_SIZE=block_size,
+            ),
+            cfg.num_warps,
+            cfg.num_stages,
+        )
+    ]
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, *, checked: bool = False) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    checked: bool = False,
+) -> None:
     """Triton twin of :func:`minipaged.kernels.reference.reshape_and_cache` (same arguments, in place).
 
     ``checked=True`` skips the argument checks (the engine checks a step once, not once per layer).
     """
     if not checked:
-        check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                check_values=key.device.type == "cpu")
+        check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=key.device.type == "cpu")
         check_triton_runtime(key.dtype, key.device)
         check_last_dim_contiguous(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
     for launch in plan_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):

@@ -10,6 +10,7 @@ sequences of similar length are attended together instead, their K/V gathered wi
 built once per step and reused by every layer. ``tests/test_kernels.py`` and
 ``tests/test_cpu_kernel.py`` check both against the reference.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ from .reference import reshape_and_cache, write_slots
 from .validation import check_paged_decode, check_paged_prefill
 
 
-def context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def context_slots(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The slot of every context token of every sequence, padded to the longest: ``[num_seqs, max_len]``.
 
     Position ``p`` of sequence ``i`` is in slot ``block_tables[i, p // block_size] * block_size
@@ -46,9 +48,10 @@ def context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size
 @dataclass
 class DecodeGroup:
     """One-token sequences of similar length, attended together (padded to the group's longest)."""
+
     rows: torch.Tensor | None  # their query rows; None = every row of the step, in order
-    slots: torch.Tensor        # [n, max_len] context slots (see context_slots)
-    valid: torch.Tensor        # [n, max_len] which of them are real
+    slots: torch.Tensor  # [n, max_len] context slots (see context_slots)
+    valid: torch.Tensor  # [n, max_len] which of them are real
 
 
 @dataclass
@@ -67,6 +70,7 @@ class AttentionPlan:
     also keep each gathered K/V in the CPU's cache while attention reads it back (measured on
     SmolLM2, 128 decodes of mixed length: 4 groups 310 ms a step, 16 groups 220 ms).
     """
+
     num_rows: int
     decode: list[DecodeGroup] = field(default_factory=list)
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -82,8 +86,13 @@ MIN_DECODE_GROUP = 4
 KERNEL_MAX_Q_LEN = 96
 
 
-def plan_attention(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                   block_size: int, in_place: bool = False) -> AttentionPlan:
+def plan_attention(
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    in_place: bool = False,
+) -> AttentionPlan:
     """Sort a step's sequences into decode groups and per-sequence prefills, and build their indices.
 
     ``in_place`` (the caller has checked ``cpu_kernel.usable``): the kernel takes every sequence
@@ -95,8 +104,11 @@ def plan_attention(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_l
     device = block_tables.device
     plan = AttentionPlan(cu[-1] if cu else 0)
     if in_place:
-        plan.in_place = (block_tables.to(torch.int32).contiguous(), cu_seqlens_q.to(torch.int32).contiguous(),
-                         seq_lens.to(torch.int32).contiguous())
+        plan.in_place = (
+            block_tables.to(torch.int32).contiguous(),
+            cu_seqlens_q.to(torch.int32).contiguous(),
+            seq_lens.to(torch.int32).contiguous(),
+        )
         _plan_prefills(plan, block_tables, lens, q_lens, cu, block_size, min_q_len=KERNEL_MAX_Q_LEN + 1)
         return plan
     single = sorted((i for i, q in enumerate(q_lens) if q == 1), key=lambda i: lens[i])
@@ -105,7 +117,7 @@ def plan_attention(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_l
         plan.decode.append(DecodeGroup(None, *context_slots(block_tables, seq_lens, block_size)))
     elif single:
         for g in range(num_groups):
-            members = single[g * len(single) // num_groups:(g + 1) * len(single) // num_groups]
+            members = single[g * len(single) // num_groups : (g + 1) * len(single) // num_groups]
             idx = torch.tensor(members, dtype=torch.long, device=device)
             rows = torch.tensor([cu[i] for i in members], dtype=torch.long, device=device)
             plan.decode.append(DecodeGroup(rows, *context_slots(block_tables[idx], seq_lens[idx], block_size)))
@@ -113,21 +125,29 @@ def plan_attention(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_l
     return plan
 
 
-def _plan_prefills(plan: AttentionPlan, block_tables: torch.Tensor, lens: list[int], q_lens: list[int],
-                   cu: list[int], block_size: int, min_q_len: int) -> None:
+def _plan_prefills(
+    plan: AttentionPlan,
+    block_tables: torch.Tensor,
+    lens: list[int],
+    q_lens: list[int],
+    cu: list[int],
+    block_size: int,
+    min_q_len: int,
+) -> None:
     """One SDPA entry per sequence of at least ``min_q_len`` new tokens: its rows, context slots and causal mask."""
     device = block_tables.device
     for i, n in enumerate(lens):
         if q_lens[i] < min_q_len:
             continue
-        seq_slots, _ = context_slots(block_tables[i:i + 1], torch.tensor([n], device=device), block_size)
+        seq_slots, _ = context_slots(block_tables[i : i + 1], torch.tensor([n], device=device), block_size)
         q_pos = torch.arange(n - q_lens[i], n, device=device)
-        causal = torch.arange(n, device=device)[None, :] <= q_pos[:, None]       # [q_len, n]
+        causal = torch.arange(n, device=device)[None, :] <= q_pos[:, None]  # [q_len, n]
         plan.prefills.append((cu[i], cu[i + 1], seq_slots[0], causal))
 
 
-def attend(plan: AttentionPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-           scale: float) -> torch.Tensor:
+def attend(
+    plan: AttentionPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Attention of every query row over its sequence's paged context, following ``plan``.
 
     The one-token sequences go together: the G query heads sharing a KV head are viewed
@@ -144,9 +164,10 @@ def attend(plan: AttentionPlan, query: torch.Tensor, key_cache: torch.Tensor, va
     flat_k = key_cache.reshape(-1, num_kv_heads, head_dim)
     flat_v = value_cache.reshape(-1, num_kv_heads, head_dim)
     group = query.shape[1] // num_kv_heads
-    if plan.in_place is not None:   # rows of the long prefills are left for the loop below
-        out = cpu_kernel.paged_attention(query, key_cache, value_cache, *plan.in_place, scale,
-                                         max_q_len=KERNEL_MAX_Q_LEN)
+    if plan.in_place is not None:  # rows of the long prefills are left for the loop below
+        out = cpu_kernel.paged_attention(
+            query, key_cache, value_cache, *plan.in_place, scale, max_q_len=KERNEL_MAX_Q_LEN
+        )
     else:
         out = torch.empty_like(query)
     for dec in plan.decode:
@@ -164,34 +185,57 @@ def attend(plan: AttentionPlan, query: torch.Tensor, key_cache: torch.Tensor, va
         else:
             out[dec.rows] = o
     for start, end, slots, causal in plan.prefills:
-        q = query[start:end].float().transpose(0, 1)[None]                           # [1, q_heads, q_len, d]
-        k = flat_k.index_select(0, slots).float().transpose(0, 1)[None]             # [1, kv_heads, n, d]
+        q = query[start:end].float().transpose(0, 1)[None]  # [1, q_heads, q_len, d]
+        k = flat_k.index_select(0, slots).float().transpose(0, 1)[None]  # [1, kv_heads, n, d]
         v = flat_v.index_select(0, slots).float().transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1).to(query.dtype)
     return out
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """``reference.paged_decode_attention``, planned and batched."""
     check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
     cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-    plan = plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1],
-                          in_place=cpu_kernel.usable(key_cache, value_cache))
+    plan = plan_attention(
+        block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1], in_place=cpu_kernel.usable(key_cache, value_cache)
+    )
     return attend(plan, query, key_cache, value_cache, scale)
 
 
-def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """``reference.paged_prefill_attention``, planned and batched."""
     check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-    plan = plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1],
-                          in_place=cpu_kernel.usable(key_cache, value_cache))
+    plan = plan_attention(
+        block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1], in_place=cpu_kernel.usable(key_cache, value_cache)
+    )
     return attend(plan, query, key_cache, value_cache, scale)
 
 
 # The scatter-write is the reference's own (it is already one index_copy_).
-__all__ = ["AttentionPlan", "DecodeGroup", "attend", "context_slots", "paged_decode_attention",
-           "paged_prefill_attention", "plan_attention", "reshape_and_cache", "write_slots"]
+__all__ = [
+    "AttentionPlan",
+    "DecodeGroup",
+    "attend",
+    "context_slots",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "plan_attention",
+    "reshape_and_cache",
+    "write_slots",
+]

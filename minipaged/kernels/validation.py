@@ -22,9 +22,12 @@ Layouts (vLLM's FlashAttention layout, one layer)::
     cu_seqlens_q   int32     [num_seqs + 1]              prefix sums of the new tokens per sequence
     slot_mapping   int32/64  [num_tokens]                block * block_size + offset, -1 = padding
 """
+
 from __future__ import annotations
 
 import numbers
+import os
+from typing import Any, NoReturn
 
 import torch
 
@@ -33,7 +36,7 @@ from ..utils import cdiv
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise ValueError(msg)
 
 
@@ -49,8 +52,10 @@ def _index(name: str, x: object, ndim: int, dtypes: tuple[torch.dtype, ...] = (t
     x = _tensor(name, x, ndim)
     if x.dtype not in dtypes:
         want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-        _fail(f"{name} must be {want}, got {str(x.dtype).replace('torch.', '')} "
-              f"(convert with .to(torch.{str(dtypes[0]).replace('torch.', '')}))")
+        _fail(
+            f"{name} must be {want}, got {str(x.dtype).replace('torch.', '')} "
+            f"(convert with .to(torch.{str(dtypes[0]).replace('torch.', '')}))"
+        )
     return x
 
 
@@ -68,8 +73,10 @@ def check_kv_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple
     _tensor("key_cache", key_cache, 4)
     _tensor("value_cache", value_cache, 4)
     if key_cache.shape != value_cache.shape:
-        _fail(f"key_cache and value_cache must have the same shape, got {tuple(key_cache.shape)} "
-              f"and {tuple(value_cache.shape)}")
+        _fail(
+            f"key_cache and value_cache must have the same shape, got {tuple(key_cache.shape)} "
+            f"and {tuple(value_cache.shape)}"
+        )
     if key_cache.dtype != value_cache.dtype:
         _fail(f"key_cache and value_cache must have the same dtype, got {key_cache.dtype} and {value_cache.dtype}")
     if key_cache.dtype not in FLOAT_DTYPES:
@@ -87,8 +94,10 @@ def check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *,
     if key.shape != value.shape:
         _fail(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
     if tuple(key.shape[1:]) != (num_kv_heads, head_dim):
-        _fail(f"key must be [num_tokens, num_kv_heads={num_kv_heads}, head_dim={head_dim}] to match the cache, "
-              f"got {tuple(key.shape)}")
+        _fail(
+            f"key must be [num_tokens, num_kv_heads={num_kv_heads}, head_dim={head_dim}] to match the cache, "
+            f"got {tuple(key.shape)}"
+        )
     if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
         _fail(f"key/value dtype ({key.dtype}/{value.dtype}) must match the cache dtype ({key_cache.dtype})")
     _index("slot_mapping", slot_mapping, 1, (torch.int64, torch.int32))
@@ -102,16 +111,19 @@ def check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *,
     bad = (slots < -1) | (slots >= num_slots)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
-        _fail(f"slot_mapping[{i}] = {int(slots[i])} is outside the pool: slots run from 0 to {num_slots - 1} "
-              f"({num_blocks} blocks x block_size {block_size}); -1 marks a padding token")
+        _fail(
+            f"slot_mapping[{i}] = {int(slots[i])} is outside the pool: slots run from 0 to {num_slots - 1} "
+            f"({num_blocks} blocks x block_size {block_size}); -1 marks a padding token"
+        )
     real = slots[slots >= 0]
     if real.unique().numel() != real.numel():
         uniq, counts = real.unique(return_counts=True)
         _fail(f"slot_mapping writes slot {int(uniq[counts > 1][0])} more than once; each slot holds one token")
 
 
-def _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens, scale, *, num_seqs: int | None
-                            ) -> tuple[int, int, int, int, int]:
+def _check_attention_common(
+    query, key_cache, value_cache, block_tables, seq_lens, scale, *, num_seqs: int | None
+) -> tuple[int, int, int, int, int]:
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_caches(key_cache, value_cache)
     _tensor("query", query, 3)
     if query.dtype != key_cache.dtype:
@@ -120,15 +132,19 @@ def _check_attention_common(query, key_cache, value_cache, block_tables, seq_len
         _fail(f"query head_dim ({query.shape[2]}) must match the cache head_dim ({head_dim})")
     num_q_heads = query.shape[1]
     if num_q_heads == 0 or num_q_heads % num_kv_heads:
-        _fail(f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads}): "
-              f"grouped-query attention shares each KV head among an integer number of query heads")
+        _fail(
+            f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads}): "
+            f"grouped-query attention shares each KV head among an integer number of query heads"
+        )
     _index("block_tables", block_tables, 2)
     _index("seq_lens", seq_lens, 1)
     if num_seqs is None:  # decode: one query token per sequence
         num_seqs = query.shape[0]
         if seq_lens.shape[0] != num_seqs:
-            _fail(f"query must have one token per sequence: query has {num_seqs} rows, "
-                  f"seq_lens has {seq_lens.shape[0]} sequences")
+            _fail(
+                f"query must have one token per sequence: query has {num_seqs} rows, "
+                f"seq_lens has {seq_lens.shape[0]} sequences"
+            )
     if seq_lens.shape[0] != num_seqs:
         _fail(f"seq_lens must have one entry per sequence ({num_seqs}), got {seq_lens.shape[0]}")
     if block_tables.shape[0] != num_seqs:
@@ -148,38 +164,53 @@ def _check_table_values(block_tables, seq_lens, block_size: int, num_blocks: int
         if n < min_len:
             _fail(f"seq_lens[{i}] = {n}: a sequence needs at least {min_len} token(s)")
         if n > capacity:
-            _fail(f"seq_lens[{i}] = {n} exceeds the block table's capacity: {tables.shape[1]} blocks x "
-                  f"block_size {block_size} = {capacity} tokens")
-        used = tables[i, :cdiv(n, block_size)]
+            _fail(
+                f"seq_lens[{i}] = {n} exceeds the block table's capacity: {tables.shape[1]} blocks x "
+                f"block_size {block_size} = {capacity} tokens"
+            )
+        used = tables[i, : cdiv(n, block_size)]
         bad = (used < 0) | (used >= num_blocks)
         if bool(bad.any()):
             j = int(bad.nonzero()[0, 0])
-            _fail(f"block_tables[{i}, {j}] = {int(used[j])} is not a block of the pool (0..{num_blocks - 1}) "
-                  f"but sequence {i} ({n} tokens) reads logical block {j}")
+            _fail(
+                f"block_tables[{i}, {j}] = {int(used[j])} is not a block of the pool (0..{num_blocks - 1}) "
+                f"but sequence {i} ({n} tokens) reads logical block {j}"
+            )
 
 
-def check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, *, check_values: bool = True
-                       ) -> None:
+def check_paged_decode(
+    query, key_cache, value_cache, block_tables, seq_lens, scale, *, check_values: bool = True
+) -> None:
     """Checks for ``paged_decode_attention``: one query token per sequence, ``[num_seqs, num_q_heads, head_dim]``."""
-    num_blocks, block_size, *_ = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens,
-                                                         scale, num_seqs=None)
-    _same_device(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                 seq_lens=seq_lens)
+    num_blocks, block_size, *_ = _check_attention_common(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs=None
+    )
+    _same_device(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens
+    )
     if check_values:
         _check_table_values(block_tables, seq_lens, block_size, num_blocks, min_len=1)
 
 
-def check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, *,
-                        check_values: bool = True) -> None:
+def check_paged_prefill(
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, *, check_values: bool = True
+) -> None:
     """Checks for ``paged_prefill_attention``: packed new tokens ``[total_new_tokens, num_q_heads, head_dim]``."""
     _index("cu_seqlens_q", cu_seqlens_q, 1)
     if cu_seqlens_q.shape[0] < 2:
         _fail(f"cu_seqlens_q must have num_seqs + 1 >= 2 entries, got {cu_seqlens_q.shape[0]}")
     num_seqs = cu_seqlens_q.shape[0] - 1
-    num_blocks, block_size, *_ = _check_attention_common(query, key_cache, value_cache, block_tables, seq_lens,
-                                                         scale, num_seqs=num_seqs)
-    _same_device(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                 cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
+    num_blocks, block_size, *_ = _check_attention_common(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, num_seqs=num_seqs
+    )
+    _same_device(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+    )
     if not check_values:
         return
     cu = cu_seqlens_q.cpu().long()
@@ -188,16 +219,20 @@ def check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_
     q_lens = cu[1:] - cu[:-1]
     if bool((q_lens < 0).any()):
         i = int((q_lens < 0).nonzero()[0, 0])
-        _fail(f"cu_seqlens_q must not decrease: cu_seqlens_q[{i + 1}] = {int(cu[i + 1])} < "
-              f"cu_seqlens_q[{i}] = {int(cu[i])}")
+        _fail(
+            f"cu_seqlens_q must not decrease: cu_seqlens_q[{i + 1}] = {int(cu[i + 1])} < "
+            f"cu_seqlens_q[{i}] = {int(cu[i])}"
+        )
     if int(cu[-1]) != query.shape[0]:
         _fail(f"cu_seqlens_q[-1] = {int(cu[-1])} must equal the number of query tokens ({query.shape[0]})")
     lens = seq_lens.cpu().long()
     too_long = q_lens > lens
     if bool(too_long.any()):
         i = int(too_long.nonzero()[0, 0])
-        _fail(f"sequence {i} has {int(q_lens[i])} new tokens but seq_lens[{i}] = {int(lens[i])}: the new tokens "
-              f"are the last q_len of seq_len tokens, so q_len <= seq_len")
+        _fail(
+            f"sequence {i} has {int(q_lens[i])} new tokens but seq_lens[{i}] = {int(lens[i])}: the new tokens "
+            f"are the last q_len of seq_len tokens, so q_len <= seq_len"
+        )
     _check_table_values(block_tables, seq_lens, block_size, num_blocks, min_len=0)
 
 
@@ -208,11 +243,50 @@ def triton_interpreter_ready() -> bool:
     ``triton.language`` defines its helpers (``tl.zeros``, ``tl.sum``, ...) when ``triton`` is
     first imported: setting the variable after that gives interpreted kernels calling
     compiled helpers, which fails.
+
+    Both halves read Triton internals (``triton.knobs``, ``InterpretedFunction``) that a release
+    may move; each has a fallback, so a moved name degrades the answer to "what the environment
+    says" instead of raising (see :func:`_interpret_flag` and :func:`_helpers_interpreted`).
     """
     import triton
     import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    return bool(triton.knobs.runtime.interpret) and isinstance(tl.zeros, InterpretedFunction)
+
+    return _interpret_flag(triton) and _helpers_interpreted(tl) is not False
+
+
+_TRUTHY = ("1", "true", "on", "yes", "y")  # the spellings of "on" Triton 3.9 accepts, in any case
+
+
+def _interpret_flag(triton: Any) -> bool:
+    """Triton's own reading of ``TRITON_INTERPRET`` (``triton.knobs``), or the variable itself without it."""
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:
+        return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUTHY
+
+
+def _helpers_interpreted(tl: Any) -> bool | None:
+    """Is ``tl.zeros`` (a helper defined when triton was imported) interpreted? None when nothing tells.
+
+    The helper's class says it: the interpreter's ``InterpretedFunction``, or the compiler's
+    ``JITFunction`` (triton imported before the variable was set). Without the first, a
+    ``JITFunction`` still means "compiled", and a class named like the interpreter's means
+    "interpreted"; anything else leaves the answer to the variable alone (None)."""
+    import triton
+
+    zeros = getattr(tl, "zeros", None)
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return isinstance(zeros, InterpretedFunction)
+    except ImportError:
+        pass
+    jit_function = getattr(triton, "JITFunction", None)
+    if isinstance(jit_function, type) and isinstance(zeros, jit_function):
+        return False
+    if "Interpret" in type(zeros).__name__:
+        return True
+    return None
 
 
 def check_triton_runtime(dtype: torch.dtype, device: torch.device) -> None:
@@ -224,15 +298,20 @@ def check_triton_runtime(dtype: torch.dtype, device: torch.device) -> None:
             f"the Triton kernels cannot run on {device} tensors here: without a CUDA GPU they need the Triton "
             "interpreter, and TRITON_INTERPRET=1 must be set before triton is first imported. Import "
             "minipaged.kernels before anything imports triton (it sets the variable when there is no GPU), or "
-            "export TRITON_INTERPRET=1; or use the reference: get_attention_backend('torch').")
+            "export TRITON_INTERPRET=1; or use the reference: get_attention_backend('torch')."
+        )
     if dtype == torch.bfloat16:
-        _fail("bfloat16 is not supported by the Triton interpreter (numpy has no bfloat16 arithmetic); "
-              "use float16 or float32 on CPU, or run on a CUDA GPU")
+        _fail(
+            "bfloat16 is not supported by the Triton interpreter (numpy has no bfloat16 arithmetic); "
+            "use float16 or float32 on CPU, or run on a CUDA GPU"
+        )
 
 
 def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
     """The Triton kernels take every stride but the last: ``head_dim`` must be contiguous (stride 1)."""
     for name, t in tensors.items():
         if t.stride(-1) != 1:
-            _fail(f"{name} must be contiguous in its last dimension (head_dim), got strides {t.stride()}; "
-                  f"call .contiguous() first")
+            _fail(
+                f"{name} must be contiguous in its last dimension (head_dim), got strides {t.stride()}; "
+                f"call .contiguous() first"
+            )

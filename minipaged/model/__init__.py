@@ -1,4 +1,5 @@
 """The Llama forward pass on a paged KV cache (chapter 09)."""
+
 from .attention import AttentionMetadata, PagedAttention
 from .llama import LlamaForCausalLM
 

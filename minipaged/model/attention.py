@@ -25,6 +25,7 @@ the cache and returns the backend's own metadata, which every layer then uses as
                               the kernels are then called with ``checked=True`` and read
                               ``max_query_len`` from here, not back from the device
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -38,6 +39,7 @@ from .. import hooks
 @dataclass
 class AttentionMetadata:
     """What every backend needs of a step (the model runner fills it)."""
+
     slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = padding, write nothing
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
     seq_lens: torch.Tensor  # int32 [num_seqs]: every token of the sequence after this step
@@ -54,14 +56,14 @@ class AttentionMetadata:
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    write_rows: torch.Tensor | None = None   # the new K/V rows to write (None: all of them)
+    write_rows: torch.Tensor | None = None  # the new K/V rows to write (None: all of them)
     write_slots: torch.Tensor | None = None  # int64, their slots
-    plan: Any = None                          # kernels.torch_backend.AttentionPlan
+    plan: Any = None  # kernels.torch_backend.AttentionPlan
 
 
 @dataclass
 class TritonAttentionMetadata(AttentionMetadata):
-    num_splits: int | None = None   # decode-only steps: KV segments per sequence
+    num_splits: int | None = None  # decode-only steps: KV segments per sequence
 
 
 class PagedAttention:
@@ -73,8 +75,14 @@ class PagedAttention:
         self.ops = kernels.get_attention_backend(backend)
         self.backend = self.ops.name
 
-    def build_metadata(self, meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       num_q_heads: int, dtype: torch.dtype) -> AttentionMetadata:
+    def build_metadata(
+        self,
+        meta: AttentionMetadata,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        num_q_heads: int,
+        dtype: torch.dtype,
+    ) -> TorchAttentionMetadata | TritonAttentionMetadata:
         """Check a step's metadata once against the cache, and plan it for this backend."""
         from ..kernels import cpu_kernel, paged_decode, torch_backend, validation
 
@@ -85,61 +93,110 @@ class PagedAttention:
         dev = key_cache.device
         q = torch.empty((1, num_q_heads, head_dim), dtype=dtype, device=dev).expand(num_tokens, -1, -1)
         kv = torch.empty((1, num_kv_heads, head_dim), dtype=dtype, device=dev).expand(num_tokens, -1, -1)
-        on_cpu = dev.type == "cpu"   # value checks read the tensors: free on a CPU, a sync on a GPU
+        on_cpu = dev.type == "cpu"  # value checks read the tensors: free on a CPU, a sync on a GPU
         validation.check_reshape_and_cache(kv, kv, key_cache, value_cache, meta.slot_mapping, check_values=on_cpu)
-        validation.check_paged_prefill(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
-                                       meta.seq_lens, 1.0, check_values=on_cpu)
+        validation.check_paged_prefill(
+            q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, 1.0, check_values=on_cpu
+        )
         if self.backend == "torch":
             keep = meta.slot_mapping >= 0
             rows = None if bool(keep.all()) else keep
             slots = meta.slot_mapping.long() if rows is None else meta.slot_mapping[rows].long()
-            plan = torch_backend.plan_attention(meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
-                                                key_cache.shape[1],
-                                                in_place=cpu_kernel.usable(key_cache, value_cache))
+            plan = torch_backend.plan_attention(
+                meta.block_tables,
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                key_cache.shape[1],
+                in_place=cpu_kernel.usable(key_cache, value_cache),
+            )
             return TorchAttentionMetadata(**meta.common(), write_rows=rows, write_slots=slots, plan=plan)
         validation.check_triton_runtime(dtype, key_cache.device)
         validation.check_last_dim_contiguous(key_cache=key_cache, value_cache=value_cache)
         num_splits = None
         if meta.is_decode_only and meta.seq_lens.shape[0]:
             capacity = meta.block_tables.shape[1] * key_cache.shape[1]
-            num_splits = paged_decode.default_num_splits(meta.seq_lens.shape[0], num_kv_heads, capacity,
-                                                          key_cache.device)
+            num_splits = paged_decode.default_num_splits(
+                meta.seq_lens.shape[0], num_kv_heads, capacity, key_cache.device
+            )
         return TritonAttentionMetadata(**meta.common(), num_splits=num_splits)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        with torch.profiler.record_function("paged_attention"):   # a named span in a profile, nothing else
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        with torch.profiler.record_function("paged_attention"):  # a named span in a profile, nothing else
             return self._call(q, k, v, key_cache, value_cache, meta, scale)
 
-    def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-              value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _call(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         if not isinstance(meta, (TorchAttentionMetadata, TritonAttentionMetadata)):
             # Called on its own (chapter 09 runs one layer by hand): plan for this call. Inside the model the
             # metadata arrives built, once per step, from LlamaModel.forward.
             meta = self.build_metadata(meta, key_cache, value_cache, q.shape[1], q.dtype)
         write, decode = hooks.plugged("reshape_and_cache"), hooks.plugged("paged_decode_attention")
-        if write is not None or decode is not None:   # a learner's own pieces (exercises 05 and 09)
+        if write is not None or decode is not None:  # a learner's own pieces (exercises 05 and 09)
             return self._with_parts(write, decode, q, k, v, key_cache, value_cache, meta, scale)
         if isinstance(meta, TorchAttentionMetadata):
             from ..kernels import torch_backend
 
+            assert meta.write_slots is not None  # build_metadata always sets it
             if meta.write_rows is None:
                 torch_backend.write_slots(k, v, key_cache, value_cache, meta.write_slots)
             else:
-                torch_backend.write_slots(k[meta.write_rows], v[meta.write_rows], key_cache, value_cache,
-                                          meta.write_slots)
+                torch_backend.write_slots(
+                    k[meta.write_rows], v[meta.write_rows], key_cache, value_cache, meta.write_slots
+                )
             return torch_backend.attend(meta.plan, q, key_cache, value_cache, scale)
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, checked=True)
         if meta.is_decode_only:
-            return self.ops.paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                                   scale, num_splits=meta.num_splits, checked=True)
-        return self.ops.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
-                                                meta.seq_lens, scale, max_query_len=meta.max_query_len,
-                                                checked=True)
+            return self.ops.paged_decode_attention(
+                q,
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                num_splits=meta.num_splits,
+                checked=True,
+            )
+        return self.ops.paged_prefill_attention(
+            q,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            scale,
+            max_query_len=meta.max_query_len,
+            checked=True,
+        )
 
-    def _with_parts(self, write: Any, decode: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+    def _with_parts(
+        self,
+        write: Any,
+        decode: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """The same step with a learner's scatter-write and/or decode attention in place of the backend's.
 
         Their signatures are the reference kernels' (``kernels.reference``), which stand in for whichever
@@ -149,7 +206,9 @@ class PagedAttention:
 
         (write or reference.reshape_and_cache)(k, v, key_cache, value_cache, meta.slot_mapping)
         if meta.is_decode_only:
-            return (decode or reference.paged_decode_attention)(q, key_cache, value_cache, meta.block_tables,
-                                                                meta.seq_lens, scale)
-        return reference.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
-                                                 meta.seq_lens, scale)
+            return (decode or reference.paged_decode_attention)(
+                q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale
+            )
+        return reference.paged_prefill_attention(
+            q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale
+        )

@@ -15,16 +15,22 @@ whole context back through the block table (``AttentionMetadata``).
 The module names mirror transformers' ``LlamaForCausalLM``, so its state dict
 (from the safetensors cache of ``minipaged.model_loader``) loads as it is.
 """
+
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention
+
+log = logging.getLogger("minipaged")
 
 
 def _rope_theta(config: Any) -> float:
@@ -53,31 +59,62 @@ class Linear(nn.Linear):
     ``add(x, y)`` is ``(x W^T) + y`` (a new tensor; ``y`` is left as it was). Each saves a
     pass over a [tokens, features] tensor: on a 2048-token prefill the MLP took 8 % less
     time here. The plain path computes the same with separate PyTorch ops.
+
+    The packed path rests on private ``torch.ops.mkldnn`` operators, so it is only ever an
+    optimisation: :func:`onednn_ops` checks them once against the plain path, and a packed
+    call that raises falls back to the plain path and turns the packed path off for that
+    weight dtype (see :func:`_packed_failed`).
     """
 
     _packed: tuple[int, int, torch.Tensor] | None = None  # (weight version, data pointer, packed weight)
 
-    def _packed_weight(self) -> torch.Tensor | None:
+    def _packed_weight(self, x: torch.Tensor) -> tuple[OneDNNOps, torch.Tensor] | None:
+        """The oneDNN operators and this weight packed for them, or None where the plain path must run.
+
+        ``x`` must match the weight's dtype and device: a mismatch is the caller's error, which the
+        plain path reports in PyTorch's words (and which must not turn the packed path off)."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or torch.is_grad_enabled() \
-                or not _ONEDNN:
+        if (
+            w.device.type != "cpu"
+            or w.dtype not in (torch.float32, torch.bfloat16)
+            or x.dtype != w.dtype
+            or x.device != w.device
+            or torch.is_grad_enabled()
+            or w.dtype in _ONEDNN_FAILED_DTYPES
+        ):
+            return None
+        ops = onednn_ops()
+        if ops is None:
             return None
         key = (w._version, w.data_ptr())
         if self._packed is None or self._packed[:2] != key:
-            self._packed = (*key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32))
-        return self._packed[2]
+            try:
+                packed = ops.reorder(w.detach(), 32)
+            except Exception as e:  # the op refused this weight: compute it the plain way, from now on
+                _packed_failed(w.dtype, "_reorder_linear_weight", e)
+                return None
+            self._packed = (*key, packed)
+        return ops, self._packed[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed_weight()
-        if packed is None:
-            return nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        found = self._packed_weight(x)
+        if found is not None:
+            ops, packed = found
+            try:
+                return ops.pointwise(x, packed, self.bias, "none", [], "")
+            except Exception as e:
+                _packed_failed(x.dtype, "_linear_pointwise", e)
+        return nn.functional.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed_weight()
-        if packed is None:
-            return nn.functional.silu(self(x))
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "swish", [], "")
+        found = self._packed_weight(x)
+        if found is not None:
+            ops, packed = found
+            try:
+                return ops.pointwise(x, packed, self.bias, "swish", [], "")
+            except Exception as e:
+                _packed_failed(x.dtype, "_linear_pointwise (swish)", e)
+        return nn.functional.silu(self(x))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         return self._binary(x, other, "mul")
@@ -86,16 +123,116 @@ class Linear(nn.Linear):
         return self._binary(x, other, "add")
 
     def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
-        packed = self._packed_weight()
-        if packed is None or other.dtype != x.dtype or other.shape != (*x.shape[:-1], self.out_features):
-            y = self(x)
-            return y * other if op == "mul" else y + other
-        return torch.ops.mkldnn._linear_pointwise.binary(x, other.contiguous(), packed, self.bias, op)
+        found = self._packed_weight(x)
+        if found is not None and other.dtype == x.dtype and other.shape == (*x.shape[:-1], self.out_features):
+            ops, packed = found
+            try:
+                return ops.binary(x, other.contiguous(), packed, self.bias, op)
+            except Exception as e:
+                _packed_failed(x.dtype, f"_linear_pointwise.binary ({op})", e)
+        y = self(x)  # also where the fused op cannot take `other` (shape, dtype): the GEMM, then the op
+        return y * other if op == "mul" else y + other
 
 
-# MINIPAGED_ONEDNN=0 turns the packed path off (the engine benchmark's ablation row).
-_ONEDNN = (os.environ.get("MINIPAGED_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
-           and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+@dataclass(frozen=True)
+class OneDNNOps:
+    """The three private oneDNN operators the packed path calls, as found and checked by :func:`probe_onednn`."""
+
+    reorder: Callable[..., torch.Tensor]  # _reorder_linear_weight(weight, batch_size_hint) -> packed weight
+    pointwise: Callable[..., torch.Tensor]  # _linear_pointwise(x, packed, bias, post_op, scalars, algorithm)
+    binary: Callable[..., torch.Tensor]  # _linear_pointwise.binary(x, other, packed, bias, "mul" | "add")
+
+
+_OPTED_OUT = "MINIPAGED_ONEDNN=0"
+_NO_ONEDNN = "this PyTorch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
+
+
+def _mkldnn_namespace() -> Any:
+    """``torch.ops.mkldnn``, looked up here only, so a test can hand the probe a namespace without the ops."""
+    return torch.ops.mkldnn
+
+
+def probe_onednn() -> tuple[OneDNNOps | None, str]:
+    """Find the packed path's operators and check them on a tiny fp32 GEMM: (ops, "") or (None, why not).
+
+    The operators are private (``torch.ops.mkldnn._*``): a PyTorch release may drop, rename or change
+    them. All three are looked up, then each post-op is run once against ``nn.functional.linear`` (plus
+    ``silu`` / ``*`` / ``+``); anything missing, raising or disagreeing leaves the packed path off, and
+    the plain path, which computes the same, runs instead. Uncached: :func:`onednn_ops` caches it.
+    """
+    if os.environ.get("MINIPAGED_ONEDNN", "1") == "0":  # the engine benchmark's ablation row
+        return None, _OPTED_OUT
+    if not torch.backends.mkldnn.is_available():
+        return None, _NO_ONEDNN
+    namespace = _mkldnn_namespace()
+    try:  # torch.ops raises AttributeError for an unknown op; any error means "not usable"
+        pointwise = namespace._linear_pointwise
+        ops = OneDNNOps(namespace._reorder_linear_weight, pointwise, pointwise.binary)
+    except Exception as e:
+        return None, f"an operator is missing ({type(e).__name__}: {e})"
+    # A generator of its own: the probe must not move the global RNG that seeded tests and sampling rely on.
+    # Device and dtype spelled out: a default set elsewhere (set_default_dtype, a device context) must not leak in.
+    g = torch.Generator().manual_seed(0)
+    x, other, w, b = (
+        torch.randn(*shape, generator=g, dtype=torch.float32, device="cpu")
+        for shape in ((3, 16), (3, 8), (8, 16), (8,))
+    )
+    with torch.no_grad():
+        y = nn.functional.linear(x, w, b)
+        expected = {"none": y, "swish": nn.functional.silu(y), "mul": y * other, "add": y + other}
+        try:
+            packed = ops.reorder(w, 32)
+            got = {
+                "none": ops.pointwise(x, packed, b, "none", [], ""),
+                "swish": ops.pointwise(x, packed, b, "swish", [], ""),
+                "mul": ops.binary(x, other, packed, b, "mul"),
+                "add": ops.binary(x, other, packed, b, "add"),
+            }
+        except Exception as e:
+            return None, f"an operator raised on a tiny fp32 GEMM ({type(e).__name__}: {e})"
+    for name, want in expected.items():
+        out = got[name]
+        if not isinstance(out, torch.Tensor) or out.shape != want.shape or out.dtype != want.dtype:
+            return None, f"post-op {name!r} returned {type(out).__name__} {getattr(out, 'shape', '')}, not {want.shape}"
+        if not torch.allclose(out, want, atol=1e-4, rtol=1e-4):
+            err = float((out - want).abs().max())
+            return None, f"post-op {name!r} disagrees with the plain path (max abs difference {err:.3g})"
+    return ops, ""
+
+
+# The probe's result, computed on first use: _ONEDNN is None until then (not yet known, not "off").
+_ONEDNN: bool | None = None
+_ONEDNN_OPS: OneDNNOps | None = None
+# Weight dtypes on which a packed call raised at run time: those run the plain path from then on.
+_ONEDNN_FAILED_DTYPES: set[torch.dtype] = set()
+
+
+def onednn_ops() -> OneDNNOps | None:
+    """The checked oneDNN operators, or None when the packed path is off; probes once, logs why once."""
+    global _ONEDNN, _ONEDNN_OPS
+    if _ONEDNN is None:
+        _ONEDNN_OPS, why = probe_onednn()
+        _ONEDNN = _ONEDNN_OPS is not None
+        if why:  # asked for, or a build without oneDNN: a note; the ops gone or wrong: a warning
+            level = logging.INFO if why in (_OPTED_OUT, _NO_ONEDNN) else logging.WARNING
+            log.log(level, "minipaged: oneDNN packed linear off (%s); Linear runs PyTorch's default GEMM", why)
+    return _ONEDNN_OPS
+
+
+def _packed_failed(dtype: torch.dtype, op: str, exc: BaseException) -> None:
+    """A packed call raised after the probe passed (a dtype or shape the op does not take): off for ``dtype``.
+
+    Off for that dtype only, not everywhere: the probe proved fp32, and a CPU may lack, say, the bf16
+    kernels. One log line, then every Linear of that dtype takes the plain path."""
+    if dtype not in _ONEDNN_FAILED_DTYPES:
+        _ONEDNN_FAILED_DTYPES.add(dtype)
+        log.warning(
+            "minipaged: oneDNN packed linear off for %s (%s raised %s: %s); Linear runs PyTorch's default GEMM",
+            str(dtype).replace("torch.", ""),
+            op,
+            type(exc).__name__,
+            exc,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -121,6 +258,8 @@ class RotaryEmbedding(nn.Module):
     queries sit.
     """
 
+    inv_freq: torch.Tensor  # a buffer: typed here, or mypy sees register_buffer's Tensor | Module
+
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -132,7 +271,7 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -154,9 +293,15 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.attention = attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention's output, plus ``residual`` when given (added by o_proj's GEMM: ``Linear.add``)."""
         n = x.shape[0]
         q = RotaryEmbedding.apply(self.q_proj(x).reshape(n, self.num_heads, self.head_dim), cos, sin)
@@ -191,8 +336,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
@@ -208,8 +359,13 @@ class LlamaModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Embed, run every decoder layer on its own layer of the paged cache, normalise: hidden states.
 
         The step's attention metadata is checked and planned once, here, for every layer."""
@@ -248,18 +404,28 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def head_dim(self) -> int:
-        return self.model.layers[0].self_attn.head_dim
+        return cast(LlamaDecoderLayer, self.model.layers[0]).self_attn.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", backend: str = "torch") -> "LlamaForCausalLM":
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        backend: str = "torch",
+    ) -> LlamaForCausalLM:
         """Build from a transformers Llama folder (config.json + safetensors), e.g. the SmolLM2 cache."""
         from safetensors.torch import load_file
         from transformers import AutoConfig

@@ -4,12 +4,28 @@
 legend off the plot, distinct legend names, round ticks on a second y axis; ``contrast_ratio``), which the
 tests assert on each figure.
 """
-from .kv_widgets import KVCalculator, KVGrowthView  # chapter 01
+
+from .batching_viz import (  # chapters 06-08
+    BatchingPlayer,
+    BatchingTimeline,
+    PrefixSharingView,
+    batch_and_latency_figure,
+    watermark_sweep_figure,
+)
 from .block_viz import BlockPoolGrid, BlockTableView, ContiguousVsPaged  # chapters 02-04
 from .kernel_viz import PagedReadView  # chapter 05
-from .batching_viz import (BatchingPlayer, BatchingTimeline, PrefixSharingView,  # chapters 06-08
-                           batch_and_latency_figure, watermark_sweep_figure)
+from .kv_widgets import KVCalculator, KVGrowthView  # chapter 01
 
-__all__ = ["KVCalculator", "KVGrowthView", "BlockPoolGrid", "BlockTableView", "ContiguousVsPaged",
-           "PagedReadView", "BatchingPlayer", "BatchingTimeline", "PrefixSharingView", "batch_and_latency_figure",
-           "watermark_sweep_figure"]
+__all__ = [
+    "BatchingPlayer",
+    "BatchingTimeline",
+    "BlockPoolGrid",
+    "BlockTableView",
+    "ContiguousVsPaged",
+    "KVCalculator",
+    "KVGrowthView",
+    "PagedReadView",
+    "PrefixSharingView",
+    "batch_and_latency_figure",
+    "watermark_sweep_figure",
+]

@@ -12,6 +12,7 @@ tests can drive the controls from Python and check what a learner would see::
     BlockTableView(tables, 16)        logical blocks -> physical blocks as arrows;
                                       pick a position and follow resolve() to its slot
 """
+
 from __future__ import annotations
 
 import html
@@ -26,17 +27,17 @@ from ..block_pool import BlockPool, KVCacheBlock
 from ..block_table import BlockTable
 from ..contiguous import TraceResult, contiguous_layouts, reservation_size, simulate_trace
 from ..kv_cache_manager import KVCacheManager
+from ..utils import cdiv
 from ..workloads import Trace
 from .kv_widgets import BLOCK_COLORS
 from .layout import label_style, legend_right, text_color
-from ..utils import cdiv
 
 FREE_COLOR = "#e6e6e6"
 CACHED_FREE_COLOR = "#b9dcb4"  # free, but still holding a cached prefix block
 NULL_COLOR = "#303030"
 SHARED_COLOR = "#8c564b"
 UNUSED_COLOR = "#f4a3b4"  # pink: reserved (or allocated) but holding no token (yet, or ever)
-HOLE_COLOR = "#d62728"    # red: free, but in a hole too small for the request waiting: external fragmentation
+HOLE_COLOR = "#d62728"  # red: free, but in a hole too small for the request waiting: external fragmentation
 # Owners: chapter 01's block colours, then four more; every pair and every status colour above stays apart
 # (CIELAB ΔE >= 30), so two requests never look alike. Text on them is black or white (``text_color``).
 OWNER_COLORS = BLOCK_COLORS + ["#d6278f", "#6a3d9a", "#7f7f00", "#fdd0a2"]
@@ -88,14 +89,20 @@ class BlockPoolGrid:
         columns: squares per row.
     """
 
-    def __init__(self, source: BlockPool | KVCacheManager,
-                 owners: Mapping[str, Sequence[KVCacheBlock]] | None = None,
-                 tokens: Mapping[str, Any] | None = None, block_size: int | None = None,
-                 columns: int = 16, title: str = "block pool", label: str = "start") -> None:
+    def __init__(
+        self,
+        source: BlockPool | KVCacheManager,
+        owners: Mapping[str, Sequence[KVCacheBlock]] | None = None,
+        tokens: Mapping[str, Any] | None = None,
+        block_size: int | None = None,
+        columns: int = 16,
+        title: str = "block pool",
+        label: str = "start",
+    ) -> None:
         if isinstance(source, KVCacheManager):
             self.pool = source.block_pool
             self._owners = source.req_to_blocks if owners is None else owners
-            self.block_size = source.block_size if block_size is None else block_size
+            self.block_size: int | None = source.block_size if block_size is None else block_size
         elif isinstance(source, BlockPool):
             self.pool, self._owners, self.block_size = source, owners if owners is not None else {}, block_size
         else:
@@ -110,14 +117,28 @@ class BlockPoolGrid:
         self.summary: dict[str, Any] = {}
         self.label = ""
         rows = cdiv(self.pool.num_blocks, columns)
-        self.figure = go.FigureWidget(layout=dict(
-            title=title, height=90 + 42 * rows, width=max(320, 46 * columns + 160),
-            margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white", hovermode="closest",
-            xaxis=dict(visible=False, range=[-0.6, columns - 0.4]),
-            yaxis=dict(visible=False, range=[-rows + 0.4, 0.6]),
-            legend=legend_right()))
-        self.step = W.IntSlider(value=0, min=0, max=0, description="snapshot", continuous_update=True,
-                                style=label_style("snapshot"), layout=W.Layout(width="520px"))
+        self.figure = go.FigureWidget(
+            layout=dict(
+                title=title,
+                height=90 + 42 * rows,
+                width=max(320, 46 * columns + 160),
+                margin=dict(l=10, r=10, t=40, b=10),
+                plot_bgcolor="white",
+                hovermode="closest",
+                xaxis=dict(visible=False, range=[-0.6, columns - 0.4]),
+                yaxis=dict(visible=False, range=[-rows + 0.4, 0.6]),
+                legend=legend_right(),
+            )
+        )
+        self.step = W.IntSlider(
+            value=0,
+            min=0,
+            max=0,
+            description="snapshot",
+            continuous_update=True,
+            style=label_style("snapshot"),
+            layout=W.Layout(width="520px"),
+        )
         self.caption = W.HTML()
         self.step.observe(lambda _change: self._show(self.step.value), names="value")
         self.refresh(label)
@@ -153,20 +174,38 @@ class BlockPoolGrid:
                 first = logical * bs
                 n = _token_count(self._tokens[rid]) if rid in self._tokens else None
                 filled = bs if n is None else max(0, min(bs, n - first))
-                rng = ("none yet" if not filled else f"token {first}" if filled == 1
-                       else f"tokens {first}–{first + filled - 1}")
+                rng = (
+                    "none yet"
+                    if not filled
+                    else f"token {first}"
+                    if filled == 1
+                    else f"tokens {first}–{first + filled - 1}"
+                )
                 token_text.append(f"{rid}: logical block {logical}, {rng} ({filled}/{bs} slots)")
-            cell = dict(block_id=block.block_id, status=status, owners=[rid for rid, _ in who],
-                        logical=[lg for _, lg in who], ref_cnt=block.ref_cnt, hash=h,
-                        free_queue_position=queue_pos.get(block.block_id), tokens=token_text, color=color)
+            cell = dict(
+                block_id=block.block_id,
+                status=status,
+                owners=[rid for rid, _ in who],
+                logical=[lg for _, lg in who],
+                ref_cnt=block.ref_cnt,
+                hash=h,
+                free_queue_position=queue_pos.get(block.block_id),
+                tokens=token_text,
+                color=color,
+            )
             cell["hover"] = self._hover(cell)
             cells.append(cell)
         usable = pool.num_blocks - 1
-        summary = dict(num_blocks=pool.num_blocks, usable=usable, free=pool.get_num_free_blocks(),
-                       in_use=usable - pool.get_num_free_blocks(), usage=pool.get_usage(),
-                       cached_free=sum(c["status"] == "free, cached" for c in cells),
-                       free_queue=free_order,
-                       block_tables={rid: [b.block_id for b in blocks] for rid, blocks in self._owners.items()})
+        summary = dict(
+            num_blocks=pool.num_blocks,
+            usable=usable,
+            free=pool.get_num_free_blocks(),
+            in_use=usable - pool.get_num_free_blocks(),
+            usage=pool.get_usage(),
+            cached_free=sum(c["status"] == "free, cached" for c in cells),
+            free_queue=free_order,
+            block_tables={rid: [b.block_id for b in blocks] for rid, blocks in self._owners.items()},
+        )
         return dict(label=label, cells=cells, summary=summary)
 
     @staticmethod
@@ -204,17 +243,25 @@ class BlockPoolGrid:
             self.figure.data = []
             for name, cs in groups.items():
                 self.figure.add_scatter(
-                    x=[c["block_id"] % self.columns for c in cs], y=[-(c["block_id"] // self.columns) for c in cs],
-                    mode="markers+text", name=name, text=[str(c["block_id"]) for c in cs],
+                    x=[c["block_id"] % self.columns for c in cs],
+                    y=[-(c["block_id"] // self.columns) for c in cs],
+                    mode="markers+text",
+                    name=name,
+                    text=[str(c["block_id"]) for c in cs],
                     textfont=dict(color=[text_color(c["color"]) for c in cs], size=11),
-                    marker=dict(symbol="square", size=36, color=[c["color"] for c in cs],
-                                line=dict(color="#999", width=1)),
-                    hovertext=[c["hover"] for c in cs], hoverinfo="text")
+                    marker=dict(
+                        symbol="square", size=36, color=[c["color"] for c in cs], line=dict(color="#999", width=1)
+                    ),
+                    hovertext=[c["hover"] for c in cs],
+                    hoverinfo="text",
+                )
         s = self.summary
         tables = " · ".join(f"<b>{html.escape(r)}</b> → {ids}" for r, ids in s["block_tables"].items()) or "none"
-        self.caption.value = (f"<b>{html.escape(self.label)}</b> — {s['in_use']} of {s['usable']} usable blocks in "
-                              f"use ({s['usage']:.0%}), {s['free']} free ({s['cached_free']} still cached)<br>"
-                              f"block tables: {tables}<br>free queue (front → back): {s['free_queue']}")
+        self.caption.value = (
+            f"<b>{html.escape(self.label)}</b> — {s['in_use']} of {s['usable']} usable blocks in "
+            f"use ({s['usage']:.0%}), {s['free']} free ({s['cached_free']} still cached)<br>"
+            f"block tables: {tables}<br>free queue (front → back): {s['free_queue']}"
+        )
 
     @property
     def widget(self) -> W.Widget:
@@ -240,28 +287,59 @@ class ContiguousVsPaged:
     paper's split (section 3.1).
     """
 
-    def __init__(self, trace: Trace, num_slots: int, max_model_len: int = 2048, policy: str = "max",
-                 block_size: int = 16, step: int = 0) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        num_slots: int,
+        max_model_len: int = 2048,
+        policy: str = "max",
+        block_size: int = 16,
+        step: int = 0,
+    ) -> None:
         self.trace, self.num_slots, self.max_model_len = trace, num_slots, max_model_len
         self.block_size = block_size
         style = label_style("reserve", "step")
-        self.policy = W.Dropdown(options=["max", "pow2", "exact"], value=policy, description="reserve", style=style,
-                                 layout=W.Layout(width="200px"))
-        self.step = W.IntSlider(value=0, min=0, max=0, description="step", continuous_update=False, style=style,
-                                layout=W.Layout(width="620px"))
+        self.policy = W.Dropdown(
+            options=["max", "pow2", "exact"],
+            value=policy,
+            description="reserve",
+            style=style,
+            layout=W.Layout(width="200px"),
+        )
+        self.step = W.IntSlider(
+            value=0,
+            min=0,
+            max=0,
+            description="step",
+            continuous_update=False,
+            style=style,
+            layout=W.Layout(width="620px"),
+        )
         self.play = W.Play(value=0, min=0, max=0, interval=150)
         W.jslink((self.play, "value"), (self.step, "value"))
         self.caption = W.HTML()
         # Both figures keep their legend in the right margin, so their plots line up and nothing covers a bar
         # or a curve; plotly widens the margin to fit it.
-        self.memory = go.FigureWidget(layout=dict(
-            height=230, barmode="overlay", margin=dict(l=130, r=20, t=40, b=50), showlegend=True,
-            xaxis=dict(title="token slots (position in the arena)", range=[0, num_slots]),
-            yaxis=dict(title="allocator", automargin=True), legend=legend_right()))
-        self.timeline = go.FigureWidget(layout=dict(
-            height=260, margin=dict(l=130, r=20, t=30, b=50), xaxis_title="step",
-            yaxis=dict(title="utilisation (live / slots)", tickformat=".0%", range=[0, 1.02], dtick=0.25),
-            legend=legend_right()))
+        self.memory = go.FigureWidget(
+            layout=dict(
+                height=230,
+                barmode="overlay",
+                margin=dict(l=130, r=20, t=40, b=50),
+                showlegend=True,
+                xaxis=dict(title="token slots (position in the arena)", range=[0, num_slots]),
+                yaxis=dict(title="allocator", automargin=True),
+                legend=legend_right(),
+            )
+        )
+        self.timeline = go.FigureWidget(
+            layout=dict(
+                height=260,
+                margin=dict(l=130, r=20, t=30, b=50),
+                xaxis_title="step",
+                yaxis=dict(title="utilisation (live / slots)", tickformat=".0%", range=[0, 1.02], dtick=0.25),
+                legend=legend_right(),
+            )
+        )
         self.state: dict[str, Any] = {}
         self.layout: dict[str, Any] = {}
         self.policy.observe(lambda _change: self._simulate(), names="value")
@@ -271,16 +349,18 @@ class ContiguousVsPaged:
     def _simulate(self, step: int | None = None) -> None:
         policy = self.policy.value
         self.contiguous = simulate_trace(self.trace, self.num_slots, "contiguous", self.max_model_len, policy)
-        self.paged = simulate_trace(self.trace, self.num_slots, "paged", self.max_model_len,
-                                    block_size=self.block_size)
+        self.paged = simulate_trace(self.trace, self.num_slots, "paged", self.max_model_len, block_size=self.block_size)
         self.layouts = contiguous_layouts(self.trace, self.contiguous, self.max_model_len, policy)
         last = int(max(self.contiguous.step[-1], self.paged.step[-1]))
         with self.timeline.batch_update():
             self.timeline.data = []
-            for name, res, color in (("contiguous", self.contiguous, BLOCK_COLORS[1]),
-                                     ("paged", self.paged, BLOCK_COLORS[0])):
-                self.timeline.add_scatter(x=res.step, y=res.utilisation, name=name,
-                                          mode="lines", line=dict(color=color))
+            for name, res, color in (
+                ("contiguous", self.contiguous, BLOCK_COLORS[1]),
+                ("paged", self.paged, BLOCK_COLORS[0]),
+            ):
+                self.timeline.add_scatter(
+                    x=res.step, y=res.utilisation, name=name, mode="lines", line=dict(color=color)
+                )
         self.step.max = self.play.max = last
         target = self.step.value if step is None else step
         target = min(max(target, 0), last)
@@ -298,81 +378,156 @@ class ContiguousVsPaged:
         i = self._row(res, t)
         done = int(res.step[-1]) < t
         if i is None:
-            return dict(active=False, finished=done, live=0, internal=0, reservation=0, internal_fragmentation=0,
-                        external=0, free=self.num_slots, utilisation=0.0, running=0, waiting=0,
-                        refusals_so_far=int(res.refused[res.step <= t].sum()))
-        return dict(active=True, finished=False, live=int(res.live_tokens[i]), internal=int(res.internal_waste[i]),
-                    reservation=int(res.reservation[i]), internal_fragmentation=int(res.internal_fragmentation[i]),
-                    external=int(res.external_waste[i]), free=int(res.free_slots[i]),
-                    utilisation=float(res.utilisation[i]), running=int(res.num_running[i]),
-                    waiting=int(res.num_waiting[i]), refusals_so_far=int(res.refused[: i + 1].sum()))
+            return dict(
+                active=False,
+                finished=done,
+                live=0,
+                internal=0,
+                reservation=0,
+                internal_fragmentation=0,
+                external=0,
+                free=self.num_slots,
+                utilisation=0.0,
+                running=0,
+                waiting=0,
+                refusals_so_far=int(res.refused[res.step <= t].sum()),
+            )
+        return dict(
+            active=True,
+            finished=False,
+            live=int(res.live_tokens[i]),
+            internal=int(res.internal_waste[i]),
+            reservation=int(res.reservation[i]),
+            internal_fragmentation=int(res.internal_fragmentation[i]),
+            external=int(res.external_waste[i]),
+            free=int(res.free_slots[i]),
+            utilisation=float(res.utilisation[i]),
+            running=int(res.num_running[i]),
+            waiting=int(res.num_waiting[i]),
+            refusals_so_far=int(res.refused[: i + 1].sum()),
+        )
 
     def update(self) -> None:
         t = self.step.value
-        self.state = dict(step=t, policy=self.policy.value, contiguous=self._numbers(self.contiguous, t),
-                          paged=self._numbers(self.paged, t))
+        self.state = dict(
+            step=t,
+            policy=self.policy.value,
+            contiguous=self._numbers(self.contiguous, t),
+            paged=self._numbers(self.paged, t),
+        )
         i = self._row(self.contiguous, t)
-        self.layout = self.layouts[i] if i is not None else dict(step=t, reservations=[],
-                                                                 free_extents=[(0, self.num_slots)],
-                                                                 waiting_head=None)
+        self.layout = (
+            self.layouts[i]
+            if i is not None
+            else dict(step=t, reservations=[], free_extents=[(0, self.num_slots)], waiting_head=None)
+        )
         self._draw()
 
     def _draw(self) -> None:
         t, lay, st = self.step.value, self.layout, self.state
         c_name, p_name = f"contiguous ({self.policy.value})", f"paged (block {self.block_size})"
         head = lay["waiting_head"]
-        head_size = (reservation_size(next(r for r in self.trace if r.req_id == head), self.policy.value,
-                                      self.max_model_len) if head else None)
+        head_size = (
+            reservation_size(next(r for r in self.trace if r.req_id == head), self.policy.value, self.max_model_len)
+            if head
+            else None
+        )
         never = "reserved, never used"
-        bars: dict[str, dict[str, list]] = {k: dict(x=[], base=[], y=[], text=[]) for k in
-                                            ("live", "reserved, empty", never, "free hole (too small)", "free")}
+        bars: dict[str, dict[str, list]] = {
+            k: dict(x=[], base=[], y=[], text=[])
+            for k in ("live", "reserved, empty", never, "free hole (too small)", "free")
+        }
         final = {r.req_id: r.total_len for r in self.trace}
 
         def add(kind: str, start: int, length: int, row: str, text: str) -> None:
             if length > 0:
                 b = bars[kind]
-                b["x"].append(length), b["base"].append(start), b["y"].append(row), b["text"].append(text)
+                b["x"].append(length)
+                b["base"].append(start)
+                b["y"].append(row)
+                b["text"].append(text)
 
         for rid, start, length, live in lay["reservations"]:
             end = min(length, final[rid])  # the request will fill its reservation up to here
             add("live", start, live, c_name, f"{rid}: {live} tokens")
-            add("reserved, empty", start + live, end - live, c_name,
-                f"{rid}: {end - live} slots reserved for tokens still to come")
-            add(never, start + end, length - end, c_name,
-                f"{rid}: {length - end} slots past its final length ({final[rid]}): never used")
+            add(
+                "reserved, empty",
+                start + live,
+                end - live,
+                c_name,
+                f"{rid}: {end - live} slots reserved for tokens still to come",
+            )
+            add(
+                never,
+                start + end,
+                length - end,
+                c_name,
+                f"{rid}: {length - end} slots past its final length ({final[rid]}): never used",
+            )
         for start, length in lay["free_extents"]:
             small = head_size is not None and length < head_size
-            add("free hole (too small)" if small else "free", start, length, c_name,
-                f"hole of {length} slots" + (f" < {head} needs {head_size}" if small else ""))
+            add(
+                "free hole (too small)" if small else "free",
+                start,
+                length,
+                c_name,
+                f"hole of {length} slots" + (f" < {head} needs {head_size}" if small else ""),
+            )
         p = st["paged"]
         add("live", 0, p["live"], p_name, f"{p['live']} live tokens in {p['running']} requests")
-        add("reserved, empty", p["live"], p["reservation"], p_name,
-            f"{p['reservation']} empty slots in last blocks, for tokens still to come")
-        add(never, p["live"] + p["reservation"], p["internal_fragmentation"], p_name,
-            f"{p['internal_fragmentation']} slots in last blocks past their request's end")
+        add(
+            "reserved, empty",
+            p["live"],
+            p["reservation"],
+            p_name,
+            f"{p['reservation']} empty slots in last blocks, for tokens still to come",
+        )
+        add(
+            never,
+            p["live"] + p["reservation"],
+            p["internal_fragmentation"],
+            p_name,
+            f"{p['internal_fragmentation']} slots in last blocks past their request's end",
+        )
         add("free", p["live"] + p["internal"], p["free"], p_name, f"{p['free']} free slots")
-        colors = {"live": BLOCK_COLORS[0], "reserved, empty": UNUSED_COLOR, never: UNUSED_COLOR,
-                  "free hole (too small)": HOLE_COLOR, "free": FREE_COLOR}
+        colors = {
+            "live": BLOCK_COLORS[0],
+            "reserved, empty": UNUSED_COLOR,
+            never: UNUSED_COLOR,
+            "free hole (too small)": HOLE_COLOR,
+            "free": FREE_COLOR,
+        }
         with self.memory.batch_update():
             self.memory.data = []
             for kind, b in bars.items():
                 marker = dict(color=colors[kind], line=dict(color="white", width=1))
                 if kind == never:  # the same pink, hatched: empty like the reservation, but for good
                     marker["pattern"] = dict(shape="/", fgcolor=HOLE_COLOR, solidity=0.3)
-                self.memory.add_bar(x=b["x"], base=b["base"], y=b["y"], orientation="h", name=kind,
-                                    marker=marker, hovertext=b["text"], hoverinfo="text")
+                self.memory.add_bar(
+                    x=b["x"],
+                    base=b["base"],
+                    y=b["y"],
+                    orientation="h",
+                    name=kind,
+                    marker=marker,
+                    hovertext=b["text"],
+                    hoverinfo="text",
+                )
             self.memory.layout.title = f"memory at step {t}"
             self.memory.layout.yaxis.update(categoryorder="array", categoryarray=[p_name, c_name])
-        self.timeline.layout.shapes = [dict(type="line", x0=t, x1=t, y0=0, y1=1, yref="paper",
-                                            line=dict(dash="dot", color="gray"))]
+        self.timeline.layout.shapes = [
+            dict(type="line", x0=t, x1=t, y0=0, y1=1, yref="paper", line=dict(dash="dot", color="gray"))
+        ]
 
         def fmt(name: str, n: dict[str, Any]) -> str:
             if not n["active"]:
                 return f"<b>{name}</b>: " + ("all requests finished" if n["finished"] else "idle this step")
-            return (f"<b>{name}</b>: {n['running']} running, {n['waiting']} waiting · utilisation "
-                    f"{n['utilisation']:.1%} · reserved for tokens to come {n['reservation']:,} · internal "
-                    f"fragmentation {n['internal_fragmentation']:,} · external {n['external']:,} · free "
-                    f"{n['free']:,} slots · refusals so far {n['refusals_so_far']}")
+            return (
+                f"<b>{name}</b>: {n['running']} running, {n['waiting']} waiting · utilisation "
+                f"{n['utilisation']:.1%} · reserved for tokens to come {n['reservation']:,} · internal "
+                f"fragmentation {n['internal_fragmentation']:,} · external {n['external']:,} · free "
+                f"{n['free']:,} slots · refusals so far {n['refusals_so_far']}"
+            )
 
         self.caption.value = fmt(c_name, st["contiguous"]) + "<br>" + fmt(p_name, st["paged"])
 
@@ -399,9 +554,16 @@ class BlockTableView:
         num_tokens: request id -> tokens written (default: whole blocks).
     """
 
-    def __init__(self, tables: Mapping[str, BlockTable | Sequence[int]], block_size: int,
-                 num_blocks: int | None = None, num_tokens: Mapping[str, int] | None = None,
-                 request: str | None = None, position: int = 0, title: str = "block tables") -> None:
+    def __init__(
+        self,
+        tables: Mapping[str, BlockTable | Sequence[int]],
+        block_size: int,
+        num_blocks: int | None = None,
+        num_tokens: Mapping[str, int] | None = None,
+        request: str | None = None,
+        position: int = 0,
+        title: str = "block tables",
+    ) -> None:
         if not tables:
             raise ValueError("BlockTableView needs at least one block table")
         num_tokens = dict(num_tokens or {})
@@ -419,16 +581,25 @@ class BlockTableView:
         for rid in self.tables:
             self.colors(rid)
         style = label_style("request", "position")
-        self.request = W.Dropdown(options=list(self.tables), value=request or next(iter(self.tables)),
-                                  description="request", style=style)
-        self.position = W.IntSlider(value=0, min=0, max=0, description="position", continuous_update=True,
-                                    style=style)
+        self.request = W.Dropdown(
+            options=list(self.tables), value=request or next(iter(self.tables)), description="request", style=style
+        )
+        self.position = W.IntSlider(value=0, min=0, max=0, description="position", continuous_update=True, style=style)
         self.caption = W.HTML()
         rows = max(self.num_blocks, sum(len(t) + 1 for t in self.tables.values()))
-        self.figure = go.FigureWidget(layout=dict(
-            title=title, height=70 + 26 * rows, width=560, margin=dict(l=10, r=10, t=40, b=10),
-            plot_bgcolor="white", showlegend=False, hovermode="closest",
-            xaxis=dict(visible=False, range=[-0.75, 1.75]), yaxis=dict(visible=False, range=[-rows, 1])))
+        self.figure = go.FigureWidget(
+            layout=dict(
+                title=title,
+                height=70 + 26 * rows,
+                width=560,
+                margin=dict(l=10, r=10, t=40, b=10),
+                plot_bgcolor="white",
+                showlegend=False,
+                hovermode="closest",
+                xaxis=dict(visible=False, range=[-0.75, 1.75]),
+                yaxis=dict(visible=False, range=[-rows, 1]),
+            )
+        )
         self.arrows: list[dict[str, Any]] = []
         self.resolved: dict[str, Any] = {}
         self._draw_static()
@@ -437,8 +608,9 @@ class BlockTableView:
         self._on_request(position)
 
     @classmethod
-    def from_manager(cls, manager: KVCacheManager, num_tokens: Mapping[str, Any] | None = None,
-                     **kwargs: Any) -> BlockTableView:
+    def from_manager(
+        cls, manager: KVCacheManager, num_tokens: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> BlockTableView:
         """The block tables a ``KVCacheManager`` holds now (``num_tokens``: ints or ``Request`` objects)."""
         tables = {rid: manager.get_block_ids(rid) for rid in manager.req_to_blocks}
         counts = {rid: _token_count(v) for rid, v in (num_tokens or {}).items()}
@@ -460,34 +632,59 @@ class BlockTableView:
         lx, ly, ltext, lcol, lhover = [], [], [], [], []
         for (rid, i), y in self._ly.items():
             t = self.tables[rid]
+            assert t.num_tokens is not None  # every table of the view is built with its token count
             first, last = i * bs, min((i + 1) * bs, t.num_tokens) - 1
-            lx.append(0), ly.append(y), lcol.append(self.colors(rid))
+            lx.append(0)
+            ly.append(y)
+            lcol.append(self.colors(rid))
             ltext.append(f"{rid}[{i}]")
             lhover.append(f"{rid}, logical block {i}: tokens {first}–{last} → physical {t.block_ids[i]}")
         px, py, ptext, pcol, phover = [], [], [], [], []
         for b in range(self.num_blocks):
-            px.append(1), py.append(-b), ptext.append(f"#{b}")
+            px.append(1)
+            py.append(-b)
+            ptext.append(f"#{b}")
             if b == 0:
-                pcol.append(NULL_COLOR), phover.append("block 0: the null block")
+                pcol.append(NULL_COLOR)
+                phover.append("block 0: the null block")
             elif b in owner:
-                pcol.append(self.colors(owner[b])), phover.append(f"block {b}: {owner[b]}")
+                pcol.append(self.colors(owner[b]))
+                phover.append(f"block {b}: {owner[b]}")
             else:
-                pcol.append(FREE_COLOR), phover.append(f"block {b}: free")
-        self.arrows = [dict(request=rid, logical=i, physical=self.tables[rid].block_ids[i], highlighted=False)
-                       for (rid, i) in self._ly]
+                pcol.append(FREE_COLOR)
+                phover.append(f"block {b}: free")
+        self.arrows = [
+            dict(request=rid, logical=i, physical=self.tables[rid].block_ids[i], highlighted=False)
+            for (rid, i) in self._ly
+        ]
         with self.figure.batch_update():
             self.figure.data = []
-            self.figure.add_scatter(x=lx, y=ly, mode="markers+text", text=ltext, hovertext=lhover,
-                                    hoverinfo="text", textfont=dict(color=[text_color(c) for c in lcol]),
-                                    name="logical",
-                                    marker=dict(symbol="square", size=30, color=lcol))
-            self.figure.add_scatter(x=px, y=py, mode="markers+text", text=ptext, hovertext=phover,
-                                    hoverinfo="text", name="physical",
-                                    textfont=dict(color=[text_color(c) for c in pcol]),
-                                    marker=dict(symbol="square", size=26, color=pcol))
+            self.figure.add_scatter(
+                x=lx,
+                y=ly,
+                mode="markers+text",
+                text=ltext,
+                hovertext=lhover,
+                hoverinfo="text",
+                textfont=dict(color=[text_color(c) for c in lcol]),
+                name="logical",
+                marker=dict(symbol="square", size=30, color=lcol),
+            )
+            self.figure.add_scatter(
+                x=px,
+                y=py,
+                mode="markers+text",
+                text=ptext,
+                hovertext=phover,
+                hoverinfo="text",
+                name="physical",
+                textfont=dict(color=[text_color(c) for c in pcol]),
+                marker=dict(symbol="square", size=26, color=pcol),
+            )
 
     def _on_request(self, position: int | None = None) -> None:
         t = self.tables[self.request.value]
+        assert t.num_tokens is not None  # every table of the view is built with its token count
         self.position.max = max(t.num_tokens - 1, 0)
         target = self.position.value if position is None else position
         target = min(max(target, 0), self.position.max)
@@ -504,21 +701,42 @@ class BlockTableView:
             self.caption.value = f"<b>{html.escape(rid)}</b> holds no tokens yet"
         else:
             block, offset = t.resolve(pos)
-            self.resolved = dict(request=rid, position=pos, logical_block=pos // self.block_size, offset=offset,
-                                 block=block, slot=t.slot(pos))
+            self.resolved = dict(
+                request=rid,
+                position=pos,
+                logical_block=pos // self.block_size,
+                offset=offset,
+                block=block,
+                slot=t.slot(pos),
+            )
             r = self.resolved
-            self.caption.value = (f"<b>{html.escape(rid)}</b>, position {pos} → logical block {r['logical_block']}, "
-                                  f"offset {offset} → physical block {block} → slot {block} · {self.block_size} + "
-                                  f"{offset} = <b>{r['slot']}</b>")
+            self.caption.value = (
+                f"<b>{html.escape(rid)}</b>, position {pos} → logical block {r['logical_block']}, "
+                f"offset {offset} → physical block {block} → slot {block} · {self.block_size} + "
+                f"{offset} = <b>{r['slot']}</b>"
+            )
         annotations = []
         for a in self.arrows:
-            a["highlighted"] = (a["request"] == rid and a["logical"] == self.resolved.get("logical_block"))
-            annotations.append(dict(
-                x=0.93, y=-a["physical"], ax=0.07, ay=self._ly[(a["request"], a["logical"])], xref="x", yref="y",
-                axref="x", ayref="y", showarrow=True, arrowhead=2, arrowsize=1,
-                arrowwidth=3.5 if a["highlighted"] else 1.2,
-                arrowcolor="#d62728" if a["highlighted"] else self.colors(a["request"]),
-                opacity=1.0 if a["highlighted"] else 0.6, text=""))
+            a["highlighted"] = a["request"] == rid and a["logical"] == self.resolved.get("logical_block")
+            annotations.append(
+                dict(
+                    x=0.93,
+                    y=-a["physical"],
+                    ax=0.07,
+                    ay=self._ly[(a["request"], a["logical"])],
+                    xref="x",
+                    yref="y",
+                    axref="x",
+                    ayref="y",
+                    showarrow=True,
+                    arrowhead=2,
+                    arrowsize=1,
+                    arrowwidth=3.5 if a["highlighted"] else 1.2,
+                    arrowcolor="#d62728" if a["highlighted"] else self.colors(a["request"]),
+                    opacity=1.0 if a["highlighted"] else 0.6,
+                    text="",
+                )
+            )
         with self.figure.batch_update():
             self.figure.layout.annotations = annotations
 
@@ -546,8 +764,12 @@ def memory_growth_figure(curve: Mapping[str, Any], block_size: int | None = None
     contiguous, paged = np.asarray(curve["contiguous_bytes"]) / MiB, np.asarray(curve["paged_bytes"]) / MiB
     fig, ax = plt.subplots(figsize=figsize)
     ax.plot(g, contiguous, color=BLOCK_COLORS[1], label="contiguous (reserve max_model_len)")
-    ax.plot(g, paged, color=BLOCK_COLORS[0],
-            label=f"paged ({block_size}-token blocks)" if block_size else "paged (whole blocks)")
+    ax.plot(
+        g,
+        paged,
+        color=BLOCK_COLORS[0],
+        label=f"paged ({block_size}-token blocks)" if block_size else "paged (whole blocks)",
+    )
     ax.fill_between(g, paged, contiguous, color=UNUSED_COLOR, alpha=0.5, label="reserved but empty")
     ax.set_xlim(0, g[-1] * 1.02)
     ax.set_ylim(0, contiguous.max() * 1.08)
@@ -559,12 +781,20 @@ def memory_growth_figure(curve: Mapping[str, Any], block_size: int | None = None
 
 
 # ---- (e) where the KV memory goes: the paper's Fig. 2 beside our simulation (a static figure) -----------
-WASTE_CATEGORIES = ("token states", "reservation (tokens to come)", "internal fragmentation (never used)",
-                    "free: external fragmentation & other")
+WASTE_CATEGORIES = (
+    "token states",
+    "reservation (tokens to come)",
+    "internal fragmentation (never used)",
+    "free: external fragmentation & other",
+)
 
 
-def waste_breakdown_figure(ours: Mapping[str, Sequence[float]], paper: Mapping[str, Sequence[float | None]],
-                           names: Mapping[str, str], figsize=(9, 4.6)):
+def waste_breakdown_figure(
+    ours: Mapping[str, Sequence[float]],
+    paper: Mapping[str, Sequence[float | None]],
+    names: Mapping[str, str],
+    figsize=(9, 4.6),
+):
     """Chapter 02: one stacked bar per allocator, the paper's bar above ours (matplotlib).
 
     ``ours`` maps a policy (``"max"``, ...) to four shares in % (``contiguous.waste_breakdown``);
@@ -578,25 +808,46 @@ def waste_breakdown_figure(ours: Mapping[str, Sequence[float]], paper: Mapping[s
     colors = [BLOCK_COLORS[0], UNUSED_COLOR, UNUSED_COLOR, FREE_COLOR]
     hatches = ["", "", "///", ""]
     rows: list[tuple[str, list[float | None]]] = []
-    for policy, shares in ours.items():
+    for policy, our_shares in ours.items():
         rows.append((f"{names[policy]}, the paper", list(paper[names[policy]])))
-        rows.append((f"{policy}, this course", list(shares)))
+        rows.append((f"{policy}, this course", list(our_shares)))
     fig, ax = plt.subplots(figsize=figsize)
-    for i, (label, shares) in enumerate(rows):
+    for i, (_label, shares) in enumerate(rows):
         y = len(rows) - 1 - i - 0.25 * (i // 2)  # a gap between pairs
         left = 0.0
         for k, share in enumerate(shares):
             if share is None:
                 continue
-            ax.barh(y, share, left=left, color=colors[k], hatch=hatches[k], edgecolor="white",
-                    label=WASTE_CATEGORIES[k] if i == 0 or k == 2 and i == 1 else None)
+            ax.barh(
+                y,
+                share,
+                left=left,
+                color=colors[k],
+                hatch=hatches[k],
+                edgecolor="white",
+                label=WASTE_CATEGORIES[k] if i == 0 or (k == 2 and i == 1) else None,
+            )
             if share >= 6:
-                ax.text(left + share / 2, y, f"{share:.1f}", ha="center", va="center", fontsize=8,
-                        color=text_color(colors[k]))
+                ax.text(
+                    left + share / 2,
+                    y,
+                    f"{share:.1f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color=text_color(colors[k]),
+                )
             left += share
         if left < 99.95:  # the part the paper does not break down
-            ax.barh(y, 100 - left, left=left, color="white", hatch="..", edgecolor="#9e9e9e",
-                    label="not broken down in the paper")
+            ax.barh(
+                y,
+                100 - left,
+                left=left,
+                color="white",
+                hatch="..",
+                edgecolor="#9e9e9e",
+                label="not broken down in the paper",
+            )
     ticks = [len(rows) - 1 - i - 0.25 * (i // 2) for i in range(len(rows))]
     ax.set_yticks(ticks, [label for label, _ in rows], fontsize=9)
     ax.set_xlim(0, 100)
@@ -604,11 +855,24 @@ def waste_breakdown_figure(ours: Mapping[str, Sequence[float]], paper: Mapping[s
     ax.set_ylabel("allocator")
     handles, labels = ax.get_legend_handles_labels()
     by_label = dict(zip(labels, handles))
-    ax.legend(by_label.values(), by_label.keys(), loc="lower center", bbox_to_anchor=(0.5, 1.01), ncol=3,
-              fontsize=8, frameon=False)
+    ax.legend(
+        by_label.values(),
+        by_label.keys(),
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.01),
+        ncol=3,
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
     return fig
 
 
-__all__ = ["BlockPoolGrid", "BlockTableView", "ContiguousVsPaged", "display_widget", "memory_growth_figure",
-           "waste_breakdown_figure"]
+__all__ = [
+    "BlockPoolGrid",
+    "BlockTableView",
+    "ContiguousVsPaged",
+    "display_widget",
+    "memory_growth_figure",
+    "waste_breakdown_figure",
+]

@@ -16,6 +16,7 @@ learner picks a program and sees exactly the blocks it loads. Its state lives in
 attributes (``programs``, ``selected``, ``cells``, ``caption``) so tests drive it from
 Python. ``roofline_figure`` is a static matplotlib roofline.
 """
+
 from __future__ import annotations
 
 import html
@@ -26,11 +27,11 @@ from typing import Any
 import ipywidgets as W
 import plotly.graph_objects as go
 
+from ..utils import cdiv
 from .block_viz import FREE_COLOR, OWNER_COLORS
 from .layout import label_style, widget_width
-from ..utils import cdiv
 
-MIN_DOT_ROWS = 16         # tl.dot on an NVIDIA GPU wants every tile dimension >= 16
+MIN_DOT_ROWS = 16  # tl.dot on an NVIDIA GPU wants every tile dimension >= 16
 # The pictures show the tiles the kernels pick for SmolLM2 as the GPU engine runs it (bfloat16, head_dim 64).
 PICTURE_DTYPE, PICTURE_HEAD_DIM = "bfloat16", 64
 
@@ -39,7 +40,7 @@ def decode_tile(block_size: int) -> int:
     """Tokens per K/V tile of the decode kernel at this block size (its own ``decode_config``)."""
     import torch
 
-    from ..kernels.paged_decode import decode_config   # minipaged.kernels picks compiled vs interpreted first
+    from ..kernels.paged_decode import decode_config  # minipaged.kernels picks compiled vs interpreted first
 
     return decode_config(getattr(torch, PICTURE_DTYPE), PICTURE_HEAD_DIM, block_size).tile_n
 
@@ -113,8 +114,10 @@ class ProgramRead:
             return f"{self.label}: nothing to read, returns at once"
         lo, hi = self.logical_blocks[0], self.logical_blocks[-1]
         logical = f"logical block {lo}" if lo == hi else f"logical blocks {lo}–{hi}"
-        return (f"{self.label}: tokens {self.first}–{self.end - 1} ({self.num_tokens}, {self.tiles} tile"
-                f"{'s' if self.tiles != 1 else ''}) → {logical} → physical {self.physical_blocks}")
+        return (
+            f"{self.label}: tokens {self.first}–{self.end - 1} ({self.num_tokens}, {self.tiles} tile"
+            f"{'s' if self.tiles != 1 else ''}) → {logical} → physical {self.physical_blocks}"
+        )
 
 
 def _reads(table: Sequence[int], first: int, end: int, block_size: int) -> tuple[tuple[int, int, int], ...]:
@@ -140,8 +143,9 @@ def split_kv_segments(capacity: int, num_splits: int, tile: int) -> tuple[int, i
     return segment_len, cdiv(capacity, segment_len)
 
 
-def decode_read_plan(block_tables: Any, seq_lens: Any, block_size: int, num_splits: int = 1,
-                     tile: int | None = None) -> list[ProgramRead]:
+def decode_read_plan(
+    block_tables: Any, seq_lens: Any, block_size: int, num_splits: int = 1, tile: int | None = None
+) -> list[ProgramRead]:
     """One ``ProgramRead`` per (sequence, KV segment) of the split-KV decode grid, for one KV head.
 
     Every KV head's program reads the same blocks (its own head's slice of them), so the grid is
@@ -160,13 +164,22 @@ def decode_read_plan(block_tables: Any, seq_lens: Any, block_size: int, num_spli
         for seg in range(num_segments):
             first = min(seg * segment_len, n)
             end = min(first + segment_len, n) if seg * segment_len < n else first
-            plan.append(ProgramRead("decode", seq, seg, first, end, _reads(table, first, end, block_size),
-                                    cdiv(end - first, tile)))
+            plan.append(
+                ProgramRead(
+                    "decode", seq, seg, first, end, _reads(table, first, end, block_size), cdiv(end - first, tile)
+                )
+            )
     return plan
 
 
-def prefill_read_plan(block_tables: Any, cu_seqlens_q: Any, seq_lens: Any, block_size: int,
-                      block_m: int | None = None, tile: int | None = None) -> list[ProgramRead]:
+def prefill_read_plan(
+    block_tables: Any,
+    cu_seqlens_q: Any,
+    seq_lens: Any,
+    block_size: int,
+    block_m: int | None = None,
+    tile: int | None = None,
+) -> list[ProgramRead]:
     """One ``ProgramRead`` per (sequence, query tile of ``block_m`` new tokens), for one query head.
 
     Query tile ``m`` of a sequence with ``ctx_len`` cached tokens holds new tokens at positions
@@ -186,8 +199,7 @@ def prefill_read_plan(block_tables: Any, cu_seqlens_q: Any, seq_lens: Any, block
         ctx_len = n - q_len
         for m in range(num_tiles):
             end = min(n, ctx_len + (m + 1) * block_m) if m * block_m < q_len else 0
-            plan.append(ProgramRead("prefill", seq, m, 0, end, _reads(table, 0, end, block_size),
-                                    cdiv(end, tile)))
+            plan.append(ProgramRead("prefill", seq, m, 0, end, _reads(table, 0, end, block_size), cdiv(end, tile)))
     return plan
 
 
@@ -212,8 +224,9 @@ def gqa_query_tile(num_q_heads: int, num_kv_heads: int, kv_head: int) -> list[in
     return [kv_head * group + r if r < group else None for r in range(rows)]
 
 
-def decode_traffic(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, batch: int,
-                   context: int, num_layers: int = 1) -> dict[str, float]:
+def decode_traffic(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, batch: int, context: int, num_layers: int = 1
+) -> dict[str, float]:
     """Bytes read and FLOPs of the attention of one decode step (every sequence ``context`` tokens long).
 
     K and V of every cached token are read once: ``2 · layers · batch · context · kv_heads · head_dim · bytes``.
@@ -228,8 +241,9 @@ def decode_traffic(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_byt
     return dict(kv_bytes=kv_bytes, flops=flops, intensity=flops / kv_bytes)
 
 
-def prefill_traffic(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, q_len: int,
-                    ctx_len: int = 0) -> dict[str, float]:
+def prefill_traffic(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, q_len: int, ctx_len: int = 0
+) -> dict[str, float]:
     """Compulsory bytes and FLOPs of one sequence's prefill attention, per layer.
 
     ``q_len`` new tokens after ``ctx_len`` cached ones. Bytes: K and V of all ``ctx_len + q_len`` tokens read
@@ -246,9 +260,16 @@ def prefill_traffic(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_by
 
 # Where a point's label may go, in the order tried: (x, y offset in points, horizontal, vertical alignment).
 # Below-right of a point on the roof is under the roof (it rises to the right); above-left is over it.
-_LABEL_SPOTS = ((6, -6, "left", "top"), (-6, 6, "right", "bottom"), (-6, -6, "right", "top"),
-                (6, -22, "left", "top"), (-6, -22, "right", "top"), (0, -12, "center", "top"),
-                (6, -38, "left", "top"), (-6, -38, "right", "top"))
+_LABEL_SPOTS = (
+    (6, -6, "left", "top"),
+    (-6, 6, "right", "bottom"),
+    (-6, -6, "right", "top"),
+    (6, -22, "left", "top"),
+    (-6, -22, "right", "top"),
+    (0, -12, "center", "top"),
+    (6, -38, "left", "top"),
+    (-6, -38, "right", "top"),
+)
 
 
 def roofline_figure(peak_tflops: float, peak_gbps: float, points: Sequence[tuple[str, float]], title: str = ""):
@@ -273,33 +294,40 @@ def roofline_figure(peak_tflops: float, peak_gbps: float, points: Sequence[tuple
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
-    ax.set_ylim(bottom, peak_tflops * 2.5)   # room under the low end and over the flat roof for labels
+    ax.set_ylim(bottom, peak_tflops * 2.5)  # room under the low end and over the flat roof for labels
     ax.set_xlabel("arithmetic intensity (FLOP per byte read)")
     ax.set_ylabel("attainable TFLOP/s")
     ax.set_title(title)
-    placed = []
+    # (label, the point, the spots to try beside it, the annotation's style)
+    placed: list[tuple[str, tuple[float, float], Sequence[tuple[int, int, str, str]], dict[str, Any]]] = []
     for i, (label, x) in enumerate(points):
         y = min(peak_tflops, peak_gbps * 1e9 * x / 1e12)
         ax.plot([x], [y], "o", color=f"C{i % 10}")
         placed.append((label, (x, y), _LABEL_SPOTS, {}))
     # the ridge's label last, at the foot of its line, else under the roof's corner
-    placed.append((f"ridge {ridge:.0f} FLOP/B", (ridge, bottom),
-                   ((5, 5, "left", "bottom"), (-5, 5, "right", "bottom"), (5, -8, "left", "top")),
-                   dict(color="dimgray")))
+    placed.append(
+        (
+            f"ridge {ridge:.0f} FLOP/B",
+            (ridge, bottom),
+            ((5, 5, "left", "bottom"), (-5, 5, "right", "bottom"), (5, -8, "left", "top")),
+            dict(color="dimgray"),
+        )
+    )
     fig.tight_layout()
-    fig.canvas.draw()   # the layout is final: measure in pixels
-    renderer = fig.canvas.get_renderer()
-    box, paths, taken = ax.get_window_extent(renderer), line_pixels(ax), []
+    fig.canvas.draw()  # the layout is final: measure in pixels
+    # Only Agg-based canvases (inline and file backends) have get_renderer; FigureCanvasBase does not declare it.
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    box, paths = ax.get_window_extent(renderer), line_pixels(ax)
+    taken: list[Any] = []  # the labels' boxes so far
     for label, xy, spots, kw in placed:
         for dx, dy, ha, va in spots:
-            text = ax.annotate(label, xy, textcoords="offset points", xytext=(dx, dy), ha=ha, va=va, fontsize=8,
-                               **kw)
+            text = ax.annotate(label, xy, textcoords="offset points", xytext=(dx, dy), ha=ha, va=va, fontsize=8, **kw)
             b = text.get_window_extent(renderer)
             if inside(b, box) and not hits(b, paths) and not any(b.overlaps(t) for t in taken):
                 taken.append(b)
                 break
             if (dx, dy, ha, va) != spots[-1]:
-                text.remove()   # nowhere clean: the last spot stays, and check_mpl_layout in the tests says so
+                text.remove()  # nowhere clean: the last spot stays, and check_mpl_layout in the tests says so
     return fig
 
 
@@ -321,9 +349,16 @@ class PagedReadView:
             makes small examples split.
     """
 
-    def __init__(self, block_tables: Any, seq_lens: Any, block_size: int, num_blocks: int | None = None,
-                 num_splits: int = 1, tile: int | None = None, title: str = "which blocks each program reads"
-                 ) -> None:
+    def __init__(
+        self,
+        block_tables: Any,
+        seq_lens: Any,
+        block_size: int,
+        num_blocks: int | None = None,
+        num_splits: int = 1,
+        tile: int | None = None,
+        title: str = "which blocks each program reads",
+    ) -> None:
         self.tables, self.seq_lens = _rows(block_tables), _ints(seq_lens)
         self.block_size, self.tile = block_size, tile or decode_tile(block_size)
         used = [b for t, n in zip(self.tables, self.seq_lens) for b in t[: cdiv(n, block_size)]]
@@ -331,33 +366,47 @@ class PagedReadView:
         self.num_blocks = largest + 1 if num_blocks is None else num_blocks
         if largest >= self.num_blocks:
             raise ValueError(f"block id {largest} is outside a pool of {self.num_blocks} blocks")
-        self.owner: dict[int, tuple[int, int, int]] = {}   # physical -> (seq, logical, tokens held)
+        self.owner: dict[int, tuple[int, int, int]] = {}  # physical -> (seq, logical, tokens held)
         for seq, (t, n) in enumerate(zip(self.tables, self.seq_lens)):
             for logical in range(cdiv(n, block_size)):
                 self.owner[t[logical]] = (seq, logical, min(block_size, n - logical * block_size))
         capacity = max(len(t) for t in self.tables) * block_size
         max_splits = min(_max_splits(), max(1, cdiv(capacity, self.tile)))
         self._style = label_style("num_splits", "program")
-        self.splits = W.IntSlider(value=min(num_splits, max_splits), min=1, max=max_splits,
-                                  description="num_splits", continuous_update=False, style=self._style)
+        self.splits = W.IntSlider(
+            value=min(num_splits, max_splits),
+            min=1,
+            max=max_splits,
+            description="num_splits",
+            continuous_update=False,
+            style=self._style,
+        )
         self.program = W.Dropdown(description="program", style=self._style)  # its width follows its options
         self.caption = W.HTML()
         self.programs: list[ProgramRead] = []
         self.selected: ProgramRead | None = None
         self.cells: list[dict[str, Any]] = []
         self.segment_len = 0
-        self.figure = go.FigureWidget(layout=dict(
-            title=title, width=max(420, 60 + 24 * self.num_blocks), margin=dict(l=150, r=10, t=40, b=40),
-            plot_bgcolor="white", showlegend=False, hovermode="closest",
-            xaxis=dict(title="physical block", dtick=1, range=[-0.6, self.num_blocks - 0.4]),
-            yaxis=dict(title="decode program (one KV head)", zeroline=False, showgrid=False, automargin=True)))
+        self.figure = go.FigureWidget(
+            layout=dict(
+                title=title,
+                width=max(420, 60 + 24 * self.num_blocks),
+                margin=dict(l=150, r=10, t=40, b=40),
+                plot_bgcolor="white",
+                showlegend=False,
+                hovermode="closest",
+                xaxis=dict(title="physical block", dtick=1, range=[-0.6, self.num_blocks - 0.4]),
+                yaxis=dict(title="decode program (one KV head)", zeroline=False, showgrid=False, automargin=True),
+            )
+        )
         self.splits.observe(lambda _change: self._replan(), names="value")
         self.program.observe(lambda _change: self.update(), names="value")
         self._replan()
 
     def _replan(self) -> None:
-        self.segment_len, _ = split_kv_segments(max(len(t) for t in self.tables) * self.block_size,
-                                                self.splits.value, self.tile)
+        self.segment_len, _ = split_kv_segments(
+            max(len(t) for t in self.tables) * self.block_size, self.splits.value, self.tile
+        )
         self.programs = decode_read_plan(self.tables, self.seq_lens, self.block_size, self.splits.value, self.tile)
         options = [(p.label + ("" if p.reads else " (returns at once)"), i) for i, p in enumerate(self.programs)]
         current = self.program.value
@@ -377,20 +426,39 @@ class PagedReadView:
                 sizes.append(8 + 14 * n / self.block_size)
                 hovers.append(f"{p.label} reads {n} token(s) of physical block {block} (logical block {logical})")
         pool_x = list(range(self.num_blocks))
-        pool_colors = [OWNER_COLORS[self.owner[b][0] % len(OWNER_COLORS)] if b in self.owner else FREE_COLOR
-                       for b in pool_x]
-        pool_hover = [f"block {b}: seq {self.owner[b][0]}, logical {self.owner[b][1]}, {self.owner[b][2]} token(s)"
-                      if b in self.owner else f"block {b}: not used by this batch" for b in pool_x]
+        pool_colors = [
+            OWNER_COLORS[self.owner[b][0] % len(OWNER_COLORS)] if b in self.owner else FREE_COLOR for b in pool_x
+        ]
+        pool_hover = [
+            f"block {b}: seq {self.owner[b][0]}, logical {self.owner[b][1]}, {self.owner[b][2]} token(s)"
+            if b in self.owner
+            else f"block {b}: not used by this batch"
+            for b in pool_x
+        ]
         labels = [p.label for p in self.programs]
         with self.figure.batch_update():
             self.figure.data = []
-            self.figure.add_scatter(x=pool_x, y=[0] * len(pool_x), mode="markers", name="pool",
-                                    marker=dict(symbol="square", size=18, color=pool_colors),
-                                    hovertext=pool_hover, hoverinfo="text")
-            self.figure.add_scatter(x=xs, y=ys, mode="markers", name="reads", hovertext=hovers, hoverinfo="text",
-                                    marker=dict(symbol="square", size=sizes, color=colors))
-            self.figure.layout.yaxis.update(tickvals=list(range(len(labels) + 1)), ticktext=["pool"] + labels,
-                                            range=[len(labels) + 0.6, -0.6])
+            self.figure.add_scatter(
+                x=pool_x,
+                y=[0] * len(pool_x),
+                mode="markers",
+                name="pool",
+                marker=dict(symbol="square", size=18, color=pool_colors),
+                hovertext=pool_hover,
+                hoverinfo="text",
+            )
+            self.figure.add_scatter(
+                x=xs,
+                y=ys,
+                mode="markers",
+                name="reads",
+                hovertext=hovers,
+                hoverinfo="text",
+                marker=dict(symbol="square", size=sizes, color=colors),
+            )
+            self.figure.layout.yaxis.update(
+                tickvals=list(range(len(labels) + 1)), ticktext=["pool"] + labels, range=[len(labels) + 0.6, -0.6]
+            )
             self.figure.layout.height = 90 + 26 * (len(labels) + 1)
         self.update()
 
@@ -404,22 +472,51 @@ class PagedReadView:
         self.cells = []
         for b in range(self.num_blocks):
             seq, logical, held = self.owner.get(b, (None, None, 0))
-            self.cells.append(dict(block=b, seq=seq, logical=logical, tokens_held=held,
-                                   read=b in reads, tokens_read=reads.get(b, (None, 0))[1]))
+            self.cells.append(
+                dict(
+                    block=b,
+                    seq=seq,
+                    logical=logical,
+                    tokens_held=held,
+                    read=b in reads,
+                    tokens_read=reads.get(b, (None, 0))[1],
+                )
+            )
         segs = cdiv(max(len(t) for t in self.tables) * self.block_size, self.segment_len)
         self.caption.value = (
             f"num_splits {self.splits.value} → segments of {self.segment_len} tokens ({segs} per sequence), "
-            f"grid = ({len(self.tables)} seqs, num_kv_heads, {segs}).<br><b>{html.escape(p.describe())}</b>")
+            f"grid = ({len(self.tables)} seqs, num_kv_heads, {segs}).<br><b>{html.escape(p.describe())}</b>"
+        )
         shapes = []
         if p.reads:
             row = 1 + index  # row 0 is the pool
-            shapes.append(dict(type="rect", xref="x", yref="y", x0=-0.5, x1=self.num_blocks - 0.5,
-                               y0=row - 0.45, y1=row + 0.45, line=dict(color="#d62728", width=2),
-                               fillcolor="rgba(0,0,0,0)"))
+            shapes.append(
+                dict(
+                    type="rect",
+                    xref="x",
+                    yref="y",
+                    x0=-0.5,
+                    x1=self.num_blocks - 0.5,
+                    y0=row - 0.45,
+                    y1=row + 0.45,
+                    line=dict(color="#d62728", width=2),
+                    fillcolor="rgba(0,0,0,0)",
+                )
+            )
             for block in reads:
-                shapes.append(dict(type="rect", xref="x", yref="y", x0=block - 0.45, x1=block + 0.45,
-                                   y0=-0.45, y1=0.45, line=dict(color="#d62728", width=3),
-                                   fillcolor="rgba(0,0,0,0)"))
+                shapes.append(
+                    dict(
+                        type="rect",
+                        xref="x",
+                        yref="y",
+                        x0=block - 0.45,
+                        x1=block + 0.45,
+                        y0=-0.45,
+                        y1=0.45,
+                        line=dict(color="#d62728", width=3),
+                        fillcolor="rgba(0,0,0,0)",
+                    )
+                )
         with self.figure.batch_update():
             self.figure.layout.shapes = shapes
 
@@ -433,5 +530,15 @@ class PagedReadView:
         display(self.widget)
 
 
-__all__ = ["PagedReadView", "ProgramRead", "decode_read_plan", "decode_traffic", "format_read_plan",
-           "gqa_query_tile", "prefill_read_plan", "prefill_traffic", "roofline_figure", "split_kv_segments"]
+__all__ = [
+    "PagedReadView",
+    "ProgramRead",
+    "decode_read_plan",
+    "decode_traffic",
+    "format_read_plan",
+    "gqa_query_tile",
+    "prefill_read_plan",
+    "prefill_traffic",
+    "roofline_figure",
+    "split_kv_segments",
+]

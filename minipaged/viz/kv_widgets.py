@@ -4,6 +4,7 @@ Both keep their numbers in plain attributes (``summary``, ``state``) computed by
 ``minipaged.kv_math``, so tests can drive the controls from Python and check what
 a learner would see, without a browser.
 """
+
 from __future__ import annotations
 
 import html
@@ -13,7 +14,7 @@ from typing import Any
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from ..kv_math import GiB, PRESETS, KVSpec, attention_variants, format_bytes
+from ..kv_math import PRESETS, GiB, KVSpec, attention_variants, format_bytes
 from .layout import label_style, legend_right, text_color, widget_width
 
 CUSTOM = "custom"
@@ -29,38 +30,102 @@ class KVCalculator:
     against tokens for the chosen model as MHA, as it is, and as MQA.
     """
 
-    def __init__(self, preset: str = "llama-3-8b", tokens: int = 2048, batch: int = 8, dtype: str = "bf16",
-                 block_size: int = 16, tp: int = 1, gpu_gib: float = 80.0, utilization: float = 0.9) -> None:
+    def __init__(
+        self,
+        preset: str = "llama-3-8b",
+        tokens: int = 2048,
+        batch: int = 8,
+        dtype: str = "bf16",
+        block_size: int = 16,
+        tp: int = 1,
+        gpu_gib: float = 80.0,
+        utilization: float = 0.9,
+    ) -> None:
         style = label_style("tokens / request", "GPU memory (GiB)", "memory utilization", "config.json")
         models = [(s.name, k) for k, s in PRESETS.items()] + [("paste a config.json", CUSTOM)]
-        self.model = W.Dropdown(options=models, value=preset, description="model", style=style,
-                                layout=W.Layout(width=widget_width(style["description_width"],
-                                                                   [m for m, _ in models])))
-        self.config_text = W.Textarea(placeholder='{"num_hidden_layers": 32, "num_attention_heads": 32, ...}',
-                                      description="config.json", style=style,
-                                      layout=W.Layout(width="520px", height="90px", display="none"))
-        self.tokens = W.IntSlider(value=tokens, min=16, max=131072, step=16, description="tokens / request",
-                                  style=style, continuous_update=False, layout=W.Layout(width="520px"))
-        self.batch = W.IntSlider(value=batch, min=1, max=512, description="batch", style=style,
-                                 continuous_update=False, layout=W.Layout(width="520px"))
-        self.dtype = W.Dropdown(options=["fp32", "fp16", "bf16", "fp8"], value=dtype, description="KV dtype",
-                                style=style)
-        self.block_size = W.Dropdown(options=[1, 8, 16, 32, 64, 128, 256], value=block_size,
-                                     description="block size", style=style)
+        self.model = W.Dropdown(
+            options=models,
+            value=preset,
+            description="model",
+            style=style,
+            layout=W.Layout(width=widget_width(style["description_width"], [m for m, _ in models])),
+        )
+        self.config_text = W.Textarea(
+            placeholder='{"num_hidden_layers": 32, "num_attention_heads": 32, ...}',
+            description="config.json",
+            style=style,
+            layout=W.Layout(width="520px", height="90px", display="none"),
+        )
+        self.tokens = W.IntSlider(
+            value=tokens,
+            min=16,
+            max=131072,
+            step=16,
+            description="tokens / request",
+            style=style,
+            continuous_update=False,
+            layout=W.Layout(width="520px"),
+        )
+        self.batch = W.IntSlider(
+            value=batch,
+            min=1,
+            max=512,
+            description="batch",
+            style=style,
+            continuous_update=False,
+            layout=W.Layout(width="520px"),
+        )
+        self.dtype = W.Dropdown(
+            options=["fp32", "fp16", "bf16", "fp8"], value=dtype, description="KV dtype", style=style
+        )
+        self.block_size = W.Dropdown(
+            options=[1, 8, 16, 32, 64, 128, 256], value=block_size, description="block size", style=style
+        )
         self.tp = W.Dropdown(options=[1, 2, 3, 4, 8, 16], value=tp, description="TP ranks", style=style)
-        self.gpu_gib = W.FloatSlider(value=gpu_gib, min=8, max=192, step=8, description="GPU memory (GiB)",
-                                     style=style, continuous_update=False, layout=W.Layout(width="520px"))
-        self.utilization = W.FloatSlider(value=utilization, min=0.5, max=0.98, step=0.01,
-                                         description="memory utilization", style=style, continuous_update=False,
-                                         layout=W.Layout(width="520px"))
+        self.gpu_gib = W.FloatSlider(
+            value=gpu_gib,
+            min=8,
+            max=192,
+            step=8,
+            description="GPU memory (GiB)",
+            style=style,
+            continuous_update=False,
+            layout=W.Layout(width="520px"),
+        )
+        self.utilization = W.FloatSlider(
+            value=utilization,
+            min=0.5,
+            max=0.98,
+            step=0.01,
+            description="memory utilization",
+            style=style,
+            continuous_update=False,
+            layout=W.Layout(width="520px"),
+        )
         self.output = W.HTML()
         self.error = W.HTML()
-        self.figure = go.FigureWidget(layout=dict(
-            height=340, margin=dict(l=60, r=20, t=40, b=50), title="KV cache of one request (per rank)",
-            xaxis_title="tokens in the request", yaxis_title="KV cache (GiB)", legend=legend_right()))
+        self.figure = go.FigureWidget(
+            layout=dict(
+                height=340,
+                margin=dict(l=60, r=20, t=40, b=50),
+                title="KV cache of one request (per rank)",
+                xaxis_title="tokens in the request",
+                yaxis_title="KV cache (GiB)",
+                legend=legend_right(),
+            )
+        )
         self.summary: dict[str, Any] = {}
-        for w in (self.model, self.config_text, self.tokens, self.batch, self.dtype, self.block_size, self.tp,
-                  self.gpu_gib, self.utilization):
+        for w in (
+            self.model,
+            self.config_text,
+            self.tokens,
+            self.batch,
+            self.dtype,
+            self.block_size,
+            self.tp,
+            self.gpu_gib,
+            self.utilization,
+        ):
             w.observe(lambda _change: self.update(), names="value")
         self.update()
 
@@ -94,23 +159,35 @@ class KVCalculator:
         weights = (spec.num_params or 0) * 2 / tp
         budget = self.gpu_gib.value * GiB * self.utilization.value - weights
         s: dict[str, Any] = dict(
-            model=spec.name, attention=spec.attention_kind, bytes_per_token=spec.bytes_per_token,
-            kv_heads_per_rank=heads, sharding=how, bytes_per_token_per_rank=rank.bytes_per_token,
+            model=spec.name,
+            attention=spec.attention_kind,
+            bytes_per_token=spec.bytes_per_token,
+            kv_heads_per_rank=heads,
+            sharding=how,
+            bytes_per_token_per_rank=rank.bytes_per_token,
             bytes_per_block_per_rank=rank.bytes_per_block(bs),
             request_bytes_per_rank=rank.paged_bytes_for_tokens(tokens, bs),
             batch_bytes_per_rank=self.batch.value * rank.paged_bytes_for_tokens(tokens, bs),
-            weights_bytes_per_rank=int(weights), kv_budget_per_rank=max(int(budget), 0),
-            num_blocks=0, max_requests=0, fits=False)
+            weights_bytes_per_rank=int(weights),
+            kv_budget_per_rank=max(int(budget), 0),
+            num_blocks=0,
+            max_requests=0,
+            fits=False,
+        )
         if budget >= rank.bytes_per_block(bs):
             cap = rank.capacity(budget, bs, tokens)
-            s.update(num_blocks=cap.num_blocks, max_requests=cap.full_requests,
-                     fits=cap.full_requests >= self.batch.value, tail_waste_tokens=cap.tail_waste_tokens)
+            s.update(
+                num_blocks=cap.num_blocks,
+                max_requests=cap.full_requests,
+                fits=cap.full_requests >= self.batch.value,
+                tail_waste_tokens=cap.tail_waste_tokens,
+            )
         return s
 
     def _html(self, s: dict[str, Any]) -> str:
         fb = format_bytes
         weights = fb(s["weights_bytes_per_rank"]) if s["weights_bytes_per_rank"] else "unknown (custom config)"
-        verdict = ("<b style='color:#2a7'>fits</b>" if s["fits"] else "<b style='color:#c00'>does not fit</b>")
+        verdict = "<b style='color:#2a7'>fits</b>" if s["fits"] else "<b style='color:#c00'>does not fit</b>"
         rows = [
             ("model", f"{s['model']} ({s['attention']})"),
             ("bytes / token (whole model)", f"{s['bytes_per_token']:,} B"),
@@ -134,14 +211,24 @@ class KVCalculator:
             for name, variant in attention_variants(spec).items():
                 rank = variant.per_rank(tp)
                 self.figure.add_scatter(x=xs, y=[rank.bytes_for_tokens(x) / GiB for x in xs], name=name, mode="lines")
-            self.figure.layout.shapes = [dict(type="line", x0=tokens, x1=tokens, y0=0, y1=1, yref="paper",
-                                              line=dict(dash="dot", color="gray"))]
+            self.figure.layout.shapes = [
+                dict(type="line", x0=tokens, x1=tokens, y0=0, y1=1, yref="paper", line=dict(dash="dot", color="gray"))
+            ]
 
     @property
     def widget(self) -> W.Widget:
-        controls = W.VBox([self.model, self.config_text, self.tokens, self.batch,
-                           W.HBox([self.dtype, self.block_size]), W.HBox([self.tp]), self.gpu_gib,
-                           self.utilization])
+        controls = W.VBox(
+            [
+                self.model,
+                self.config_text,
+                self.tokens,
+                self.batch,
+                W.HBox([self.dtype, self.block_size]),
+                W.HBox([self.tp]),
+                self.gpu_gib,
+                self.utilization,
+            ]
+        )
         return W.VBox([controls, self.error, W.HBox([self.output, self.figure])])
 
     def _ipython_display_(self) -> None:
@@ -157,18 +244,23 @@ class KVGrowthView:
     used once and thrown away, its key and value stay.
     """
 
-    def __init__(self, tokens: list[str], spec: KVSpec, block_size: int = 4,
-                 budget_bytes: int | None = None) -> None:
+    def __init__(self, tokens: list[str], spec: KVSpec, block_size: int = 4, budget_bytes: int | None = None) -> None:
         if not tokens:
             raise ValueError("KVGrowthView needs at least one token")
         self.tokens, self.spec, self.block_size = list(tokens), spec, block_size
         self.budget = budget_bytes or spec.paged_bytes_for_tokens(len(tokens), block_size)
-        self.step = W.IntSlider(value=0, min=0, max=len(tokens), description="tokens seen",
-                                style=label_style("tokens seen", "KV memory"))
+        self.step = W.IntSlider(
+            value=0, min=0, max=len(tokens), description="tokens seen", style=label_style("tokens seen", "KV memory")
+        )
         self.play = W.Play(value=0, min=0, max=len(tokens), interval=400)
         W.jslink((self.play, "value"), (self.step, "value"))
-        self.meter = W.FloatProgress(value=0, min=0, max=float(self.budget), description="KV memory",
-                                     style=label_style("tokens seen", "KV memory"))
+        self.meter = W.FloatProgress(
+            value=0,
+            min=0,
+            max=float(self.budget),
+            description="KV memory",
+            style=label_style("tokens seen", "KV memory"),
+        )
         self.label = W.HTML()
         self.grid = W.HTML()
         self.state: dict[str, Any] = {}
@@ -179,15 +271,22 @@ class KVGrowthView:
         t, bs = self.step.value, self.block_size
         blocks = self.spec.blocks_for_tokens(t, bs)
         used = self.spec.paged_bytes_for_tokens(t, bs)
-        self.state = dict(tokens_cached=t, kv_bytes=self.spec.bytes_for_tokens(t), allocated_bytes=used,
-                          blocks=blocks, empty_slots=blocks * bs - t,
-                          query=self.tokens[t - 1] if t else None)
+        self.state = dict(
+            tokens_cached=t,
+            kv_bytes=self.spec.bytes_for_tokens(t),
+            allocated_bytes=used,
+            blocks=blocks,
+            empty_slots=blocks * bs - t,
+            query=self.tokens[t - 1] if t else None,
+        )
         self.meter.value = float(min(used, self.budget))
         self.meter.bar_style = "danger" if used > self.budget else ""
-        self.label.value = (f"{t} tokens cached · K+V {format_bytes(self.state['kv_bytes'])} "
-                            f"({self.spec.bytes_per_token:,} B/token) · {blocks} block(s) of {bs}, "
-                            f"{self.state['empty_slots']} slot(s) empty · allocated {format_bytes(used)} "
-                            f"of {format_bytes(self.budget)}")
+        self.label.value = (
+            f"{t} tokens cached · K+V {format_bytes(self.state['kv_bytes'])} "
+            f"({self.spec.bytes_per_token:,} B/token) · {blocks} block(s) of {bs}, "
+            f"{self.state['empty_slots']} slot(s) empty · allocated {format_bytes(used)} "
+            f"of {format_bytes(self.budget)}"
+        )
         self.grid.value = self._grid_html(t)
 
     def _grid_html(self, t: int) -> str:

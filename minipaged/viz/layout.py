@@ -31,20 +31,47 @@ The rules of ``check_layout`` (plotly figures: a ``dict``, ``go.Figure`` or ``go
     its range spans as many ticks as the axis it overlays (when that one's ticks are fixed too), so the
     two grids coincide.
 """
+
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["aligned_ticks", "check_layout", "check_mpl_layout", "contrast_ratio", "delta_e", "hits", "inside",
-           "label_style", "legend_above", "legend_right", "line_pixels", "nice_ticks", "padded",
-           "relative_luminance", "text_color", "text_px", "widget_width"]
+__all__ = [
+    "aligned_ticks",
+    "check_layout",
+    "check_mpl_layout",
+    "contrast_ratio",
+    "delta_e",
+    "hits",
+    "inside",
+    "label_style",
+    "legend_above",
+    "legend_right",
+    "line_pixels",
+    "nice_ticks",
+    "padded",
+    "relative_luminance",
+    "text_color",
+    "text_px",
+    "widget_width",
+]
 
 # ---- colours -------------------------------------------------------------------------------
-_NAMED = {"white": "#ffffff", "black": "#000000", "gray": "#808080", "grey": "#808080", "red": "#ff0000",
-          "green": "#008000", "blue": "#0000ff", "orange": "#ffa500", "transparent": "#ffffff"}
+_NAMED = {
+    "white": "#ffffff",
+    "black": "#000000",
+    "gray": "#808080",
+    "grey": "#808080",
+    "red": "#ff0000",
+    "green": "#008000",
+    "blue": "#0000ff",
+    "orange": "#ffa500",
+    "transparent": "#ffffff",
+}
 
 
 def _rgb(color: str | Sequence[float]) -> tuple[float, float, float]:
@@ -57,7 +84,7 @@ def _rgb(color: str | Sequence[float]) -> tuple[float, float, float]:
         h = c[1:]
         if len(h) in (3, 4):
             h = "".join(ch * 2 for ch in h[:3])
-        return tuple(int(h[i:i + 2], 16) / 255 for i in (0, 2, 4))  # type: ignore[return-value]
+        return tuple(int(h[i : i + 2], 16) / 255 for i in (0, 2, 4))  # type: ignore[return-value]
     m = re.fullmatch(r"rgba?\(([^)]*)\)", c)
     if m:
         parts = [float(p) for p in m.group(1).replace("/", ",").split(",") if p.strip()][:3]
@@ -69,6 +96,7 @@ def _rgb(color: str | Sequence[float]) -> tuple[float, float, float]:
 
 def relative_luminance(color: str | Sequence[float]) -> float:
     """WCAG 2 relative luminance (0 black … 1 white)."""
+
     def lin(v: float) -> float:
         return v / 12.92 if v <= 0.04045 else ((v + 0.055) / 1.055) ** 2.4
 
@@ -123,7 +151,7 @@ def nice_ticks(top: float, intervals: int = 4, integer: bool = False) -> tuple[f
     exp = math.floor(math.log10(raw))
     for e in (exp, exp + 1):
         for m in _MANTISSAS:
-            step = m * 10.0 ** e
+            step = m * 10.0**e
             if step + 1e-12 * step < raw or (integer and (step < 1 or step != int(step))):
                 continue
             step = round(step, 12)
@@ -137,8 +165,13 @@ def padded(top: float, headroom: float = 0.04) -> list[float]:
     return [0.0, top * (1 + headroom)]
 
 
-def aligned_ticks(left_max: float, right_max: float, left_integer: bool = False, right_integer: bool = False,
-                  intervals: Iterable[int] = (4, 5, 3, 6)) -> dict[str, tuple[float, float]]:
+def aligned_ticks(
+    left_max: float,
+    right_max: float,
+    left_integer: bool = False,
+    right_integer: bool = False,
+    intervals: Iterable[int] = (4, 5, 3, 6),
+) -> dict[str, tuple[float, float]]:
     """Round ticks for two y axes sharing one grid: the same number of intervals on both, each a round step.
 
     Returns ``{"left": (top, dtick), "right": (top, dtick)}``; the number of intervals is the one (of
@@ -233,7 +266,7 @@ def _whole(x: float, step: float) -> bool:
 
 def _fixed_intervals(ax: dict[str, Any]) -> float | None:
     """How many tick intervals the range of an axis with fixed ticks spans (None when its ticks float)."""
-    rng = ax.get("range")
+    rng: Any = ax.get("range")  # [low, high] as plotly stores it, None for an end left to autorange
     has_range = bool(rng) and None not in rng
     if ax.get("tickmode") == "linear" and ax.get("dtick") and has_range:
         return round((rng[1] - rng[0]) / float(ax["dtick"]), 6)
@@ -249,8 +282,18 @@ def _anchor(value: float, anchor: str, low: str, high: str) -> str:
     return low if value <= 1 / 3 else high if value >= 2 / 3 else "middle"
 
 
-_LEGENDLESS = {"pie", "sunburst", "treemap", "icicle", "funnelarea", "table", "parcoords", "parcats", "sankey",
-               "indicator"}
+_LEGENDLESS = {
+    "pie",
+    "sunburst",
+    "treemap",
+    "icicle",
+    "funnelarea",
+    "table",
+    "parcoords",
+    "parcats",
+    "sankey",
+    "indicator",
+}
 
 
 def check_layout(fig: Any, strict: bool = False) -> list[str]:
@@ -266,8 +309,9 @@ def check_layout(fig: Any, strict: bool = False) -> list[str]:
     # (a) axis titles
     used: dict[str, list[str]] = {}
     for t in data:
-        if t.get("type", "scatter") in _LEGENDLESS or t.get("type", "scatter").endswith(("3d", "geo", "mapbox",
-                                                                                          "polar", "ternary")):
+        if t.get("type", "scatter") in _LEGENDLESS or t.get("type", "scatter").endswith(
+            ("3d", "geo", "mapbox", "polar", "ternary")
+        ):
             continue
         for ref in (t.get("xaxis", "x"), t.get("yaxis", "y")):
             used.setdefault(_axis_key(ref), []).append(t.get("name") or t.get("type", "scatter"))
@@ -282,8 +326,7 @@ def check_layout(fig: Any, strict: bool = False) -> list[str]:
             changed = False
             for k, a in axes.items():
                 m = a.get("matches")
-                if (k in group and m and _axis_key(m) not in group) or (m and _axis_key(m) in group and
-                                                                         k not in group):
+                if (k in group and m and _axis_key(m) not in group) or (m and _axis_key(m) in group and k not in group):
                     group |= {k, _axis_key(m)}
                     changed = True
         if not any(_title(axes.get(k, {})) for k in group):
@@ -302,29 +345,43 @@ def check_layout(fig: Any, strict: bool = False) -> list[str]:
         xanchor = _anchor(x, legend.get("xanchor", "left"), "left", "right")
         yanchor = _anchor(y, legend.get("yanchor", "top" if horizontal else "auto"), "bottom", "top")
         where = f"legend at x={x:g} ({xanchor}), y={y:g} ({yanchor})"
-        right_axes = [k for k, a in axes.items() if k.startswith("y") and a.get("side") == "right"
-                      and a.get("visible", True) is not False and k in used]
+        right_axes = [
+            k
+            for k, a in axes.items()
+            if k.startswith("y") and a.get("side") == "right" and a.get("visible", True) is not False and k in used
+        ]
         if legend.get("xref", "paper") != "paper" or legend.get("yref", "paper") != "paper":
             problems.append(f"{label}: {where} is placed in container coordinates; use paper coordinates")
         elif x >= 1 and xanchor == "left":
             if right_axes:
-                problems.append(f"{label}: {where} sits on the right-side axis {right_axes[0]} (its ticks and "
-                                f"title); put the legend above the plot")
+                problems.append(
+                    f"{label}: {where} sits on the right-side axis {right_axes[0]} (its ticks and "
+                    f"title); put the legend above the plot"
+                )
         elif y >= 1 and yanchor == "bottom":
-            above = [a.get("text", "") for a in layout.get("annotations", []) or []
-                     if a.get("yref", "y").startswith("paper") and (a.get("y") or 0) >= 1]
+            above = [
+                a.get("text", "")
+                for a in layout.get("annotations", []) or []
+                if a.get("yref", "y").startswith("paper") and (a.get("y") or 0) >= 1
+            ]
             if above:
-                problems.append(f"{label}: {where} collides with the annotation {above[0]!r} above the plot; "
-                                f"put the legend to the right")
+                problems.append(
+                    f"{label}: {where} collides with the annotation {above[0]!r} above the plot; "
+                    f"put the legend to the right"
+                )
             top = (layout.get("margin") or {}).get("t", 100)
             if _title(layout) and top < 80:
                 problems.append(f"{label}: {where} and the title share a top margin of {top}px; give it >= 80")
-        elif x <= 0 and xanchor == "right" or y <= 0 and yanchor == "top":
-            problems.append(f"{label}: {where} is left of or below the plot, over tick labels and axis titles; "
-                            f"put it to the right (x>=1, xanchor='left') or above (y>=1, yanchor='bottom')")
+        elif (x <= 0 and xanchor == "right") or (y <= 0 and yanchor == "top"):
+            problems.append(
+                f"{label}: {where} is left of or below the plot, over tick labels and axis titles; "
+                f"put it to the right (x>=1, xanchor='left') or above (y>=1, yanchor='bottom')"
+            )
         else:
-            problems.append(f"{label}: {where} lies on the plotting area; anchor it outside: to the right "
-                            f"(x>=1, xanchor='left') or above (y>=1, yanchor='bottom')")
+            problems.append(
+                f"{label}: {where} lies on the plotting area; anchor it outside: to the right "
+                f"(x>=1, xanchor='left') or above (y>=1, yanchor='bottom')"
+            )
         names: dict[str, int] = {}
         for t in entries:
             n = str(t.get("name", ""))
@@ -341,7 +398,7 @@ def check_layout(fig: Any, strict: bool = False) -> list[str]:
         rng = ax.get("range")
         if ax.get("tickmode") == "array" and ax.get("tickvals"):
             vals = [float(v) for v in ax["tickvals"]]
-            steps = {round(b - a, 9) for a, b in zip(vals, vals[1:])}
+            steps = {round(b - a, 9) for a, b in itertools.pairwise(vals)}
             if len(steps) > 1 or not all(_round_step(s) and _whole(v, s) for s in steps for v in vals):
                 problems.append(f"{label}: {key} tick values {vals} are not evenly spaced round numbers")
         elif ax.get("tickmode") == "linear" and ax.get("dtick") and rng and None not in rng:
@@ -349,13 +406,17 @@ def check_layout(fig: Any, strict: bool = False) -> list[str]:
             if not (_round_step(step) and _whole(float(ax.get("tick0", 0) or 0), step)):
                 problems.append(f"{label}: {key} range {rng} with dtick {step:g} does not give round ticks")
         else:
-            problems.append(f"{label}: {key} (a secondary axis) leaves its ticks to plotly, which picks uneven "
-                            f"ones; set range and dtick (tickmode='linear'), see aligned_ticks()")
+            problems.append(
+                f"{label}: {key} (a secondary axis) leaves its ticks to plotly, which picks uneven "
+                f"ones; set range and dtick (tickmode='linear'), see aligned_ticks()"
+            )
             continue
         base = axes.get(_axis_key(over), {})
         if ax.get("showgrid", True) is not False and _fixed_intervals(base) not in (None, _fixed_intervals(ax)):
-            problems.append(f"{label}: {key} draws a grid of {_fixed_intervals(ax):g} intervals over "
-                            f"{_axis_key(over)}'s {_fixed_intervals(base):g}; align them or set showgrid=False")
+            problems.append(
+                f"{label}: {key} draws a grid of {_fixed_intervals(ax):g} intervals over "
+                f"{_axis_key(over)}'s {_fixed_intervals(base):g}; align them or set showgrid=False"
+            )
     if strict and problems:
         raise AssertionError("figure does not read well:\n  " + "\n  ".join(problems))
     return problems
@@ -375,7 +436,7 @@ def line_pixels(ax: Any) -> list[Any]:
         xy = xy[np.isfinite(xy).all(axis=1)]
         if len(xy) > 1 and line.get_linestyle() not in ("None", "", " ", "none"):
             pts = [xy[:1]]
-            for a, b in zip(xy[:-1], xy[1:]):
+            for a, b in itertools.pairwise(xy):
                 n = max(2, int(np.hypot(*(b - a))) + 1)
                 pts.append(a + (b - a) * np.linspace(0, 1, n)[1:, None])
             xy = np.concatenate(pts)
@@ -390,8 +451,7 @@ def inside(b: Any, box: Any, slack: float = 0.5) -> bool:
 
 def hits(b: Any, paths: Sequence[Any]) -> bool:
     """Whether any point of ``paths`` (from ``line_pixels``) lies in bounding box ``b``."""
-    return any(((xy[:, 0] > b.x0) & (xy[:, 0] < b.x1) & (xy[:, 1] > b.y0) & (xy[:, 1] < b.y1)).any()
-               for xy in paths)
+    return any(((xy[:, 0] > b.x0) & (xy[:, 0] < b.x1) & (xy[:, 1] > b.y0) & (xy[:, 1] < b.y1)).any() for xy in paths)
 
 
 def check_mpl_layout(fig: Any, strict: bool = False) -> list[str]:
@@ -422,8 +482,7 @@ def check_mpl_layout(fig: Any, strict: bool = False) -> list[str]:
         for i in range(len(boxes)):
             for j in range(i + 1, len(boxes)):
                 if boxes[i].overlaps(boxes[j]):
-                    problems.append(f"{name}: the labels {texts[i].get_text()!r} and {texts[j].get_text()!r} "
-                                    f"overlap")
+                    problems.append(f"{name}: the labels {texts[i].get_text()!r} and {texts[j].get_text()!r} overlap")
         leg = ax.get_legend()
         if leg is not None and leg.get_visible():
             lb = leg.get_window_extent(renderer)

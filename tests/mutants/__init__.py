@@ -10,12 +10,13 @@ copies of the functions the mutants lean on (part 1 of an exercise, used by a pa
 ``tests/test_mutants.py`` runs every mutant through its checks and asserts that none gets full
 marks; ``python tests/test_mutants.py`` prints the score table.
 """
+
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Sequence
 
 EXERCISES = [f"ex{n:02d}" for n in range(1, 11)]
 
@@ -26,20 +27,22 @@ def mutant(target: str, mistake: str, checks: Sequence[str] | None = None) -> Ca
     ``checks``: the check functions that must catch it, when not all of the module's ``CHECKS[target]`` (used
     where a group is slow, e.g. the Triton interpreter's, and the mistake is about another group's cases).
     """
+
     def register(fn: Callable) -> Callable:
         fn.mutant_of = target
         fn.mistake = mistake
         fn.mutant_checks = None if checks is None else tuple(checks)
         return fn
+
     return register
 
 
 @dataclass(frozen=True)
 class Mutant:
     exercise: str  # "ex01"
-    name: str      # the function's name in tests/mutants/exNN.py
-    target: str    # the exercise function it stands in for
-    mistake: str   # the learner's mistake it models, in one line
+    name: str  # the function's name in tests/mutants/exNN.py
+    target: str  # the exercise function it stands in for
+    mistake: str  # the learner's mistake it models, in one line
     fn: Callable
     checks: tuple[str, ...]  # check functions of minipaged.grading.exNN that grade it
 

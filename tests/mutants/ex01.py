@@ -1,4 +1,5 @@
 """Exercise 01 — bytes per token and block capacity: wrong solutions a learner writes."""
+
 from __future__ import annotations
 
 from . import mutant
@@ -25,8 +26,9 @@ def one_layer_only(num_layers: int, num_kv_heads: int, head_dim: int, dtype_byte
 
 # ---- part 2: block_capacity -------------------------------------------------------------------
 @mutant("block_capacity", "floor instead of ceil for a request's blocks: the part-full tail block is lost")
-def floor_blocks_per_request(budget_bytes: int, bytes_per_token: int, block_size: int,
-                             request_tokens: int) -> tuple[int, int]:
+def floor_blocks_per_request(
+    budget_bytes: int, bytes_per_token: int, block_size: int, request_tokens: int
+) -> tuple[int, int]:
     bytes_per_block = block_size * bytes_per_token
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 1:
@@ -36,8 +38,9 @@ def floor_blocks_per_request(budget_bytes: int, bytes_per_token: int, block_size
 
 
 @mutant("block_capacity", "counts requests in tokens (budget // request bytes), as if no block were part-empty")
-def requests_by_tokens(budget_bytes: int, bytes_per_token: int, block_size: int,
-                       request_tokens: int) -> tuple[int, int]:
+def requests_by_tokens(
+    budget_bytes: int, bytes_per_token: int, block_size: int, request_tokens: int
+) -> tuple[int, int]:
     num_blocks = budget_bytes // (block_size * bytes_per_token)
     if num_blocks < 1:
         raise ValueError("budget too small for one block")
@@ -45,8 +48,7 @@ def requests_by_tokens(budget_bytes: int, bytes_per_token: int, block_size: int,
 
 
 @mutant("block_capacity", "rounds the budget up to whole blocks: a block that does not fit is counted")
-def ceil_num_blocks(budget_bytes: int, bytes_per_token: int, block_size: int,
-                    request_tokens: int) -> tuple[int, int]:
+def ceil_num_blocks(budget_bytes: int, bytes_per_token: int, block_size: int, request_tokens: int) -> tuple[int, int]:
     bytes_per_block = block_size * bytes_per_token
     num_blocks = -(-budget_bytes // bytes_per_block)  # MISTAKE
     if num_blocks < 1:

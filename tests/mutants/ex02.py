@@ -1,4 +1,5 @@
 """Exercise 02 — free holes and fragmentation of a contiguous arena: wrong solutions a learner writes."""
+
 from __future__ import annotations
 
 from . import mutant
@@ -71,45 +72,65 @@ def off_by_one_end(num_slots: int, reservations: dict[str, tuple[int, int]]) -> 
 
 # ---- part 2: fragmentation --------------------------------------------------------------------
 @mutant("fragmentation", "inclusive boundary: counts a hole exactly the next request's size as wasted")
-def inclusive_boundary(num_slots: int, reservations: dict[str, tuple[int, int]], live_tokens: dict[str, int],
-                       next_request_size: int) -> dict[str, float]:
+def inclusive_boundary(
+    num_slots: int, reservations: dict[str, tuple[int, int]], live_tokens: dict[str, int], next_request_size: int
+) -> dict[str, float]:
     live = sum(live_tokens.values())
     reserved = sum(length for _, length in reservations.values())
     holes = free_extents(num_slots, reservations)
-    return {"live": live, "internal": reserved - live,
-            "external": sum(length for _, length in holes if length <= next_request_size),  # MISTAKE
-            "free": num_slots - reserved, "utilisation": live / num_slots}
+    return {
+        "live": live,
+        "internal": reserved - live,
+        "external": sum(length for _, length in holes if length <= next_request_size),  # MISTAKE
+        "free": num_slots - reserved,
+        "utilisation": live / num_slots,
+    }
 
 
 @mutant("fragmentation", "utilisation over the reserved slots instead of the whole arena")
-def utilisation_of_reserved(num_slots: int, reservations: dict[str, tuple[int, int]],
-                            live_tokens: dict[str, int], next_request_size: int) -> dict[str, float]:
+def utilisation_of_reserved(
+    num_slots: int, reservations: dict[str, tuple[int, int]], live_tokens: dict[str, int], next_request_size: int
+) -> dict[str, float]:
     live = sum(live_tokens.values())
     reserved = sum(length for _, length in reservations.values())
     holes = free_extents(num_slots, reservations)
-    return {"live": live, "internal": reserved - live,
-            "external": sum(length for _, length in holes if length < next_request_size),
-            "free": num_slots - reserved, "utilisation": live / reserved if reserved else 0.0}  # MISTAKE
+    return {
+        "live": live,
+        "internal": reserved - live,
+        "external": sum(length for _, length in holes if length < next_request_size),
+        "free": num_slots - reserved,
+        "utilisation": live / reserved if reserved else 0.0,
+    }  # MISTAKE
 
 
 @mutant("fragmentation", "external = every free slot outside the largest hole, whatever the next request needs")
-def external_outside_largest(num_slots: int, reservations: dict[str, tuple[int, int]],
-                             live_tokens: dict[str, int], next_request_size: int) -> dict[str, float]:
+def external_outside_largest(
+    num_slots: int, reservations: dict[str, tuple[int, int]], live_tokens: dict[str, int], next_request_size: int
+) -> dict[str, float]:
     live = sum(live_tokens.values())
     reserved = sum(length for _, length in reservations.values())
     holes = free_extents(num_slots, reservations)
     free = num_slots - reserved
-    return {"live": live, "internal": reserved - live,
-            "external": free - max((length for _, length in holes), default=0),  # MISTAKE
-            "free": free, "utilisation": live / num_slots}
+    return {
+        "live": live,
+        "internal": reserved - live,
+        "external": free - max((length for _, length in holes), default=0),  # MISTAKE
+        "free": free,
+        "utilisation": live / num_slots,
+    }
 
 
 @mutant("fragmentation", "free = slots not holding a live token (reserved-but-empty slots counted as free)")
-def free_counts_empty_reserved(num_slots: int, reservations: dict[str, tuple[int, int]],
-                               live_tokens: dict[str, int], next_request_size: int) -> dict[str, float]:
+def free_counts_empty_reserved(
+    num_slots: int, reservations: dict[str, tuple[int, int]], live_tokens: dict[str, int], next_request_size: int
+) -> dict[str, float]:
     live = sum(live_tokens.values())
     reserved = sum(length for _, length in reservations.values())
     holes = free_extents(num_slots, reservations)
-    return {"live": live, "internal": reserved - live,
-            "external": sum(length for _, length in holes if length < next_request_size),
-            "free": num_slots - live, "utilisation": live / num_slots}  # MISTAKE: free means not reserved
+    return {
+        "live": live,
+        "internal": reserved - live,
+        "external": sum(length for _, length in holes if length < next_request_size),
+        "free": num_slots - live,
+        "utilisation": live / num_slots,
+    }  # MISTAKE: free means not reserved

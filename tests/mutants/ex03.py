@@ -1,4 +1,5 @@
 """Exercise 03 — the free queue's O(1) remove: wrong solutions a learner writes."""
+
 from __future__ import annotations
 
 from minipaged.block_pool import FreeKVCacheBlockQueue, KVCacheBlock
@@ -9,8 +10,7 @@ CHECKS = {"remove": ["check_remove_links", "check_remove_is_O1", "check_remove_i
 HELPERS: dict = {}
 
 
-@mutant("remove", "forgets to decrease queue.num_free_blocks",
-        checks=["check_remove_links", "check_remove_in_pool"])
+@mutant("remove", "forgets to decrease queue.num_free_blocks", checks=["check_remove_links", "check_remove_in_pool"])
 def forgets_count(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:
     prev_block, next_block = block.prev_free_block, block.next_free_block
     if prev_block is None or next_block is None:
@@ -21,8 +21,11 @@ def forgets_count(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:
     # MISTAKE: queue.num_free_blocks is left as it was
 
 
-@mutant("remove", "unlinks the neighbours but leaves the removed block's own links pointing into the queue",
-        checks=["check_remove_links", "check_remove_in_pool"])
+@mutant(
+    "remove",
+    "unlinks the neighbours but leaves the removed block's own links pointing into the queue",
+    checks=["check_remove_links", "check_remove_in_pool"],
+)
 def keeps_own_links(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:
     prev_block, next_block = block.prev_free_block, block.next_free_block
     if prev_block is None or next_block is None:
@@ -33,8 +36,11 @@ def keeps_own_links(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:
     queue.num_free_blocks -= 1
 
 
-@mutant("remove", "fixes only the forward link (prev.next), not the backward one (next.prev)",
-        checks=["check_remove_links", "check_remove_in_pool"])
+@mutant(
+    "remove",
+    "fixes only the forward link (prev.next), not the backward one (next.prev)",
+    checks=["check_remove_links", "check_remove_in_pool"],
+)
 def one_direction_only(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:
     prev_block, next_block = block.prev_free_block, block.next_free_block
     if prev_block is None or next_block is None:
@@ -44,8 +50,11 @@ def one_direction_only(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> Non
     queue.num_free_blocks -= 1
 
 
-@mutant("remove", "searches the list for the block from the head before unlinking it: O(n), not O(1)",
-        checks=["check_remove_is_O1"])
+@mutant(
+    "remove",
+    "searches the list for the block from the head before unlinking it: O(n), not O(1)",
+    checks=["check_remove_is_O1"],
+)
 def walks_the_list(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:
     prev_block = queue.fake_free_list_head
     while prev_block.next_free_block is not None and prev_block.next_free_block is not block:  # MISTAKE
@@ -59,8 +68,11 @@ def walks_the_list(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:
     queue.num_free_blocks -= 1
 
 
-@mutant("remove", "no guard: removing a block that is not in the queue fails with AttributeError, not ValueError",
-        checks=["check_remove_links", "check_remove_in_pool"])
+@mutant(
+    "remove",
+    "no guard: removing a block that is not in the queue fails with AttributeError, not ValueError",
+    checks=["check_remove_links", "check_remove_in_pool"],
+)
 def no_guard(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:
     prev_block, next_block = block.prev_free_block, block.next_free_block  # MISTAKE: None is not checked
     prev_block.next_free_block = next_block

@@ -1,4 +1,5 @@
 """Exercise 04 — slot mapping and the admission inequality: wrong solutions a learner writes."""
+
 from __future__ import annotations
 
 from . import mutant

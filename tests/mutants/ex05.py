@@ -4,11 +4,13 @@ Each mutant is the solution's launcher around a wrong ``@triton.jit`` kernel. Ev
 here stays inside the buffers the checks hand over (the guard blocks included): under the
 interpreter a store outside them would scribble over the process's memory.
 """
+
 from __future__ import annotations
 
-import minipaged.kernels  # noqa: F401  (first: turns the Triton interpreter on where there is no GPU)
 import triton
 import triton.language as tl
+
+import minipaged.kernels  # noqa: F401  (first: turns the Triton interpreter on where there is no GPU)
 
 from . import mutant
 
@@ -20,22 +22,51 @@ def _launch(kernel, key, value, key_cache, value_cache, slot_mapping) -> None:
     """The exercise's launcher (given to the learner), with the kernel as a parameter."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     kernel[(key.shape[0],)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_P2=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
     )
 
 
 @triton.jit
 def _writes_padding_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco,
-    stride_vch, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_P2: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -51,18 +82,37 @@ def _writes_padding_kernel(
     tl.store(value_cache_ptr + block * stride_vcb + offset * stride_vco + heads * stride_vch + dims, v, mask=mask)
 
 
-@mutant("reshape_and_cache", "no early return for a padding token: slot -1 is written (just before the pool)",
-        checks=["check_scatter_edges"])
+@mutant(
+    "reshape_and_cache",
+    "no early return for a padding token: slot -1 is written (just before the pool)",
+    checks=["check_scatter_edges"],
+)
 def writes_padding(key, value, key_cache, value_cache, slot_mapping) -> None:
     _launch(_writes_padding_kernel, key, value, key_cache, value_cache, slot_mapping)
 
 
 @triton.jit
 def _shape_addresses_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco,
-    stride_vch, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_P2: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -82,18 +132,37 @@ def _shape_addresses_kernel(
     tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
-@mutant("reshape_and_cache", "addresses built from the shapes, not the strides (assumes contiguous tensors)",
-        checks=["check_scatter_edges"])
+@mutant(
+    "reshape_and_cache",
+    "addresses built from the shapes, not the strides (assumes contiguous tensors)",
+    checks=["check_scatter_edges"],
+)
 def shape_addresses(key, value, key_cache, value_cache, slot_mapping) -> None:
     _launch(_shape_addresses_kernel, key, value, key_cache, value_cache, slot_mapping)
 
 
 @triton.jit
 def _flat_slot_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco,
-    stride_vch, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_P2: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -110,18 +179,37 @@ def _flat_slot_kernel(
     tl.store(value_cache_ptr + slot * stride_vco + heads * stride_vch + dims, v, mask=mask)
 
 
-@mutant("reshape_and_cache", "indexes the pool as a flat run of slots (slot × offset stride), no block/offset split",
-        checks=["check_scatter_edges"])
+@mutant(
+    "reshape_and_cache",
+    "indexes the pool as a flat run of slots (slot × offset stride), no block/offset split",
+    checks=["check_scatter_edges"],
+)
 def flat_slot_index(key, value, key_cache, value_cache, slot_mapping) -> None:
     _launch(_flat_slot_kernel, key, value, key_cache, value_cache, slot_mapping)
 
 
 @triton.jit
 def _unpadded_tiles_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco,
-    stride_vch, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_P2: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -137,7 +225,10 @@ def _unpadded_tiles_kernel(
     tl.store(value_cache_ptr + block * stride_vcb + offset * stride_vco + heads * stride_vch + dims, v)
 
 
-@mutant("reshape_and_cache", "tiles of NUM_KV_HEADS × HEAD_DIM, unmasked: breaks on 3 heads or head_dim 80",
-        checks=["check_scatter_write"])
+@mutant(
+    "reshape_and_cache",
+    "tiles of NUM_KV_HEADS × HEAD_DIM, unmasked: breaks on 3 heads or head_dim 80",
+    checks=["check_scatter_write"],
+)
 def unpadded_tiles(key, value, key_cache, value_cache, slot_mapping) -> None:
     _launch(_unpadded_tiles_kernel, key, value, key_cache, value_cache, slot_mapping)

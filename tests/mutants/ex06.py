@@ -1,4 +1,5 @@
 """Exercise 06 — the admission loop of continuous batching: wrong solutions a learner writes."""
+
 from __future__ import annotations
 
 from collections import deque

@@ -1,4 +1,5 @@
 """Exercise 07 — preemption by recompute: wrong solutions a learner writes."""
+
 from __future__ import annotations
 
 from minipaged.kv_cache_manager import KVCacheManager

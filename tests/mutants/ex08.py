@@ -1,4 +1,5 @@
 """Exercise 08 — chained block hashes and the prefix-cache lookup: wrong solutions a learner writes."""
+
 from __future__ import annotations
 
 from minipaged.block_pool import BlockPool, hash_block_tokens
@@ -15,7 +16,7 @@ def no_chain(token_ids: list[int], block_size: int, cache_salt: str | None = Non
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
-        hashes.append(hash_block_tokens(None, token_ids[start:start + block_size], extra))  # MISTAKE
+        hashes.append(hash_block_tokens(None, token_ids[start : start + block_size], extra))  # MISTAKE
     return hashes
 
 
@@ -24,7 +25,7 @@ def salts_every_block(token_ids: list[int], block_size: int, cache_salt: str | N
     hashes, parent = [], None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         extra = (("cache_salt", cache_salt),) if cache_salt else None  # MISTAKE
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         hashes.append(parent)
     return hashes
 
@@ -34,7 +35,7 @@ def hashes_partial_block(token_ids: list[int], block_size: int, cache_salt: str 
     hashes, parent = [], None
     for start in range(0, len(token_ids), block_size):  # MISTAKE: only full blocks get a hash
         extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         hashes.append(parent)
     return hashes
 
@@ -43,7 +44,7 @@ def hashes_partial_block(token_ids: list[int], block_size: int, cache_salt: str 
 def ignores_salt(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
     hashes, parent = [], None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], None)  # MISTAKE
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], None)  # MISTAKE
         hashes.append(parent)
     return hashes
 
@@ -52,7 +53,7 @@ def ignores_salt(token_ids: list[int], block_size: int, cache_salt: str | None =
 @mutant("find_prefix_hits", "does not stop at the first miss: keeps hits after a gap in the chain")
 def skips_misses(pool: BlockPool, block_hashes: list[bytes], num_tokens: int, block_size: int) -> list[int]:
     hits = []
-    for h in block_hashes[:(num_tokens - 1) // block_size]:
+    for h in block_hashes[: (num_tokens - 1) // block_size]:
         block = pool.get_cached_block(h)
         if block is None:
             continue  # MISTAKE
@@ -72,10 +73,9 @@ def no_cap(pool: BlockPool, block_hashes: list[bytes], num_tokens: int, block_si
 
 
 @mutant("find_prefix_hits", "always leaves the last full block out, even when a token follows it")
-def cap_one_block_short(pool: BlockPool, block_hashes: list[bytes], num_tokens: int,
-                        block_size: int) -> list[int]:
+def cap_one_block_short(pool: BlockPool, block_hashes: list[bytes], num_tokens: int, block_size: int) -> list[int]:
     hits = []
-    for h in block_hashes[:num_tokens // block_size - 1]:  # MISTAKE
+    for h in block_hashes[: num_tokens // block_size - 1]:  # MISTAKE
         block = pool.get_cached_block(h)
         if block is None:
             break
@@ -86,7 +86,7 @@ def cap_one_block_short(pool: BlockPool, block_hashes: list[bytes], num_tokens: 
 @mutant("find_prefix_hits", "claims the hits while looking (pool.touch): blocks leave the free queue")
 def touches_the_pool(pool: BlockPool, block_hashes: list[bytes], num_tokens: int, block_size: int) -> list[int]:
     hits = []
-    for h in block_hashes[:(num_tokens - 1) // block_size]:
+    for h in block_hashes[: (num_tokens - 1) // block_size]:
         block = pool.get_cached_block(h)
         if block is None:
             break

@@ -1,4 +1,5 @@
 """Exercise 10 — the capstone: assembling the parts and choosing the engine's settings, done wrong."""
+
 from __future__ import annotations
 
 from functools import cache
@@ -19,13 +20,18 @@ def _mine():
 
 def right_parts() -> dict:
     mine = _mine()
-    return {"free_queue_remove": mine["ex03"].remove, "slot_mapping": mine["ex04"].slot_mapping,
-            "would_allocate": mine["ex04"].would_allocate, "reshape_and_cache": mine["ex05"].reshape_and_cache,
-            "admit_waiting": mine["ex06"].admit_waiting, "schedule_running": mine["ex07"].schedule_running,
-            "preempt_recompute": mine["ex07"].preempt_recompute,
-            "chain_block_hashes": mine["ex08"].chain_block_hashes,
-            "find_prefix_hits": mine["ex08"].find_prefix_hits,
-            "paged_decode_attention": mine["ex09"].paged_decode_attention}
+    return {
+        "free_queue_remove": mine["ex03"].remove,
+        "slot_mapping": mine["ex04"].slot_mapping,
+        "would_allocate": mine["ex04"].would_allocate,
+        "reshape_and_cache": mine["ex05"].reshape_and_cache,
+        "admit_waiting": mine["ex06"].admit_waiting,
+        "schedule_running": mine["ex07"].schedule_running,
+        "preempt_recompute": mine["ex07"].preempt_recompute,
+        "chain_block_hashes": mine["ex08"].chain_block_hashes,
+        "find_prefix_hits": mine["ex08"].find_prefix_hits,
+        "paged_decode_attention": mine["ex09"].paged_decode_attention,
+    }
 
 
 def right_settings() -> dict:
@@ -60,8 +66,11 @@ def package_slot_mapping() -> dict:
 @mutant("my_parts", "swaps exercise 07's two functions")
 def swapped_ex07() -> dict:
     mine = _mine()
-    return {**right_parts(), "schedule_running": mine["ex07"].preempt_recompute,  # MISTAKE
-            "preempt_recompute": mine["ex07"].schedule_running}
+    return {
+        **right_parts(),
+        "schedule_running": mine["ex07"].preempt_recompute,  # MISTAKE
+        "preempt_recompute": mine["ex07"].schedule_running,
+    }
 
 
 # ---- part 2: engine_settings ---------------------------------------------------------------------
@@ -82,5 +91,9 @@ def pool_counts_no_sharing() -> dict:
 
 @mutant("engine_settings", "swaps instead of recomputing: preempt_recompute is never called")
 def swap_mode() -> dict:
-    return dict(enable_prefix_caching=True, preemption_mode="swap", swap_space="64MiB",  # MISTAKE
-                num_gpu_blocks_override=10)
+    return dict(
+        enable_prefix_caching=True,
+        preemption_mode="swap",
+        swap_space="64MiB",  # MISTAKE
+        num_gpu_blocks_override=10,
+    )

@@ -1,0 +1,111 @@
+"""One step of continuous batching, in nano-vllm's three calls: schedule, execute, update.
+
+The engine, the simulator and the tests' driver all step through ``run_step``; what differs is the
+*executor*, the part that turns a ``SchedulerOutput`` into sampled tokens::
+
+                    ┌──────────── executor.execute(output) ────────────┐
+    scheduler.schedule() ─▶ SchedulerOutput ─▶  engine:    ModelRunner (forward + sample)  ─▶ RunnerOutput
+                                                simulator: a cost model's clock + fake tokens
+                                                tests:     a fake model that writes and checks the cache
+    scheduler.update_from_output(output, sampled) ◀────────────────────────────────────────────┘
+
+Both messages are plain data (``scheduler_output``): the executor may live in another process.
+A request whose row fails in the executor (NaN logits, say) finishes with an error; the others go on.
+
+A step happens or it does not: any other exception leaves the scheduler as it was (the scheduler applies a
+step's results only once they are all in, and ``rollback_step`` unhashes what the step's allocation hashed).
+A learner's plugged-in part (``parts``) gives no such promise, so while parts are plugged in the whole
+bookkeeping is saved first and put back if the step fails (``snapshot``).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from . import hooks
+from .kv_cache_manager import KVCacheManager
+from .request import Request
+from .scheduler import Scheduler
+from .scheduler_output import RunnerOutput, SchedulerOutput
+from .snapshot import Snapshot
+
+
+class Executor(Protocol):
+    """What runs a step's work: the model runner, or a stand-in for it."""
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
+
+    def release(self, sample_keys: list[tuple[str, int]]) -> None:
+        """Drop what it keeps for requests that left (the runner: their random streams)."""
+        ...
+
+
+@dataclass
+class StepResult:
+    """What one step did: the scheduler's output, the requests that finished in it (failed ones included),
+    and the seconds spent in each of the three calls."""
+
+    output: SchedulerOutput
+    finished: list[Request]
+    schedule_s: float
+    execute_s: float
+    update_s: float
+
+
+def run_step(
+    scheduler: Scheduler, executor: Executor, now: Callable[[], float], step_index: int | None = None
+) -> StepResult:
+    """Schedule, execute, update, or nothing at all (see the module docstring). ``now()`` is read after the
+    executor ran: the time the step's tokens exist. ``step_index`` names the step in a part's error."""
+    saved = Snapshot.take(scheduler.bookkeeping()) if hooks.active() else None
+    if saved is not None:
+        hooks.at_exit(id(scheduler.kv), _forget_prefix_cache(scheduler.kv))
+    try:
+        return schedule_execute_update(scheduler, executor, now)
+    except BaseException as exc:  # the step did not happen
+        if saved is not None:
+            saved.restore()
+        else:  # no block hashed for it stays findable
+            scheduler.kv.rollback_step()
+        if isinstance(exc, hooks.PartError) and step_index is not None:
+            exc.in_step(step_index)
+        raise
+
+
+def _forget_prefix_cache(kv: KVCacheManager) -> Callable[[], None]:
+    """What the end of a ``parts.use`` block does to a KV cache manager a step ran on with parts plugged in:
+    forget every prefix-cache entry, since a learner's code may have computed, hashed or (unchecked) written
+    any of them. Holds the manager weakly."""
+    ref = weakref.ref(kv)
+
+    def forget() -> None:
+        manager = ref()
+        if manager is not None:
+            manager.forget_prefix_cache()
+
+    return forget
+
+
+def schedule_execute_update(scheduler: Scheduler, executor: Executor, now: Callable[[], float]) -> StepResult:
+    """The three calls, each timed. Rows the executor could not sample finish their requests with an error
+    before the update, which then skips them; the update applies everything else at once."""
+    t0 = time.perf_counter()
+    out = scheduler.schedule()
+    t1 = time.perf_counter()
+    result = executor.execute(out)
+    t2 = time.perf_counter()
+    failed = [scheduler.finish_with_error(rid, f"request {rid!r}: {why}") for rid, why in result.errors.items()]
+    finished = [r for r in failed if r is not None] + scheduler.update_from_output(out, result.sampled, now=now())
+    release_if_idle(scheduler, executor)
+    return StepResult(out, finished, t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+
+def release_if_idle(scheduler: Scheduler, executor: Executor) -> None:
+    """Requests that left are told to the executor with the next step; with nothing left to schedule there
+    is no next step, so tell it now."""
+    if not scheduler.has_unfinished():
+        executor.release(scheduler.take_finished()[1])
