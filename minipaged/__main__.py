@@ -69,12 +69,16 @@ def kv_budget_table(
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from .model_loader import ensure_converted, is_converted
+    from .model_loader import ModelCacheError, ModelNotInstalledError, cache_problem, ensure_converted
 
     t0 = time.perf_counter()
-    already = is_converted()
-    path = ensure_converted(progress=True)
-    state = "already cached" if already else "converted"
+    try:
+        problem = cache_problem(verify="hash")  # every file's size and SHA-256 against the manifest
+        path = ensure_converted(progress=True, verify="hash")
+    except (ModelCacheError, ModelNotInstalledError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    state = "already cached, every file verified (size and SHA-256)" if problem is None else f"converted ({problem})"
     print(f"SmolLM2-135M-Instruct {state} at {path} ({time.perf_counter() - t0:.1f} s)")
     return 0
 
@@ -146,23 +150,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args)  # bad sampling flags fail before the model loads
+    if args.stream and (len(args.prompts) > 1 or params.n > 1):
+        # Streamed answers would interleave on one terminal: refuse rather than show one and drop the rest.
+        print(
+            "error: --stream writes one answer as it is generated; with several prompts or -n > 1, leave out "
+            "--stream and every answer is printed, labelled, when it is done",
+            file=sys.stderr,
+        )
+        return 2
     llm = _engine(args)
     prompts = args.prompts if args.raw else [[{"role": "user", "content": p}] for p in args.prompts]
-    if args.stream and len(prompts) == 1:
+    if args.stream:
         printed = 0
         for out in llm.stream(prompts, params):
+            if out.error:
+                print(f"\nerror: {out.error}", file=sys.stderr)
+                return 1
             text = out.outputs[0].text
             print(text[printed:], end="", flush=True)
             printed = len(text)
         print()
         return 0
     for prompt, out in zip(args.prompts, llm.generate(prompts, params)):
+        print(f"> {prompt}")
         if out.error:
-            print(f"[{prompt!r}] error: {out.error}")
+            print(f"error: {out.error}")
             continue
         for o in out.outputs:
-            tag = f" (sample {o.index})" if len(out.outputs) > 1 else ""
-            print(f"[{prompt!r}]{tag} {o.text.strip()}  <{o.finish_reason}, {len(o.token_ids)} tokens>")
+            tag = f"(sample {o.index}) " if len(out.outputs) > 1 else ""
+            print(f"{tag}{o.text.strip()}  <{o.finish_reason}, {len(o.token_ids)} tokens>")
     if args.verbose:
         print(_pool_report(llm))
     return 0

@@ -14,14 +14,16 @@ and keeps the requests a caller added until it has handed their outputs back.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .config import Config
-from .inputs import InputProcessor, Prompt, check_params, has_tokenizer
+from .inputs import InputProcessor, ParamsLike, Prompt, Prompts, check_params, has_tokenizer
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, is_done, num_output_tokens, request_output, samples
 from .request import Request
@@ -30,16 +32,27 @@ from .scheduler import Scheduler
 from .step import release_if_idle, run_step
 
 STEP_STATS_KEPT = 100_000
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _serialised(method: Callable[Concatenate[LLM, P], R]) -> Callable[Concatenate[LLM, P], R]:
+    """Hold the engine's lock for the call: one step, add, abort or hand-back at a time, whichever thread asks."""
+
+    @functools.wraps(method)
+    def locked(self: LLM, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class LLM:
     """A small offline engine with vLLM's shape: ``LLM(...).generate(prompts, SamplingParams(...))``.
 
-    ``LLM(model=None, **kwargs)``: the keyword arguments are the fields of :class:`minipaged.config.Config`
-    (``dtype``, ``device``, ``block_size``, ``kv_cache_memory``, ``gpu_memory_utilization``,
-    ``num_gpu_blocks_override``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
-    ``allow_long_max_model_len``, ``enable_prefix_caching``, ``preemption_mode``, ``swap_space``,
-    ``num_cpu_blocks_override``, ``attention_backend``, ``watermark``), all checked before the model loads.
+    ``LLM(model=None, **kwargs)``: the keyword arguments are the fields of :class:`minipaged.config.Config`, all
+    checked before the model loads. Threads may share one ``LLM``: steps, adds, aborts and hand-backs take turns
+    under a lock, so the calls of several threads run as one batch and each gets its own outputs back.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
@@ -54,8 +67,10 @@ class LLM:
         eos = getattr(self.model.config, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
         self._t0 = time.perf_counter()
+        self._lock = threading.RLock()
         self.reset()
 
+    @_serialised
     def reset(self) -> None:
         """A fresh engine around the same weights and cache tensors: every request dropped, an empty pool and
         prefix cache, a new scheduler (a second ``LLM`` would load the model again)."""
@@ -75,6 +90,7 @@ class LLM:
         return self.runner.describe()
 
     # ---- requests -------------------------------------------------------------------------------
+    @_serialised
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one request (checked first: a bad one raises and queues nothing); returns its id."""
         params = check_params(params or SamplingParams())
@@ -99,9 +115,9 @@ class LLM:
         self._requests[request_id] = req
         return request_id
 
+    @_serialised
     def abort(self, request_ids: str | Sequence[str]) -> None:
-        """Stop requests wherever they are (waiting, running, swapped) and give back their blocks.
-        Unknown or already finished ids are ignored, as in vLLM. Their outputs so far are dropped."""
+        """Stop requests wherever they are and give back their blocks; unknown ids are ignored, as in vLLM."""
         for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
             if rid in self._requests:
                 for req in reversed(samples(self._requests[rid])):  # forked samples first
@@ -113,6 +129,7 @@ class LLM:
         return time.perf_counter() - self._t0
 
     # ---- the loop -------------------------------------------------------------------------------
+    @_serialised
     def step(self) -> list[str]:
         """One step (``step.run_step``: it happens whole or not at all); returns the ids of the requests that
         finished in it. A request whose logits or sampling fail (NaN logits, say) finishes with an ``error``."""
@@ -120,19 +137,10 @@ class LLM:
         res = run_step(self.scheduler, self.runner, self._now, step_index=self.num_steps)
         self.runner.timers["schedule"] += res.schedule_s
         self.runner.timers["update"] += res.update_s
-        sched = self.scheduler
-        self.step_stats.append(
-            dict(
-                time=self._now(),
-                running=len(sched.running),
-                waiting=len(sched.waiting) + len(sched.swapped),
-                blocks_used=self.num_blocks - 1 - self.kv_cache_manager.get_num_free_blocks(),
-                tokens=res.output.total_num_scheduled_tokens,
-                preempted=len(res.output.preempted),
-            )
-        )
+        self.step_stats.append(res.stats(self.scheduler, self._now()))
         return [r.request_id for r in res.finished]  # a step that ran is committed by the next schedule()
 
+    @_serialised
     def get_output(self, request_id: str) -> RequestOutput:
         """The request's output so far (for ``add_request`` + ``step`` users). A finished request is
         handed back once and then forgotten, so a long-running engine keeps no finished state."""
@@ -143,40 +151,51 @@ class LLM:
             del self._requests[request_id]
         return out
 
+    @_serialised
     def _done(self, request_id: str) -> bool:
-        return is_done(self._requests[request_id])
+        """Finished, or gone (``reset`` by another thread: ``get_output`` then says it is unknown)."""
+        return request_id not in self._requests or is_done(self._requests[request_id])
+
+    @_serialised
+    def _poll(self, rid: str, pending: dict[str, int]) -> RequestOutput | None:
+        """A snapshot if the request gained tokens since ``pending[rid]``; its final output (and it leaves
+        ``pending``) once it finished; else None."""
+        if self._done(rid):
+            del pending[rid]
+            return self.get_output(rid)
+        n = num_output_tokens(self._requests[rid])
+        if n == pending[rid]:
+            return None
+        pending[rid] = n
+        return request_output(self._requests[rid], self.processor.decode)
 
     def stream(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompts,
+        sampling_params: ParamsLike = None,
     ) -> Iterator[RequestOutput]:
-        """Yield a ``RequestOutput`` snapshot every time a request gains tokens or finishes."""
+        """Yield a ``RequestOutput`` snapshot every time a request gains tokens or finishes. Closing the generator
+        early aborts its requests; one dropped inside a reference cycle is closed only when Python's cycle
+        collector runs (``gc.collect()``): until then its requests run on. ``close()`` it, or let it end."""
         ids = self._add_all(prompts, sampling_params)
         try:
-            lengths, pending = {rid: -1 for rid in ids}, list(ids)
+            pending = {rid: -1 for rid in ids}  # output tokens seen so far
             for rid in ids:  # rejected at once: report them first
                 if self._done(rid):
-                    pending.remove(rid)
+                    del pending[rid]
                     yield self.get_output(rid)
             while pending:
                 self.step()
                 for rid in list(pending):
-                    n, done = num_output_tokens(self._requests[rid]), self._done(rid)
-                    if n != lengths[rid] or done:
-                        lengths[rid] = n
-                        if done:
-                            pending.remove(rid)
-                        yield (
-                            self.get_output(rid) if done else request_output(self._requests[rid], self.processor.decode)
-                        )
+                    if (out := self._poll(rid, pending)) is not None:
+                        yield out
         finally:  # closed early, interrupted or failed: this call's requests leave nothing behind
             self.abort([rid for rid in ids if rid in self._requests])
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompts,
+        sampling_params: ParamsLike = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Serve a batch of prompts to the end; outputs come back in the order of the prompts."""
@@ -200,16 +219,14 @@ class LLM:
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: ParamsLike = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` messages) or a batch of them, through the chat template."""
-        batch = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate(batch, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(messages, sampling_params, use_tqdm=use_tqdm)
 
-    def _add_all(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
-    ) -> list[str]:
+    @_serialised
+    def _add_all(self, prompts: Prompts, sampling_params: ParamsLike) -> list[str]:
         """Check the whole batch, then queue it: a bad prompt anywhere queues nothing."""
         batch = self.processor.batch(prompts, sampling_params)
         first = self._counter  # the ids are taken once every prompt passed

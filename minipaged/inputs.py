@@ -24,6 +24,8 @@ import torch
 from .sampling_params import SamplingParams
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
+Prompts = Prompt | Sequence[Prompt]  # one prompt, or a batch
+ParamsLike = SamplingParams | Sequence[SamplingParams] | None  # one for all (None: the defaults), or one each
 
 
 def has_tokenizer(path: str | os.PathLike) -> bool:
@@ -101,9 +103,7 @@ class InputProcessor:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     @staticmethod
-    def batch(
-        prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
-    ) -> list[tuple[Prompt, SamplingParams]]:
+    def batch(prompts: Prompts, sampling_params: ParamsLike) -> list[tuple[Prompt, SamplingParams]]:
         """One prompt or a batch of them, each paired with its sampling parameters (one for all, or one each)."""
         if prompts is None:
             raise ValueError("prompts is None: pass a prompt or a list of prompts")

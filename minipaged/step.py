@@ -24,7 +24,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from . import hooks
 from .kv_cache_manager import KVCacheManager
@@ -54,6 +54,18 @@ class StepResult:
     schedule_s: float
     execute_s: float
     update_s: float
+
+    def stats(self, scheduler: Scheduler, now: float) -> dict[str, Any]:
+        """The step as one row of ``LLM.step_stats`` (what the widgets and benchmarks plot)."""
+        kv = scheduler.kv
+        return dict(
+            time=now,
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting) + len(scheduler.swapped),
+            blocks_used=kv.num_blocks - 1 - kv.get_num_free_blocks(),
+            tokens=self.output.total_num_scheduled_tokens,
+            preempted=len(self.output.preempted),
+        )
 
 
 def run_step(

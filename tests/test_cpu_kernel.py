@@ -179,3 +179,59 @@ def test_engine_gives_the_same_tokens_with_and_without_the_kernel(tiny_model, mo
     monkeypatch.setitem(cpu_kernel._state, "reason", "switched off by the test")
     assert not cpu_kernel.usable(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1))
     assert run() == with_kernel
+
+
+# ---- every compiler call is bounded; $CXX is honoured or the notice says why; a bad cached library is rebuilt --
+def _script(path, body: str):
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def test_a_compiler_that_hangs_costs_seconds_not_the_session(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv("MINIPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernel, "VERSION_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(cpu_kernel, "COMPILE_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("CXX", str(_script(tmp_path / "hangs-on-version", "sleep 60\n")))
+    t0 = time.perf_counter()
+    lib, reason = cpu_kernel._build()
+    assert lib is None and "--version could not run or did not return within 0.5 s" in reason
+    monkeypatch.setenv("CXX", str(_script(tmp_path / "hangs-on-compile", '[ "$1" = --version ] && exit 0\nsleep 60\n')))
+    lib, reason = cpu_kernel._build()
+    assert lib is None and reason == "hangs-on-compile did not finish compiling cpu_paged_attention.cpp within 0.5 s"
+    assert time.perf_counter() - t0 < 10
+    assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+def test_cxx_is_honoured_or_the_notice_says_why_not(tmp_path, monkeypatch, caplog):
+    import shutil
+
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    compiler, note = cpu_kernel._compiler()
+    assert compiler == shutil.which("g++")
+    assert note == f"CXX='/nonexistent/g++' is not an executable compiler here; using {compiler} instead"
+    wrapper = _script(tmp_path / "my-c++", f'exec {compiler} "$@"\n')
+    monkeypatch.setenv("CXX", str(wrapper))
+    assert cpu_kernel._compiler() == (str(wrapper), "")
+    monkeypatch.setenv("MINIPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with caplog.at_level("WARNING", logger="minipaged"):
+        lib, reason = cpu_kernel._build()
+    assert lib is not None and reason == ""
+    assert "CXX='/nonexistent/g++' is not an executable compiler here" in caplog.text
+
+
+def test_a_cached_library_that_does_not_load_is_built_again_once(tmp_path, monkeypatch, caplog):
+    import shutil
+
+    monkeypatch.setenv("MINIPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CXX", raising=False)
+    cached = cpu_kernel.library_path(cpu_kernel._version(shutil.which("g++")) or "")
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"\x7fELF" + bytes(4092))  # a truncated library where the build would keep its own
+    with caplog.at_level("WARNING", logger="minipaged"):
+        lib, reason = cpu_kernel._build()
+    assert lib is not None and reason == "" and cached.stat().st_size > 4096
+    assert f"the cached {cached.name} does not load" in caplog.text and "building it again" in caplog.text

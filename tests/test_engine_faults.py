@@ -389,3 +389,64 @@ def test_cli_checks_its_arguments_before_loading_the_model(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exc:
             cli.main(argv)
         assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+# ---- one engine, several threads: their calls run as one batch, each gets its own outputs ------------------------
+def test_eight_threads_share_one_engine(tiny_model, expected):
+    import threading
+
+    llm = engine(tiny_model, num_gpu_blocks_override=40)
+    results: dict[int, object] = {}
+    barrier = threading.Barrier(8)
+
+    def caller(i: int) -> None:
+        barrier.wait()  # all eight at once
+        try:
+            if i % 2:
+                results[i] = token_ids(llm.generate(PROMPTS, GREEDY))
+            else:  # a streaming caller beside them: its last snapshot of each request is the final one
+                last = {}
+                for out in llm.stream(PROMPTS, GREEDY):
+                    last[out.request_id] = out
+                results[i] = [last[k].outputs[0].token_ids for k in sorted(last, key=int)]
+        except BaseException as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck"
+    assert all(results[i] == expected for i in range(8)), results
+    assert_clean(llm)
+    # They were served together: far fewer steps than eight engines one after another would take.
+    alone = engine(tiny_model, num_gpu_blocks_override=40)
+    alone.generate(PROMPTS, GREEDY)
+    assert llm.num_steps < 8 * alone.num_steps
+
+
+# ---- the command line -----------------------------------------------------------------------------------------
+def test_cli_refuses_to_stream_several_answers_before_loading_the_model(monkeypatch, capsys):
+    from minipaged import __main__ as cli
+    from minipaged import engine as engine_module
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(engine_module.LLM, "__init__", no_model)
+    argv = ["generate", "Name a color.", "-n", "2", "--temperature", "0.8", "--seed", "1", "--stream"]
+    assert cli.main(argv) == 2
+    assert "--stream writes one answer" in capsys.readouterr().err
+    assert cli.main(["generate", "one", "two", "--stream"]) == 2
+
+
+def test_cli_prints_prompts_as_text_and_every_sample(capsys):
+    from minipaged import __main__ as cli
+
+    argv = ["generate", "Name a color.", "-n", "2", "--temperature", "0.8", "--seed", "1", "--max-tokens", "4"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "> Name a color."
+    assert [ln.split(")")[0] for ln in out[1:3]] == ["(sample 0", "(sample 1"]
+    assert "['" not in "\n".join(out)

@@ -13,14 +13,17 @@ the copy, read the copy). One layer of a 128-request decode step on SmolLM2's sh
     flex_attention, BlockMask from the tables       14.0 ms    3.1 GB/s
     this kernel, in place                            2.6 ms   16.8 GB/s
 
-so the engine compiles this one file with the machine's C++ compiler (``g++``, ``c++`` or
-``clang++``; ``$CXX`` wins) the first time it needs it (about a second), for this CPU
+so the engine compiles this one file with the machine's C++ compiler (``$CXX`` when it is set
+and runs; else ``g++``, ``c++`` or ``clang++``, with one line saying why ``$CXX`` was passed over)
+the first time it needs it (about a second), for this CPU
 (``-march=native``: AVX-512 where there is one), and keeps the library in
 ``~/.cache/minipaged/kernels`` keyed by the source, the compiler and the CPU. Its OpenMP
 threads are PyTorch's own (the library links the ``libgomp`` PyTorch has already loaded).
 With no compiler, or a compiler that fails, the engine logs one line and runs the fallback
 (``MINIPAGED_CPU_KERNEL=0`` chooses the fallback quietly); ``kernels/reference.py`` stays the
-specification both are tested against (``tests/test_cpu_kernel.py``).
+specification both are tested against (``tests/test_cpu_kernel.py``). Every compiler call has a time
+limit (``VERSION_TIMEOUT_S``, ``COMPILE_TIMEOUT_S``): a compiler that hangs costs seconds, not the
+session. A cached library that will not load (a truncated file, say) is built again, once.
 """
 
 from __future__ import annotations
@@ -42,14 +45,37 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fope
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 log = logging.getLogger("minipaged")
 
+VERSION_TIMEOUT_S = 10.0  # `$CXX --version`
+COMPILE_TIMEOUT_S = 300.0  # one build of the kernel (about a second on a laptop)
+
 _state: dict[str, object] = {}  # "lib": ctypes.CDLL | None, "reason": why not
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+def _compiler() -> tuple[str | None, str]:
+    """(the compiler to use, or None; a note when ``$CXX`` was set but passed over)."""
+    note = ""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        found = shutil.which(cxx)
+        if found:
+            return found, ""
+        note = f"CXX={cxx!r} is not an executable compiler here"
+    for name in ("g++", "c++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return found, note + (f"; using {found} instead" if note else "")
+    return None, note
+
+
+def _version(compiler: str) -> str | None:
+    """``compiler --version``'s output, or None when it cannot run or does not return in time."""
+    try:
+        proc = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout  # part of the library's cache key; a compiler that fails says so when it compiles
 
 
 def _cpu_signature() -> str:
@@ -65,30 +91,28 @@ def _cpu_signature() -> str:
 def _build() -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("MINIPAGED_CPU_KERNEL", "1") == "0":
         return None, "MINIPAGED_CPU_KERNEL=0"
-    compiler = _compiler()
+    compiler, note = _compiler()
+    if note:
+        log.warning("minipaged: %s", note)
     if compiler is None:
-        return None, "no C++ compiler found (g++, c++, clang++ or $CXX)"
-    from ..model_loader import cache_dir
-
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *FLAGS, _cpu_signature()]).encode()).hexdigest()
-    lib_path = cache_dir() / "kernels" / f"cpu_paged_attention-{key[:16]}.so"
-    if not lib_path.is_file():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)  # other processes may build it too
-        os.close(fd)
+        return None, note or "no C++ compiler found (g++, c++, clang++ or $CXX)"
+    version = _version(compiler)
+    if version is None:
+        return None, f"{compiler} --version could not run or did not return within {VERSION_TIMEOUT_S:g} s"
+    lib_path = library_path(version)
+    for attempt in range(2):
+        if not lib_path.is_file():
+            reason = _compile(compiler, lib_path)
+            if reason:
+                return None, reason
         try:
-            proc = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
-            )
-            if proc.returncode:
-                first = (proc.stderr.strip().splitlines() or ["no output"])[0]
-                return None, f"{Path(compiler).name} could not compile {SOURCE.name}: {first}"
-            os.replace(tmp, lib_path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(lib_path))
+            lib = ctypes.CDLL(str(lib_path))
+            break
+        except OSError as e:  # a truncated or foreign file in the cache: build it again, once
+            if attempt:
+                return None, f"the freshly built {lib_path} does not load: {e}"
+            log.warning("minipaged: the cached %s does not load (%s): building it again", lib_path.name, e)
+            lib_path.unlink(missing_ok=True)
     fn = lib.minipaged_paged_attention
     fn.restype = None
     fn.argtypes = (
@@ -99,6 +123,41 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
     )
     return lib, ""
+
+
+def library_path(compiler_version: str) -> Path:
+    """Where the library built by this compiler, from this source, for this CPU is kept."""
+    from ..model_loader import cache_dir
+
+    parts = [SOURCE.read_text(), compiler_version, *FLAGS, _cpu_signature()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    return cache_dir() / "kernels" / f"cpu_paged_attention-{key[:16]}.so"
+
+
+def _compile(compiler: str, lib_path: Path) -> str:
+    """Build the library at ``lib_path``; "" on success, else why not (one line)."""
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)  # other processes may build it too
+    os.close(fd)
+    try:
+        try:
+            proc = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", tmp],
+                capture_output=True,
+                text=True,
+                timeout=COMPILE_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired:
+            return f"{Path(compiler).name} did not finish compiling {SOURCE.name} within {COMPILE_TIMEOUT_S:g} s"
+        if proc.returncode:
+            first = (proc.stderr.strip().splitlines() or ["no output"])[0]
+            return f"{Path(compiler).name} could not compile {SOURCE.name}: {first}"
+        os.replace(tmp, lib_path)
+        return ""
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def library() -> ctypes.CDLL | None:

@@ -67,6 +67,8 @@ ARCH_LIMITS: dict[str, dict[str, int]] = {
 REG_ALLOC_UNIT = 256  # registers are given to a warp in chunks of 256
 SHARED_RESERVED = 1024  # the system reserves 1 KiB of shared memory per program
 SHARED_ALLOC_UNIT = 128
+TOOL_TIMEOUT_S = 60.0  # one cuobjdump call
+WORKER_TIMEOUT_S = 1800.0  # one compile worker, its whole share of the configurations (about 3 min on 2 cores)
 
 
 @dataclass(frozen=True)
@@ -276,9 +278,11 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
-        text = subprocess.run(
-            [str(_tool("cuobjdump")), "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True
-        ).stdout
+        cmd = [str(_tool("cuobjdump")), "--dump-resource-usage", str(path)]
+        try:
+            text = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=TOOL_TIMEOUT_S).stdout
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"cuobjdump did not return within {TOOL_TIMEOUT_S:g} s") from None
     usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
     if "REG" not in usage:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{text}")
@@ -510,8 +514,11 @@ def _worker_main() -> None:
 # ---- the caller's side ------------------------------------------------------------------------------
 
 
-def compile_report(configs: Iterable[Config] | None = None, *, processes: int | None = None) -> list[Row]:
+def compile_report(
+    configs: Iterable[Config] | None = None, *, processes: int | None = None, timeout_s: float = WORKER_TIMEOUT_S
+) -> list[Row]:
     """Compile ``configs`` (default: :func:`default_configs`) in fresh worker processes; rows in order.
+    A worker still running after ``timeout_s`` is killed and the report fails, saying so.
 
     Workers are plain subprocesses (``python -m minipaged.kernels.report --worker``) started with
     ``TRITON_INTERPRET=0``, so this works from a notebook or a script that has the interpreter on.
@@ -547,9 +554,17 @@ def compile_report(configs: Iterable[Config] | None = None, *, processes: int | 
         )
         for _ in chunks
     ]
+
+    def run(worker: subprocess.Popen, chunk: list) -> tuple[str, str]:
+        try:
+            return worker.communicate(json.dumps(chunk), timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            raise RuntimeError(f"a compile worker did not finish within {timeout_s:g} s") from None
+
     try:
         with ThreadPoolExecutor(len(workers)) as pool:  # feed and drain every worker at once
-            outputs = list(pool.map(lambda wc: wc[0].communicate(json.dumps(wc[1])), zip(workers, chunks)))
+            outputs = list(pool.map(lambda wc: run(*wc), zip(workers, chunks)))
     finally:
         for w in workers:
             if w.poll() is None:

@@ -433,7 +433,10 @@ class LlamaForCausalLM(nn.Module):
         folder = Path(path)
         if not (folder / "config.json").is_file():
             raise ValueError(f"{folder} is not a model folder: no config.json")
-        config = AutoConfig.from_pretrained(folder)
+        try:
+            config = AutoConfig.from_pretrained(folder)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # invalid JSON, a missing or wrong model_type
+            raise ValueError(f"{folder / 'config.json'} cannot be read as a model config: {_first_line(e)}") from None
         with torch.device("meta"):
             model = cls(config, backend=backend)
         state: dict[str, torch.Tensor] = {}
@@ -441,12 +444,33 @@ class LlamaForCausalLM(nn.Module):
         if not files:
             raise ValueError(f"{folder} has no .safetensors weights")
         for f in files:
-            state.update(load_file(str(f)))
+            try:
+                state.update(load_file(str(f)))
+            except Exception as e:  # safetensors' own error type: a truncated, empty or foreign file
+                raise ValueError(
+                    f"{f} is not a readable safetensors file ({_first_line(e)}){_fix_for(folder)}"
+                ) from None
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        model.load_state_dict(state, strict=True, assign=True)
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:  # missing or unexpected tensors, wrong shapes: not this config's weights
+            raise ValueError(f"the weights in {folder} do not fit its config.json: {_first_line(e, 2)}") from None
         if getattr(config, "tie_word_embeddings", False):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.model.rotary_emb = RotaryEmbedding(model.head_dim, _rope_theta(config))
         return model.to(device=device, dtype=dtype).eval()
+
+
+def _first_line(exc: BaseException, lines: int = 1) -> str:
+    """The start of an error's message, on one line (a library's message can run to dozens)."""
+    text = " ".join(ln.strip() for ln in str(exc).strip().splitlines()[:lines])
+    return (text or type(exc).__name__)[:300]
+
+
+def _fix_for(folder: Path) -> str:
+    """The command that repairs ``folder`` when it is the model cache."""
+    from ..model_loader import PREPARE_COMMAND, model_dir
+
+    return f"; run {PREPARE_COMMAND} to convert it again" if folder.resolve() == model_dir().resolve() else ""
