@@ -488,3 +488,42 @@ def test_compile_without_tritons_private_binder_gives_the_same_cubin(tmp_path):
     assert [r[0] for r in private["rows"]] == ["paged_decode", "paged_decode_split", "reduce_segments"]
     assert all(0 < r[1] <= 255 for r in private["rows"])
     assert by_hand["rows"] == private["rows"]  # byte for byte
+
+
+# ---- the packed path meets a bounded set of row counts (oneDNN keeps a kernel per row count) --------------------
+def test_packed_rows_rounds_up_by_at_most_an_eighth_to_few_sizes():
+    sizes = [llama.packed_rows(m) for m in range(1, 8193)]
+    assert sizes[:16] == list(range(1, 17))  # small batches (decodes) run as they are
+    assert all(m <= p <= m + m // 8 for m, p in enumerate(sizes, start=1))
+    assert sizes == sorted(sizes) and len(set(sizes)) == 16 + 8 * 9  # 8 sizes per octave from 16 to 8192
+
+
+def test_the_packed_path_sees_few_row_counts_and_gives_the_unpadded_results(fresh_onednn, monkeypatch):
+    """Every row count from 1 to 600 through forward, silu, mul and add: oneDNN is asked for at most
+    16 + 8 × 6 row counts (each kernel it builds is kept: fewer counts, bounded memory), and each result is
+    what plain PyTorch gives for the real rows."""
+    ops = _real_ops_or_skip()
+    seen: set[int] = set()
+
+    def spy(op):
+        def call(*args):
+            seen.add(args[0].shape[0])
+            return op(*args)
+
+        return call
+
+    namespace = SimpleNamespace(
+        _reorder_linear_weight=ops.reorder, _linear_pointwise=_Counting(spy(ops.pointwise), spy(ops.binary))
+    )
+    monkeypatch.setattr(llama, "_mkldnn_namespace", lambda: namespace)
+    torch.manual_seed(0)
+    layer = llama.Linear(24, 40, bias=True)
+    llama.onednn_ops()
+    seen.clear()  # the probe's own tiny GEMM
+    for m in range(1, 601):
+        x, other = torch.randn(m, 24), torch.randn(m, 40)
+        got = _all_results(layer, x, other)
+        assert all(v.shape == (m, 40) for v in got.values())
+        if m in (1, 17, 100, 333, 600):
+            _assert_same(got, _plain_results(layer, x, other))
+    assert llama._ONEDNN is True and len(seen) <= 16 + 8 * 6 and max(seen) == llama.packed_rows(600)

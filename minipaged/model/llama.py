@@ -101,7 +101,7 @@ class Linear(nn.Linear):
         if found is not None:
             ops, packed = found
             try:
-                return ops.pointwise(x, packed, self.bias, "none", [], "")
+                return ops.pointwise(pad_rows(x), packed, self.bias, "none", [], "")[: len(x)]
             except Exception as e:
                 _packed_failed(x.dtype, "_linear_pointwise", e)
         return nn.functional.linear(x, self.weight, self.bias)
@@ -111,7 +111,7 @@ class Linear(nn.Linear):
         if found is not None:
             ops, packed = found
             try:
-                return ops.pointwise(x, packed, self.bias, "swish", [], "")
+                return ops.pointwise(pad_rows(x), packed, self.bias, "swish", [], "")[: len(x)]
             except Exception as e:
                 _packed_failed(x.dtype, "_linear_pointwise (swish)", e)
         return nn.functional.silu(self(x))
@@ -127,11 +127,34 @@ class Linear(nn.Linear):
         if found is not None and other.dtype == x.dtype and other.shape == (*x.shape[:-1], self.out_features):
             ops, packed = found
             try:
-                return ops.binary(x, other.contiguous(), packed, self.bias, op)
+                return ops.binary(pad_rows(x), pad_rows(other.contiguous()), packed, self.bias, op)[: len(x)]
             except Exception as e:
                 _packed_failed(x.dtype, f"_linear_pointwise.binary ({op})", e)
         y = self(x)  # also where the fused op cannot take `other` (shape, dtype): the GEMM, then the op
         return y * other if op == "mul" else y + other
+
+
+def packed_rows(m: int) -> int:
+    """The row count a packed GEMM runs with for ``m`` rows: ``m`` up to 16, else ``m`` rounded up to three
+    significant bits (17 → 18, 100 → 104, 1000 → 1024: at most 1/8 more rows, 8 sizes per octave).
+
+    Why: oneDNN builds a kernel for each row count it meets and keeps it, in its primitive cache and in
+    PyTorch's ideep cache, about half a megabyte each; an engine meets hundreds of different row counts
+    (every prefill chunk, every batch size), and a process serving short random calls grew by 400 MB over
+    1,300 of them. Rounding the rows bounds the kernels to about 70 per weight shape and post-op, all built
+    in the first calls; the padded rows are zeros, and their results are cut off.
+    """
+    if m <= 16:
+        return m
+    step = 1 << (m.bit_length() - 4)
+    return -(-m // step) * step
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``packed_rows`` (a 2-D tensor; anything else as it is)."""
+    if x.dim() != 2 or (m := packed_rows(len(x))) == len(x):
+        return x
+    return nn.functional.pad(x, (0, 0, 0, m - len(x)))
 
 
 @dataclass(frozen=True)
