@@ -238,6 +238,11 @@ def _save_dequantised(model: Any, folder: Path) -> None:
     )
 
 
+def repair_hint(folder: Path) -> str:
+    """What to add to an error about a file in ``folder``: the command that repairs it, when it is the cache."""
+    return f"; run {PREPARE_COMMAND} to convert it again" if folder.resolve() == model_dir().resolve() else ""
+
+
 def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
     """The SmolLM2 tokenizer (or the one in ``path``), chat template included."""
     from transformers import AutoTokenizer
@@ -248,10 +253,9 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
             return AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # tokenizers raises its own types; a broken file gives a JSON error naming no file
         names = [n for n in ("tokenizer.json", "tokenizer_config.json") if (folder / n).is_file()]
-        fix = f"; run {PREPARE_COMMAND} to convert it again" if folder.resolve() == model_dir().resolve() else ""
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise ValueError(f"the tokenizer in {folder} ({', '.join(names) or 'no tokenizer files'}) cannot be "
-                         f"loaded: {type(e).__name__}: {first}{fix}") from None  # fmt: skip
+                         f"loaded: {type(e).__name__}: {first}{repair_hint(folder)}") from None  # fmt: skip
 
 
 def load_hf_model(path: str | os.PathLike | None = None, dtype: Any = None, device: str = "cpu") -> Any:

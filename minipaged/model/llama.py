@@ -453,6 +453,8 @@ class LlamaForCausalLM(nn.Module):
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
+        from ..model_loader import repair_hint
+
         folder = Path(path)
         if not (folder / "config.json").is_file():
             raise ValueError(f"{folder} is not a model folder: no config.json")
@@ -471,7 +473,7 @@ class LlamaForCausalLM(nn.Module):
                 state.update(load_file(str(f)))
             except Exception as e:  # safetensors' own error type: a truncated, empty or foreign file
                 raise ValueError(
-                    f"{f} is not a readable safetensors file ({_first_line(e)}){_fix_for(folder)}"
+                    f"{f} is not a readable safetensors file ({_first_line(e)}){repair_hint(folder)}"
                 ) from None
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
@@ -490,10 +492,3 @@ def _first_line(exc: BaseException, lines: int = 1) -> str:
     """The start of an error's message, on one line (a library's message can run to dozens)."""
     text = " ".join(ln.strip() for ln in str(exc).strip().splitlines()[:lines])
     return (text or type(exc).__name__)[:300]
-
-
-def _fix_for(folder: Path) -> str:
-    """The command that repairs ``folder`` when it is the model cache."""
-    from ..model_loader import PREPARE_COMMAND, model_dir
-
-    return f"; run {PREPARE_COMMAND} to convert it again" if folder.resolve() == model_dir().resolve() else ""
