@@ -1,10 +1,13 @@
-"""Command line: ``python -m minipaged {prepare,demo,generate,chat,bench,grade}``.
+"""Command line: ``python -m minipaged {prepare,demo,generate,chat,bench,serve,grade,kernels}``.
 
 * ``prepare``: convert the SmolLM2 GGUF once into the local cache (``make setup`` runs it).
 * ``demo``: the main job — the paged engine serves a batch of prompts; answers, pool figures, throughput.
 * ``generate "..." ["..."]``: answer prompts (chat template unless ``--raw``; ``--stream`` for one).
 * ``chat``: an interactive, streamed chat.
 * ``bench``: throughput on a seeded mixed-length batch (the full comparison is benchmarks/bench_engine.py).
+* ``serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME] [engine knobs]``: an
+  OpenAI-compatible HTTP server (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
+  ``/metrics``); every field of ``Config`` is a flag (``--max-num-seqs 64``, ``--no-enable-prefix-caching``).
 * ``grade [PATH ...] [--timeout S]``: grade the exercise notebooks in each folder (or each notebook) by running
   the learner's code in a fresh process per notebook and calling the checks on it; print a score table.
 * ``kernels [--arch sm_80,sm_90] [--json]``: compile every Triton kernel for an NVIDIA GPU (no GPU needed)
@@ -236,6 +239,61 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_knob_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per init field of ``Config`` (``--max-num-seqs``, ``--enable-prefix-caching/--no-...``): values
+    are passed to ``LLM`` as given, so ``Config``'s own rules give the errors. Unset flags keep its defaults."""
+    from dataclasses import MISSING, fields
+
+    from .config import Config
+
+    types = {"int": int, "int | None": int, "float": float}  # anything else reaches Config as a string
+    group = parser.add_argument_group("engine knobs (minipaged.config.Config; checked before the model loads)")
+    for f in fields(Config):
+        if not f.init:
+            continue
+        flag, default = "--" + f.name.replace("_", "-"), "" if f.default is MISSING else f" (default {f.default})"
+        if f.type == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=f"Config.{f.name}{default}")  # fmt: skip
+        else:
+            group.add_argument(flag, type=types.get(str(f.type), str), default=argparse.SUPPRESS,
+                               metavar=f.name.upper(), help=f"Config.{f.name}{default}")  # fmt: skip
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Check the knobs, load the model, serve until Ctrl-C (or SIGTERM)."""
+    import signal
+    from dataclasses import fields
+
+    from .config import Config
+
+    knobs = {f.name: getattr(args, f.name) for f in fields(Config) if f.init and hasattr(args, f.name)}
+    model = knobs.pop("model", None)
+    Config.from_kwargs(model, knobs)  # a bad knob fails here, in a one-line ValueError, before the model loads
+    from .engine import LLM
+    from .serving import start_server
+
+    llm = LLM(model, **knobs)
+    try:
+        server = start_server(llm, args.host, args.port, args.api_key, args.served_model_name)
+    except RuntimeError as exc:  # the port is taken, say (uvicorn's own line is above)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+    def terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    print(f"minipaged: serving {server.served_model_name} at {server.url}/v1 (Ctrl-C to stop)", flush=True)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
 def cmd_grade(args: argparse.Namespace) -> int:
     from .grading import format_details, format_table, grade_folder
 
@@ -341,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", parents=[engine], help="throughput on a seeded mixed-length batch")
     bench.add_argument("--num-prompts", type=_positive, default=32)
     bench.add_argument("--seed", type=int, default=0)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine (FastAPI + uvicorn)")
+    serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="default 8000; 0 takes a free port")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    _add_knob_flags(serve)
     grade = sub.add_parser("grade", help="grade a folder of exercise notebooks")
     grade.add_argument(
         "paths",
@@ -394,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": cmd_generate,
         "chat": cmd_chat,
         "bench": cmd_bench,
+        "serve": cmd_serve,
         "grade": cmd_grade,
         "kernels": cmd_kernels,
     }

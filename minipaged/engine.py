@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .config import Config
+from .events import Observers, step_event
 from .inputs import InputProcessor, ParamsLike, Prompt, Prompts, check_params, has_tokenizer
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, is_done, num_output_tokens, request_output, samples
@@ -68,6 +69,7 @@ class LLM:
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
         self._t0 = time.perf_counter()
         self._lock = threading.RLock()
+        self.observers = Observers()  # watchers of every step (events.py); they outlive reset()
         self.reset()
 
     @_serialised
@@ -137,7 +139,9 @@ class LLM:
         res = run_step(self.scheduler, self.runner, self._now, step_index=self.num_steps)
         self.runner.timers["schedule"] += res.schedule_s
         self.runner.timers["update"] += res.update_s
-        self.step_stats.append(res.stats(self.scheduler, self._now()))
+        self.step_stats.append(res.stats(self.scheduler, now := self._now()))
+        if self.observers:  # nothing is built while nobody watches
+            self.observers.publish(step_event(self.scheduler, res, self.num_steps, now, self.device.type))
         return [r.request_id for r in res.finished]  # a step that ran is committed by the next schedule()
 
     @_serialised

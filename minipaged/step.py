@@ -47,13 +47,16 @@ class Executor(Protocol):
 @dataclass
 class StepResult:
     """What one step did: the scheduler's output, the requests that finished in it (failed ones included),
-    and the seconds spent in each of the three calls."""
+    the seconds spent in each of the three calls, and the prompt tokens its admissions looked up in the prefix
+    cache and found there."""
 
     output: SchedulerOutput
     finished: list[Request]
     schedule_s: float
     execute_s: float
     update_s: float
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
     def stats(self, scheduler: Scheduler, now: float) -> dict[str, Any]:
         """The step as one row of ``LLM.step_stats`` (what the widgets and benchmarks plot)."""
@@ -105,6 +108,8 @@ def _forget_prefix_cache(kv: KVCacheManager) -> Callable[[], None]:
 def schedule_execute_update(scheduler: Scheduler, executor: Executor, now: Callable[[], float]) -> StepResult:
     """The three calls, each timed. Rows the executor could not sample finish their requests with an error
     before the update, which then skips them; the update applies everything else at once."""
+    kv = scheduler.kv
+    queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
     t0 = time.perf_counter()
     out = scheduler.schedule()
     t1 = time.perf_counter()
@@ -113,7 +118,10 @@ def schedule_execute_update(scheduler: Scheduler, executor: Executor, now: Calla
     failed = [scheduler.finish_with_error(rid, f"request {rid!r}: {why}") for rid, why in result.errors.items()]
     finished = [r for r in failed if r is not None] + scheduler.update_from_output(out, result.sampled, now=now())
     release_if_idle(scheduler, executor)
-    return StepResult(out, finished, t1 - t0, t2 - t1, time.perf_counter() - t2)
+    t3 = time.perf_counter()
+    return StepResult(
+        out, finished, t1 - t0, t2 - t1, t3 - t2, kv.prefix_cache_queries - queries, kv.prefix_cache_hits - hits
+    )
 
 
 def release_if_idle(scheduler: Scheduler, executor: Executor) -> None:

@@ -21,6 +21,9 @@ What it does, and why each piece is there:
       (drag a slider, pick a dropdown option, press play / step / reset) changes what is on screen, as SPECS
       says for each: the text the widget shows outside its controls, and/or its plotly figure (``gd.data`` /
       ``gd.layout`` of the ``.js-plotly-plot`` *and* the SVG drawn from it); reset brings the first picture back;
+    - a widget that watches a running engine (``live`` in SPECS: chapter 09's ``EngineMonitor``) redraws while
+      the cell that serves runs: its text and every figure of it must take at least 3 distinct pictures before
+      that cell's execution count appears (polled every ~0.15 s during Run All), and show the final state after;
     - every plotly figure on the page passes ``minipaged.viz.layout.check_layout`` (read from the DOM);
     - no console error, no uncaught page error, no failed request, no response >= 400 (the one exception,
       Chromium reporting a 204 No Content answer as net::ERR_ABORTED, is explained in ``_request_failed``);
@@ -106,12 +109,44 @@ class Act:
 
 
 @dataclass
+class Live:
+    """A widget that redraws by itself while a later cell runs (an engine monitor), watched during Run All.
+
+    cell: a piece of the source of the cell whose run must redraw it; final: text the widget shows once that
+    cell is done; pictures: the least number of distinct pictures (its text, and each of its figures) seen on
+    screen while that cell ran; shot_when: a regular expression on its text: the widget's screenshot is taken
+    mid-run, the first time it matches (default: after Run All, as for the other widgets).
+    """
+
+    cell: str
+    final: str
+    pictures: int = 3
+    shot_when: str | None = None
+
+
+@dataclass
+class LiveWatch:
+    """What a ``Live`` widget showed during one Run All."""
+
+    widget: WidgetSpec
+    shown_in: int  # the cell displaying it
+    runs_in: int  # the cell whose run must redraw it
+    texts: list[str] = field(default_factory=list)  # its text, each change in order
+    figs: list[set[str]] = field(default_factory=list)  # per figure: the distinct pictures (data + SVG)
+    polls: int = 0
+    watched: list[float] = field(default_factory=list)  # when the first and the last look were taken
+    done: bool = False  # the cell finished
+    shot: bool = False  # its screenshot was taken while the cell ran
+
+
+@dataclass
 class WidgetSpec:
     cell: str  # a piece of the displaying cell's source, unique in the notebook
     name: str
     figures: int  # plotly figures the widget draws
     acts: list[Act] = field(default_factory=list)
     screenshot: str | None = None  # file name under assets/screenshots/
+    live: Live | None = None  # it redraws while another cell runs: checked during Run All
 
 
 @dataclass
@@ -272,10 +307,46 @@ SPECS = [
         ],
     ),
     NotebookSpec(
+        "notebooks/09_mini_engine.ipynb",
+        [
+            WidgetSpec(
+                "monitor = EngineMonitor(llm_small)",
+                "EngineMonitor",
+                3,
+                [],  # nothing to drag: it moves while the next cell serves (live)
+                "09_engine_monitor.png",
+                # the picture: the pool full, a request just preempted (and waiting), waste in last blocks
+                live=Live("llm_small.generate(", final="idle", shot_when=r"so far: [1-9][\d,]* preemption"),
+            ),
+        ],
+        timeout=400,
+    ),
+    NotebookSpec(
         "notebooks/10_capstone.ipynb",
         [],
         output_shots=[("print(ex10.report_card(package_parts, llm=llm))", "10_report_card.png")],
         timeout=600,
+    ),
+    NotebookSpec(
+        "notebooks/11_serving.ipynb",
+        [
+            WidgetSpec(
+                "monitor = EngineMonitor(llm, min_interval_s=0.2)",
+                "EngineMonitor",
+                3,
+                [],  # it moves while the server answers sixteen clients (live)
+                live=Live("with ThreadPoolExecutor(len(topics))", final="idle"),
+            ),
+            WidgetSpec(
+                "monitor = EngineMonitor(small, min_interval_s=0.2)",
+                "EngineMonitor",
+                3,
+                [],
+                "11_server_monitor.png",  # the server's small pool under a burst: preemptions
+                live=Live("crowded = run_load(", final="idle", shot_when=r"so far: [1-9][\d,]* preemption"),
+            ),
+        ],
+        timeout=400,
     ),
 ]
 
@@ -496,6 +567,11 @@ window.__bt = {
             done: cells.filter(c => c.executionCount !== null).length,
             dialog: dialog ? dialog.innerText : null, errors: (window.__btKernelErrors || []).length};
   },
+  // each cell's execution count (null: not run yet, or running; markdown cells: null)
+  counts(path) {
+    const p = this.panel(path);
+    return p ? [...p.content.model.cells].map(c => (c.type === 'code' ? c.executionCount : null)) : [];
+  },
   // index (among all cells) of the cell whose source contains piece, and what its outputs are
   cells(path) {
     const p = this.panel(path);
@@ -565,6 +641,7 @@ class NotebookRun:
         self.excused_204 = 0
         self._cell_errors: set[str] = set()
         self._kernel_seen = 0
+        self._live: list[LiveWatch] = []
 
     def _kernel_messages(self) -> None:
         """Errors and stderr the kernel sent since the last call (from Run All, or from a widget's callback)."""
@@ -632,6 +709,7 @@ class NotebookRun:
             # as a learner would: Edit → Clear Outputs of All Cells, then Run → Run All Cells
             self._menu("Edit", "Clear Outputs of All Cells")
             self._poll("p => window.__bt.state(p).done === 0", path, 30, "Clear Outputs left execution counts")
+            self._setup_live(self.js("p => window.__bt.cells(p)", path))
             t_run = time.monotonic()
             self._menu("Run", "Run All Cells")
             self._wait_run_all(path, self.spec.timeout or self.args.timeout)
@@ -644,6 +722,7 @@ class NotebookRun:
             self._kernel_messages()
             page.wait_for_timeout(1500)  # let the last widget views and figures draw
             widget_cells = self._check_widgets(cells)
+            self._check_live()
             self._check_figures("after Run All")
             acts = 0
             for w, cell in widget_cells:
@@ -716,7 +795,72 @@ class NotebookRun:
                     raise RuntimeError(f"Run All stopped: {st['done']} of {st['total']} code cells ran")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Run All did not finish in {timeout:.0f} s: {last}")
-            self.page.wait_for_timeout(500)
+            self.page.wait_for_timeout(150 if self._poll_live(path) else 500)
+
+    # -- widgets that redraw while a cell runs ------------------------------------------------------
+    def _setup_live(self, cells: list[dict]) -> None:
+        for w in self.spec.widgets:
+            if w.live is not None:
+                shown_in, runs_in = self._find(cells, w.cell)["index"], self._find(cells, w.live.cell)["index"]
+                self._live.append(LiveWatch(w, shown_in, runs_in))
+
+    def _poll_live(self, path: str) -> bool:
+        """Record what each live widget shows while its cell runs; True while one is being watched."""
+        if not self._live:
+            return False
+        counts = self.js("p => window.__bt.counts(p)", path)
+        watching = False
+        for watch in self._live:
+            if counts[watch.shown_in] is None or watch.done:
+                continue  # not displayed yet, or its cell is done
+            if counts[watch.runs_in] is not None:
+                watch.done = True
+                continue
+            root = self._root({"index": watch.shown_in})
+            if root.count() != 1:
+                continue
+            look = self._look(root)
+            watching = True
+            now = time.monotonic()
+            watch.watched = [watch.watched[0] if watch.watched else now, now]
+            watch.polls += 1
+            if not watch.texts or watch.texts[-1] != look["text"]:
+                watch.texts.append(look["text"])
+            watch.figs += [set() for _ in range(len(look["figs"]) - len(watch.figs))]
+            for seen, f in zip(watch.figs, look["figs"]):
+                seen.add(f["view"] + "\x00" + f["svg"])
+            shoot = watch.widget.screenshot and watch.widget.live and watch.widget.live.shot_when
+            if shoot and not watch.shot and not self.args.no_screenshots and re.search(shoot, look["text"]):
+                self._save_shot(root, watch.widget.screenshot)
+                watch.shot = True
+        return watching
+
+    def _check_live(self) -> None:
+        for watch in self._live:
+            w, live = watch.widget, watch.widget.live
+            assert live is not None
+            where = f"{w.name}: while cell {watch.runs_in} ({live.cell!r}) ran"
+            if not watch.polls:
+                self.problems.append(f"{where}: never on screen while that cell ran (it ran too fast to watch?)")
+                continue
+            texts, figs = len(set(watch.texts)), [len(s) for s in watch.figs]
+            if texts < live.pictures or len(figs) != w.figures or any(n < live.pictures for n in figs):
+                self.problems.append(
+                    f"{where}: {texts} distinct texts and {figs} distinct pictures of its {w.figures} figure(s) in "
+                    f"{watch.polls} looks; each needs >= {live.pictures} (do updates from the observer thread "
+                    f"reach the browser?)"
+                )
+            after = self._look(self._root({"index": watch.shown_in}))
+            if live.final not in after["text"]:
+                self.problems.append(f"{w.name}: after cell {watch.runs_in} ran it does not show {live.final!r}")
+            elif after["text"] == watch.texts[0]:
+                self.problems.append(f"{w.name}: after cell {watch.runs_in} ran it shows what it showed before")
+            if live.shot_when and w.screenshot and not watch.shot and not self.args.no_screenshots:
+                self.notes.append(f"{w.name}: {live.shot_when!r} never matched: its screenshot shows the end")
+            self.notes.append(
+                f"{w.name}: {texts} distinct captions, {figs} distinct figure pictures in {watch.polls} looks "
+                f"while {live.cell!r} ran (~{watch.watched[-1] - watch.watched[0]:.0f} s); then {live.final!r}"
+            )
 
     # -- widgets ------------------------------------------------------------------------------------
     def _find(self, cells: list[dict], piece: str) -> dict:
@@ -909,7 +1053,8 @@ class NotebookRun:
                 self.problems.append(f"{w.name} (cell {cell['index']}): {act}: {str(exc).strip()[:600]}")
             self._kernel_messages()  # a callback that raised, right after the act that triggered it
         self.page.wait_for_timeout(500)
-        if w.screenshot and not self.args.no_screenshots:
+        taken_live = any(watch.shot for watch in self._live if watch.widget is w)
+        if w.screenshot and not self.args.no_screenshots and not taken_live:
             self._save_shot(root, w.screenshot)
         return done
 
@@ -1003,6 +1148,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {w.name}: {len(w.acts)} interaction(s)" + (f", {w.screenshot}" if w.screenshot else ""))
                 for a in w.acts:
                     print(f"    {a}")
+                if w.live:
+                    print(f"    redraws while {w.live.cell!r} runs (>= {w.live.pictures} pictures), then shows "
+                          f"{w.live.final!r}")  # fmt: skip
             for piece, name in s.output_shots:
                 print(f"  output of {piece!r}: {name}")
         return 0

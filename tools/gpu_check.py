@@ -7,9 +7,11 @@ On a machine with CUDA it runs, in order, and stops at the first failure:
 2. the engine's equality tests on the Triton backend (``tests/test_engine_triton.py``,
    and ``tests/test_engine.py`` with ``MINIPAGED_TEST_BACKEND=triton``: token for token
    against transformers, preemption and prefix caching included);
-3. the compile report for this GPU's own architecture (registers, spills, occupancy);
-4. ``benchmarks/bench_paged_attention.py`` (decode bandwidth against peak, paged vs contiguous);
-5. ``benchmarks/bench_engine.py --device cuda --dtype bfloat16`` (the engine against static
+3. the engine's events and ``EngineMonitor`` on an engine whose pool is on the GPU
+   (``tests/test_viz_monitor.py``, ``tests/test_events.py``);
+4. the compile report for this GPU's own architecture (registers, spills, occupancy);
+5. ``benchmarks/bench_paged_attention.py`` (decode bandwidth against peak, paged vs contiguous);
+6. ``benchmarks/bench_engine.py --device cuda --dtype bfloat16`` (the engine against static
    batching with transformers, same workload, same run).
 
 Results (JSON and plots, with the device name and date) go to ``assets/benchmarks/gpu/``;
@@ -57,6 +59,10 @@ def main() -> int:
         "engine equality tests, Triton backend",
         [py, "-m", "pytest", "-q", "tests/test_engine_triton.py", "tests/test_engine.py"],
         env={"MINIPAGED_TEST_BACKEND": "triton"},
+    )
+    run(
+        "engine events and the monitor, GPU pool",
+        [py, "-m", "pytest", "-q", "tests/test_viz_monitor.py", "tests/test_events.py"],
     )
     report_arch = arch if arch in ("sm_80", "sm_90") else "sm_90"
     print(f"\n=== compile report for {report_arch}", flush=True)

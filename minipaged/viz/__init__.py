@@ -15,6 +15,7 @@ from .batching_viz import (  # chapters 06-08
 from .block_viz import BlockPoolGrid, BlockTableView, ContiguousVsPaged  # chapters 02-04
 from .kernel_viz import PagedReadView  # chapter 05
 from .kv_widgets import KVCalculator, KVGrowthView  # chapter 01
+from .monitor import EngineMonitor  # chapter 09: a live engine
 
 __all__ = [
     "BatchingPlayer",
@@ -22,6 +23,7 @@ __all__ = [
     "BlockPoolGrid",
     "BlockTableView",
     "ContiguousVsPaged",
+    "EngineMonitor",
     "KVCalculator",
     "KVGrowthView",
     "PagedReadView",
