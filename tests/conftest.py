@@ -9,6 +9,31 @@ import torch  # noqa: F401
 import minipaged.kernels  # noqa: F401
 from minipaged.model_loader import save_tiny_llama
 
+# Token-id prompts too many for small_engine's pool: serving them chunks prompts, preempts and hits the prefix cache.
+PREEMPTING_PROMPTS = [
+    [5, 17, 3, 9, 40, 2, 8, 61, 33, 12, 7, 1, 90, 4, 4, 22, 13, 50, 5, 17],
+    [7, 7, 30],
+    [5, 17, 3, 9, 40, 2],
+    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27],
+    [3],
+]
+
+
+def small_engine(tiny_model, **kw):
+    """The tiny model with a small pool and budget (13 usable blocks of 4, 16 tokens a step), prefix caching on."""
+    from minipaged.engine import LLM
+
+    args = dict(
+        model=tiny_model,
+        block_size=4,
+        num_gpu_blocks_override=14,
+        max_model_len=48,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+    )
+    args.update(kw)
+    return LLM(**args)
+
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):

@@ -14,6 +14,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+from conftest import PREEMPTING_PROMPTS, small_engine
 
 from minipaged.block_pool import BlockPool
 from minipaged.config import parse_memory as _parse_memory
@@ -21,27 +22,6 @@ from minipaged.engine import LLM
 from minipaged.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-PROMPTS = [
-    [5, 17, 3, 9, 40, 2, 8, 61, 33, 12, 7, 1, 90, 4, 4, 22, 13, 50, 5, 17],
-    [7, 7, 30],
-    [5, 17, 3, 9, 40, 2],
-    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27],
-    [3],
-]
-
-
-def engine(tiny_model, **kw) -> LLM:
-    """Small pool and budget, so that steps chunk prompts and preempt; prefix caching on."""
-    args = dict(
-        model=tiny_model,
-        block_size=4,
-        num_gpu_blocks_override=14,
-        max_model_len=48,
-        max_num_batched_tokens=16,
-        enable_prefix_caching=True,
-    )
-    args.update(kw)
-    return LLM(**args)
 
 
 def token_ids(outs) -> list[list[int]]:
@@ -50,7 +30,7 @@ def token_ids(outs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    return token_ids(engine(tiny_model).generate(PROMPTS, GREEDY))
+    return token_ids(small_engine(tiny_model).generate(PREEMPTING_PROMPTS, GREEDY))
 
 
 def assert_clean(llm: LLM) -> None:
@@ -96,13 +76,13 @@ PHASES = {
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_a_fault_in_any_phase_leaves_nothing_behind(tiny_model, expected, phase, mode):
     kw = dict(preemption_mode=mode, swap_space=4096 if mode == "swap" else 0)
-    llm = engine(tiny_model, **kw)
+    llm = small_engine(tiny_model, **kw)
     obj, name = PHASES[phase](llm)
     fail_on_call(obj, name, 3)  # the third step: mid-prefill, blocks hashed
     with pytest.raises(Fault, match=f"injected into {name}"):
-        llm.generate(PROMPTS, GREEDY)
+        llm.generate(PREEMPTING_PROMPTS, GREEDY)
     assert_clean(llm)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected  # the same engine, unpoisoned
+    assert token_ids(llm.generate(PREEMPTING_PROMPTS, GREEDY)) == expected  # the same engine, unpoisoned
     assert_clean(llm)
 
 
@@ -110,24 +90,24 @@ def test_random_interrupts_of_generate_and_stream(tiny_model, expected):
     """Ctrl-C at a random step of generate, a stream closed after a random number of outputs: each time the
     engine is clean, and the next full run equals a fresh engine's."""
     rng = random.Random(0)
-    llm = engine(tiny_model, preemption_mode="swap", swap_space=4096)
+    llm = small_engine(tiny_model, preemption_mode="swap", swap_space=4096)
     for _trial in range(6):
         fail_on_call(llm, "step", rng.randint(1, 12), KeyboardInterrupt)
         with pytest.raises(KeyboardInterrupt):
-            llm.generate(PROMPTS, GREEDY)
+            llm.generate(PREEMPTING_PROMPTS, GREEDY)
         del llm.step  # back to the class's method
         assert_clean(llm)
-        stream = llm.stream(PROMPTS, GREEDY)
+        stream = llm.stream(PREEMPTING_PROMPTS, GREEDY)
         for _ in range(rng.randint(1, 8)):
             next(stream)
         stream.close()  # the caller stops reading
         assert_clean(llm)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    assert token_ids(llm.generate(PREEMPTING_PROMPTS, GREEDY)) == expected
 
 
 def test_abort_stops_requests_wherever_they_are(tiny_model):
-    llm = engine(tiny_model)
-    ids = [llm.add_request(p, GREEDY) for p in PROMPTS]
+    llm = small_engine(tiny_model)
+    ids = [llm.add_request(p, GREEDY) for p in PREEMPTING_PROMPTS]
     llm.step()
     llm.step()
     assert llm.scheduler.running and llm.scheduler.waiting
@@ -139,7 +119,7 @@ def test_abort_stops_requests_wherever_they_are(tiny_model):
 
 
 def test_a_request_id_can_be_used_again_once_it_finished(tiny_model):
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     llm.add_request([1, 2, 3], GREEDY, request_id="chat-turn")
     with pytest.raises(ValueError, match="already in use"):
         llm.add_request([4], GREEDY, request_id="chat-turn")
@@ -156,7 +136,7 @@ def test_a_request_id_can_be_used_again_once_it_finished(tiny_model):
 
 def test_a_long_lived_engine_keeps_bounded_state(tiny_model):
     """Thousands of requests through one LLM: its containers stay empty between calls and its memory flat."""
-    llm = engine(tiny_model, num_gpu_blocks_override=64, max_num_batched_tokens=256, max_num_seqs=64)
+    llm = small_engine(tiny_model, num_gpu_blocks_override=64, max_num_batched_tokens=256, max_num_seqs=64)
     params = [SamplingParams(max_tokens=2, temperature=0.8, seed=i, ignore_eos=True) for i in range(64)]
     rng = random.Random(1)
 
@@ -203,7 +183,7 @@ def test_bad_sampling_params_are_refused_when_built(kw, match):
 
 
 def test_a_request_whose_logits_are_nan_finishes_with_an_error_alone(tiny_model, expected):
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     real = llm.model.compute_logits
     poisoned = {"step": 0}
 
@@ -215,7 +195,7 @@ def test_a_request_whose_logits_are_nan_finishes_with_an_error_alone(tiny_model,
         return logits
 
     llm.model.compute_logits = compute_logits
-    outs = llm.generate(PROMPTS, GREEDY)
+    outs = llm.generate(PREEMPTING_PROMPTS, GREEDY)
     bad = [o for o in outs if o.error]
     assert len(bad) == 1 and "NaN or infinite logits" in bad[0].error and bad[0].finished
     assert bad[0].outputs[0].finish_reason == "error"
@@ -223,13 +203,13 @@ def test_a_request_whose_logits_are_nan_finishes_with_an_error_alone(tiny_model,
     assert all(len(o.outputs[0].token_ids) == 6 for o in good)
     assert_clean(llm)
     llm.model.compute_logits = real
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    assert token_ids(llm.generate(PREEMPTING_PROMPTS, GREEDY)) == expected
 
 
 def test_the_jth_sample_of_a_seeded_request_draws_from_seed_plus_j(tiny_model):
     """Forked samples are named by (request, index), not by parsing "id#j": sample j of a request with
     seed s is the request with seed s + j drawn alone."""
-    llm = engine(tiny_model, num_gpu_blocks_override=40)
+    llm = small_engine(tiny_model, num_gpu_blocks_override=40)
     prompt = [5, 17, 3, 9, 40, 2]
     out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=1.0, seed=11, n=3, ignore_eos=True))[0]
     alone = [
@@ -257,7 +237,7 @@ def test_the_jth_sample_of_a_seeded_request_draws_from_seed_plus_j(tiny_model):
     ],
 )
 def test_a_bad_prompt_anywhere_queues_nothing(tiny_model, bad, match):
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     with pytest.raises(ValueError, match=match):
         llm.generate([[5, 6, 7], bad], GREEDY)
     assert_clean(llm)
@@ -265,19 +245,26 @@ def test_a_bad_prompt_anywhere_queues_nothing(tiny_model, bad, match):
 
 
 def test_token_ids_as_numpy_or_torch(tiny_model, expected):
-    llm = engine(tiny_model)
-    as_lists = token_ids(llm.generate(PROMPTS[:2], GREEDY))
+    llm = small_engine(tiny_model)
+    as_lists = token_ids(llm.generate(PREEMPTING_PROMPTS[:2], GREEDY))
     assert as_lists == expected[:2]
     assert (
-        token_ids(llm.generate([np.array(PROMPTS[0]), torch.tensor(PROMPTS[1], dtype=torch.int32)], GREEDY)) == as_lists
+        token_ids(
+            llm.generate(
+                [np.array(PREEMPTING_PROMPTS[0]), torch.tensor(PREEMPTING_PROMPTS[1], dtype=torch.int32)], GREEDY
+            )
+        )
+        == as_lists
     )
-    assert token_ids(llm.generate(np.array(PROMPTS[0], dtype=np.int64), GREEDY)) == as_lists[:1]  # one prompt
+    assert (
+        token_ids(llm.generate(np.array(PREEMPTING_PROMPTS[0], dtype=np.int64), GREEDY)) == as_lists[:1]
+    )  # one prompt
 
 
 # ---- a step happens, or it does not -----------------------------------------------------------
 def test_update_from_output_changes_nothing_when_a_token_is_missing(tiny_model):
-    llm = engine(tiny_model)
-    for p in PROMPTS[1:4]:
+    llm = small_engine(tiny_model)
+    for p in PREEMPTING_PROMPTS[1:4]:
         llm.add_request(p, GREEDY)
     out = llm.scheduler.schedule()
     reqs = llm.scheduler.requests  # the step names requests by id (plain data); the scheduler holds them
@@ -294,7 +281,7 @@ def test_update_from_output_changes_nothing_when_a_token_is_missing(tiny_model):
 
 def test_a_request_with_nothing_to_compute_is_never_scheduled(tiny_model):
     """A zero-token row would sample another request's logits: the scheduler refuses to build one."""
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     rid = llm.add_request([1, 2, 3], GREEDY)
     llm.step()
     req = llm.scheduler.requests[rid]
@@ -347,29 +334,31 @@ def test_bad_memory_sizes_name_the_problem(bad):
 
 def test_engine_arguments_are_checked_and_explained(tiny_model):
     with pytest.raises(ValueError, match="longer than the model's max_position_embeddings=128"):
-        engine(tiny_model, max_model_len=256, num_gpu_blocks_override=80)
+        small_engine(tiny_model, max_model_len=256, num_gpu_blocks_override=80)
     assert (
-        engine(tiny_model, max_model_len=256, num_gpu_blocks_override=80, allow_long_max_model_len=True).max_model_len
+        small_engine(
+            tiny_model, max_model_len=256, num_gpu_blocks_override=80, allow_long_max_model_len=True
+        ).max_model_len
         == 256
     )
     with pytest.warns(UserWarning, match="max_model_len lowered from 128 to 44 tokens"):
         llm = LLM(model=tiny_model, block_size=4, num_gpu_blocks_override=12)
     assert llm.max_model_len == 44
     with pytest.raises(ValueError, match="needs swap space on the CPU: pass swap_space"):
-        engine(tiny_model, preemption_mode="swap")
+        small_engine(tiny_model, preemption_mode="swap")
     with pytest.raises(ValueError, match="holds no block"):
-        engine(tiny_model, preemption_mode="swap", swap_space=10)
+        small_engine(tiny_model, preemption_mode="swap", swap_space=10)
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
-        engine(tiny_model, max_num_seqs=0)
+        small_engine(tiny_model, max_num_seqs=0)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="sees no CUDA GPU"):
-            engine(tiny_model, device="cuda")
+            small_engine(tiny_model, device="cuda")
     with pytest.raises(ValueError, match="device must be"):
-        engine(tiny_model, device="tpu")
+        small_engine(tiny_model, device="tpu")
     with pytest.raises(ValueError, match="unknown engine argument\\(s\\) 'blocksize'"):
         LLM(model=tiny_model, blocksize=16)
     with pytest.raises(ValueError, match="watermark must be a fraction in \\[0, 1\\)"):
-        engine(tiny_model, watermark=1.5)
+        small_engine(tiny_model, watermark=1.5)
 
 
 def test_cli_checks_its_arguments_before_loading_the_model(monkeypatch, capsys):
@@ -392,10 +381,10 @@ def test_cli_checks_its_arguments_before_loading_the_model(monkeypatch, capsys):
 
 
 # ---- one engine, several threads: their calls run as one batch, each gets its own outputs ------------------------
-def test_eight_threads_share_one_engine(tiny_model, expected):
+def test_eight_threads_share_one_small_engine(tiny_model, expected):
     import threading
 
-    llm = engine(tiny_model, num_gpu_blocks_override=40)
+    llm = small_engine(tiny_model, num_gpu_blocks_override=40)
     results: dict[int, object] = {}
     barrier = threading.Barrier(8)
 
@@ -403,10 +392,10 @@ def test_eight_threads_share_one_engine(tiny_model, expected):
         barrier.wait()  # all eight at once
         try:
             if i % 2:
-                results[i] = token_ids(llm.generate(PROMPTS, GREEDY))
+                results[i] = token_ids(llm.generate(PREEMPTING_PROMPTS, GREEDY))
             else:  # a streaming caller beside them: its last snapshot of each request is the final one
                 last = {}
-                for out in llm.stream(PROMPTS, GREEDY):
+                for out in llm.stream(PREEMPTING_PROMPTS, GREEDY):
                     last[out.request_id] = out
                 results[i] = [last[k].outputs[0].token_ids for k in sorted(last, key=int)]
         except BaseException as e:
@@ -421,8 +410,8 @@ def test_eight_threads_share_one_engine(tiny_model, expected):
     assert all(results[i] == expected for i in range(8)), results
     assert_clean(llm)
     # They were served together: far fewer steps than eight engines one after another would take.
-    alone = engine(tiny_model, num_gpu_blocks_override=40)
-    alone.generate(PROMPTS, GREEDY)
+    alone = small_engine(tiny_model, num_gpu_blocks_override=40)
+    alone.generate(PREEMPTING_PROMPTS, GREEDY)
     assert llm.num_steps < 8 * alone.num_steps
 
 

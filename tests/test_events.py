@@ -7,25 +7,12 @@ import threading
 import warnings
 
 import pytest
+from conftest import PREEMPTING_PROMPTS, small_engine
 
-from minipaged import LLM, SamplingParams
+from minipaged import SamplingParams
 from minipaged.events import Observers, StepEvent
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-PROMPTS = [
-    [5, 17, 3, 9, 40, 2, 8, 61, 33, 12, 7, 1, 90, 4, 4, 22, 13, 50, 5, 17],
-    [7, 7, 30],
-    [5, 17, 3, 9, 40, 2],
-    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27],
-    [3],
-]
-
-
-def engine(tiny_model, **kw) -> LLM:
-    """A pool too small for the batch (it preempts), block size 4, chunked prompts, prefix caching on."""
-    args = dict(model=tiny_model, block_size=4, num_gpu_blocks_override=14, max_model_len=48)
-    args.update(max_num_batched_tokens=16, enable_prefix_caching=True, **kw)
-    return LLM(**args)
 
 
 def tokens(outs) -> list[list[int]]:
@@ -34,14 +21,14 @@ def tokens(outs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    return tokens(engine(tiny_model).generate(PROMPTS, GREEDY))
+    return tokens(small_engine(tiny_model).generate(PREEMPTING_PROMPTS, GREEDY))
 
 
 def test_one_event_per_step_matching_the_pool(tiny_model, expected) -> None:
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     events: list[StepEvent] = []
     llm.observers.attach(events.append)
-    assert tokens(llm.generate(PROMPTS, GREEDY)) == expected  # watching changes nothing
+    assert tokens(llm.generate(PREEMPTING_PROMPTS, GREEDY)) == expected  # watching changes nothing
     assert llm.observers.flush()
     assert [e.step for e in events] == list(range(1, llm.num_steps + 1))
     assert len(events) == len(llm.step_stats)
@@ -63,13 +50,13 @@ def test_one_event_per_step_matching_the_pool(tiny_model, expected) -> None:
     for e in events:  # a preempted request waits with no blocks right after
         for rid in e.preempted:
             assert rid in e.in_state("waiting") and rid not in e.in_state("running")
-    assert sorted(rid for e in events for rid in e.finished) == [str(i) for i in range(len(PROMPTS))]
+    assert sorted(rid for e in events for rid in e.finished) == [str(i) for i in range(len(PREEMPTING_PROMPTS))]
     assert events[-1].blocks_in_use == 0 and not events[-1].requests
     assert events[0].usage == 0 or 0 < events[0].usage <= 1
 
 
 def test_prefix_hits_are_counted_in_the_step_that_admits(tiny_model) -> None:
-    llm = engine(tiny_model, num_gpu_blocks_override=32)
+    llm = small_engine(tiny_model, num_gpu_blocks_override=32)
     events: list[StepEvent] = []
     llm.observers.attach(events.append)
     prompt = list(range(1, 14))  # 13 tokens: three full blocks of 4 can be cached
@@ -85,7 +72,7 @@ def test_prefix_hits_are_counted_in_the_step_that_admits(tiny_model) -> None:
 
 
 def test_a_raising_observer_is_detached_and_the_engine_goes_on(tiny_model, expected) -> None:
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     seen: list[int] = []
     calls = 0
 
@@ -98,7 +85,7 @@ def test_a_raising_observer_is_detached_and_the_engine_goes_on(tiny_model, expec
     llm.observers.attach(lambda e: seen.append(e.step))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert tokens(llm.generate(PROMPTS, GREEDY)) == expected
+        assert tokens(llm.generate(PREEMPTING_PROMPTS, GREEDY)) == expected
         assert llm.observers.flush()
     assert calls == 1 and len(llm.observers) == 1
     assert seen == list(range(1, llm.num_steps + 1))  # the other observer missed nothing
@@ -107,7 +94,7 @@ def test_a_raising_observer_is_detached_and_the_engine_goes_on(tiny_model, expec
 
 
 def test_a_stuck_observer_never_blocks_a_step(tiny_model, expected) -> None:
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     llm.observers = Observers(maxlen=4)
     release = threading.Event()
     got: list[int] = []
@@ -117,7 +104,9 @@ def test_a_stuck_observer_never_blocks_a_step(tiny_model, expected) -> None:
         got.append(event.step)
 
     llm.observers.attach(stuck)
-    assert tokens(llm.generate(PROMPTS, GREEDY)) == expected  # finishes while the observer is stuck on step 1
+    assert (
+        tokens(llm.generate(PREEMPTING_PROMPTS, GREEDY)) == expected
+    )  # finishes while the observer is stuck on step 1
     assert not llm.observers.flush(timeout=0.05)
     release.set()
     assert llm.observers.flush()
@@ -132,11 +121,11 @@ def test_nothing_is_built_without_an_observer(tiny_model, monkeypatch) -> None:
         raise AssertionError("an event was built with nobody watching")
 
     monkeypatch.setattr(engine_module, "step_event", boom)
-    llm = engine(tiny_model)
-    llm.generate(PROMPTS[:2], GREEDY)
+    llm = small_engine(tiny_model)
+    llm.generate(PREEMPTING_PROMPTS[:2], GREEDY)
     observer = llm.observers.attach(lambda e: None)
     llm.observers.detach(observer)
-    llm.generate(PROMPTS[:2], GREEDY)
+    llm.generate(PREEMPTING_PROMPTS[:2], GREEDY)
 
 
 def test_attach_refuses_what_cannot_be_called() -> None:

@@ -7,6 +7,7 @@ import time
 import warnings
 
 import pytest
+from conftest import PREEMPTING_PROMPTS, small_engine
 
 from minipaged import LLM, SamplingParams
 from minipaged.events import StepEvent
@@ -15,20 +16,6 @@ from minipaged.viz.block_viz import CACHED_FREE_COLOR, FREE_COLOR, NULL_COLOR, S
 from minipaged.viz.layout import check_layout, contrast_ratio
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-PROMPTS = [  # the pool of engine() is too small for them: it preempts (tests/test_events.py)
-    [5, 17, 3, 9, 40, 2, 8, 61, 33, 12, 7, 1, 90, 4, 4, 22, 13, 50, 5, 17],
-    [7, 7, 30],
-    [5, 17, 3, 9, 40, 2],
-    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27],
-    [3],
-]
-
-
-def engine(tiny_model, **kw) -> LLM:
-    args = dict(model=tiny_model, block_size=4, num_gpu_blocks_override=14, max_model_len=48)
-    args.update(max_num_batched_tokens=16, enable_prefix_caching=True)
-    args.update(kw)
-    return LLM(**args)
 
 
 def tokens(outs) -> list[list[int]]:
@@ -90,10 +77,10 @@ def check_against_pool(llm: LLM, mon: EngineMonitor) -> tuple[bool, bool]:
 
 
 def test_grid_and_waste_match_the_pool_after_every_step(tiny_model) -> None:
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     mon = EngineMonitor(llm, min_interval_s=0)
     shared_prefix = [8, 9, 10, 11, 12, 13, 14, 15]  # two full blocks: later requests hit them in the cache
-    for i, p in enumerate(PROMPTS + [shared_prefix + [1, 2], shared_prefix + [3]]):
+    for i, p in enumerate(PREEMPTING_PROMPTS + [shared_prefix + [1, 2], shared_prefix + [3]]):
         llm.add_request(p, SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True))
     seen = []
     while llm.scheduler.running or llm.scheduler.waiting:
@@ -108,7 +95,7 @@ def test_grid_and_waste_match_the_pool_after_every_step(tiny_model) -> None:
 def test_cached_free_blocks_are_shown_under_eviction(tiny_model, num_blocks) -> None:
     """Many requests sharing prefixes through a small pool: cached blocks are evicted, hit and freed again."""
     rng = random.Random(num_blocks)
-    llm = engine(tiny_model, num_gpu_blocks_override=num_blocks)
+    llm = small_engine(tiny_model, num_gpu_blocks_override=num_blocks)
     mon = EngineMonitor(llm, min_interval_s=0)
     base = [rng.randrange(1, 90) for _ in range(9)]
     for i in range(8):
@@ -125,11 +112,11 @@ def test_cached_free_blocks_are_shown_under_eviction(tiny_model, num_blocks) -> 
 
 
 def test_timeline_has_one_point_per_event_and_marks_where_they_happened(tiny_model) -> None:
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     events = watched(llm)
     mon = EngineMonitor(llm, min_interval_s=0)
-    llm.generate(PROMPTS, GREEDY)
-    llm.generate(PROMPTS[:1], GREEDY)  # the same prompt again: prefix-cache hits
+    llm.generate(PREEMPTING_PROMPTS, GREEDY)
+    llm.generate(PREEMPTING_PROMPTS[:1], GREEDY)  # the same prompt again: prefix-cache hits
     assert llm.observers.flush()
     assert list(mon.series["step"]) == [e.step for e in events] == list(range(1, llm.num_steps + 1))
     assert list(mon.series["kv_use"]) == pytest.approx([100 * e.usage for e in events])
@@ -160,9 +147,9 @@ def test_timeline_has_one_point_per_event_and_marks_where_they_happened(tiny_mod
 
 
 def test_history_bounds_the_timeline(tiny_model) -> None:
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     mon = EngineMonitor(llm, min_interval_s=0, history=5)
-    llm.generate(PROMPTS, GREEDY)
+    llm.generate(PREEMPTING_PROMPTS, GREEDY)
     assert llm.observers.flush()
     assert list(mon.series["step"]) == list(range(llm.num_steps - 4, llm.num_steps + 1))
     assert len(mon.timeline.data[0].x) == 5 and mon.totals["events"] == llm.num_steps
@@ -170,9 +157,9 @@ def test_history_bounds_the_timeline(tiny_model) -> None:
 
 
 def test_redraws_are_throttled_and_the_idle_state_is_always_drawn(tiny_model) -> None:
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     every, rare = EngineMonitor(llm, min_interval_s=0), EngineMonitor(llm, min_interval_s=1000)
-    llm.generate(PROMPTS, GREEDY)
+    llm.generate(PREEMPTING_PROMPTS, GREEDY)
     assert llm.observers.flush()
     steps = llm.num_steps
     assert every.num_draws == steps > 10
@@ -185,9 +172,9 @@ def test_redraws_are_throttled_and_the_idle_state_is_always_drawn(tiny_model) ->
 
 
 def test_a_burst_that_stops_short_of_idle_is_drawn_after_the_interval(tiny_model) -> None:
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     mon = EngineMonitor(llm, min_interval_s=0.2)
-    for p in PROMPTS:
+    for p in PREEMPTING_PROMPTS:
         llm.add_request(p, GREEDY)
     for _ in range(4):  # by hand: the engine stops while requests still run
         llm.step()
@@ -200,21 +187,21 @@ def test_a_burst_that_stops_short_of_idle_is_drawn_after_the_interval(tiny_model
 
 
 def test_close_detaches(tiny_model) -> None:
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     with EngineMonitor(llm, min_interval_s=0) as mon:
         assert len(llm.observers) == 1
-        llm.generate(PROMPTS[:2], GREEDY)
+        llm.generate(PREEMPTING_PROMPTS[:2], GREEDY)
         assert llm.observers.flush()
     recorded, draws = mon.totals["events"], mon.num_draws
     assert recorded == llm.num_steps and len(llm.observers) == 0
-    llm.generate(PROMPTS[:2], GREEDY)
+    llm.generate(PREEMPTING_PROMPTS[:2], GREEDY)
     assert llm.observers.flush()
     assert (mon.totals["events"], mon.num_draws) == (recorded, draws) and llm.num_steps > recorded
 
 
 def test_a_monitor_that_fails_to_draw_is_detached_and_the_engine_serves_on(tiny_model) -> None:
-    expected = tokens(engine(tiny_model).generate(PROMPTS, GREEDY))
-    llm = engine(tiny_model)
+    expected = tokens(small_engine(tiny_model).generate(PREEMPTING_PROMPTS, GREEDY))
+    llm = small_engine(tiny_model)
     mon = EngineMonitor(llm, min_interval_s=0)
 
     def broken() -> None:
@@ -223,7 +210,7 @@ def test_a_monitor_that_fails_to_draw_is_detached_and_the_engine_serves_on(tiny_
     mon._draw_grid = broken  # type: ignore[method-assign]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert tokens(llm.generate(PROMPTS, GREEDY)) == expected
+        assert tokens(llm.generate(PREEMPTING_PROMPTS, GREEDY)) == expected
         assert llm.observers.flush()
     assert len(llm.observers) == 0 and mon.num_draws == 0 and mon.totals["events"] == 1
     assert any("was detached" in str(w.message) and "plotly is gone" in str(w.message) for w in caught)
@@ -232,12 +219,12 @@ def test_a_monitor_that_fails_to_draw_is_detached_and_the_engine_serves_on(tiny_
 
 
 def test_figures_read_well_before_and_after_and_labels_contrast(tiny_model) -> None:
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     mon = EngineMonitor(llm, min_interval_s=0)
     for fig in (mon.grid, mon.waste_figure, mon.timeline):
         assert check_layout(fig) == []
     assert "waiting for the engine's first step" in mon.caption.value
-    for p in PROMPTS:
+    for p in PREEMPTING_PROMPTS:
         llm.add_request(p, GREEDY)
     for _ in range(6):
         llm.step()
@@ -255,11 +242,11 @@ def test_figures_read_well_before_and_after_and_labels_contrast(tiny_model) -> N
 
 
 def test_a_pool_of_thousands_of_blocks_draws(tiny_model) -> None:
-    llm = engine(tiny_model, num_gpu_blocks_override=3000, max_num_batched_tokens=1024)
+    llm = small_engine(tiny_model, num_gpu_blocks_override=3000, max_num_batched_tokens=1024)
     mon = EngineMonitor(llm, min_interval_s=0)
     assert 8 <= mon.columns <= 128 and 4 <= mon.cell_px < 20
     for i in range(40):  # more requests than owner traces: the rest share one trace per colour
-        llm.add_request(PROMPTS[i % len(PROMPTS)] + [i + 1] * 8, GREEDY)
+        llm.add_request(PREEMPTING_PROMPTS[i % len(PREEMPTING_PROMPTS)] + [i + 1] * 8, GREEDY)
     for _ in range(3):
         llm.step()
     assert llm.observers.flush()
@@ -281,7 +268,7 @@ def test_a_pool_of_thousands_of_blocks_draws(tiny_model) -> None:
 
 
 def test_bad_arguments_are_refused(tiny_model) -> None:
-    llm = engine(tiny_model)
+    llm = small_engine(tiny_model)
     with pytest.raises(ValueError, match="columns"):
         EngineMonitor(llm, columns=0)
     with pytest.raises(ValueError, match="min_interval_s"):
@@ -290,11 +277,11 @@ def test_bad_arguments_are_refused(tiny_model) -> None:
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (make gpu-check runs it)")
-def test_the_monitor_watches_a_cuda_engine(tiny_model) -> None:
+def test_the_monitor_watches_a_cuda_small_engine(tiny_model) -> None:
     """The same pictures from an engine whose pool lives on the GPU: the monitor reads only events."""
-    llm = engine(tiny_model, device="cuda")
+    llm = small_engine(tiny_model, device="cuda")
     mon = EngineMonitor(llm, min_interval_s=0)
-    for p in PROMPTS:
+    for p in PREEMPTING_PROMPTS:
         llm.add_request(p, GREEDY)
     while llm.scheduler.running or llm.scheduler.waiting:
         llm.step()
