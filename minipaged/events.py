@@ -162,10 +162,12 @@ class Observers:
         return observer
 
     def detach(self, observer: Observer) -> None:
-        """Stop calling it (unknown observers are ignored). An event being delivered may still reach it."""
+        """Stop calling it (unknown observers are ignored). An event being delivered may still reach it. With
+        the last one gone, the delivering thread ends once the queue is empty (``attach`` starts a new one)."""
         with self._cond:
             if observer in self._observers:
                 self._observers.remove(observer)
+                self._cond.notify_all()
 
     def publish(self, event: StepEvent) -> None:
         """Queue an event for the observers; never waits for them."""
@@ -184,7 +186,11 @@ class Observers:
     def _deliver(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._queue))
+                self._cond.wait_for(lambda: bool(self._queue) or not self._observers)
+                if not self._queue:  # nothing to tell and nobody to tell it to: no thread idles on, per engine
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
                 event = self._queue.popleft()
                 self._busy = True
                 observers = list(self._observers)

@@ -124,8 +124,12 @@ def test_nothing_is_built_without_an_observer(tiny_model, monkeypatch) -> None:
     llm = small_engine(tiny_model)
     llm.generate(PREEMPTING_PROMPTS[:2], GREEDY)
     observer = llm.observers.attach(lambda e: None)
+    thread = llm.observers._thread
+    assert thread is not None and thread.is_alive()
     llm.observers.detach(observer)
     llm.generate(PREEMPTING_PROMPTS[:2], GREEDY)
+    thread.join(5)  # with nobody watching, the delivering thread ends
+    assert not thread.is_alive() and llm.observers._thread is None
 
 
 def test_attach_refuses_what_cannot_be_called() -> None:
