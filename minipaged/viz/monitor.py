@@ -48,7 +48,7 @@ class EngineMonitor:
     """Watch an ``LLM``'s KV pool while it serves (see the module docstring).
 
     Args:
-        llm: the engine (its ``observers``, ``num_blocks``, ``block_size`` and ``config`` are read).
+        llm: the engine (its ``observers``, ``num_blocks`` and ``block_size`` are read).
         columns: squares per row of the pool grid; default from the pool's size (a few thousand blocks fit).
         min_interval_s: the least time between two redraws (0: one redraw per step).
         history: points kept in the timeline (its oldest drop out).
