@@ -66,6 +66,11 @@ _RULES: dict[str, Callable[[str, Any], Any]] = {
     "watermark": lambda n, v: _fraction(n, v, low_open=False, high_closed=False),
     "allow_long_max_model_len": _boolean,
     "enable_prefix_caching": _boolean,
+    "tensor_parallel_size": lambda n, v: check_int(n, v, 1),
+    "nnodes": lambda n, v: check_int(n, v, 1),
+    "master_addr": lambda n, v: _text(n, v),
+    "master_port": lambda n, v: check_int(n, v, 1, 65535),
+    "distributed_timeout_s": lambda n, v: _positive_number(n, v),
 }
 
 
@@ -115,6 +120,14 @@ class Config:
         swap_space (CPU bytes or "1GiB"), or num_cpu_blocks_override (the CPU swap pool in blocks).
         attention_backend: "auto" (Triton on CUDA, PyTorch on CPU), "torch" or "triton".
         watermark: the share of the pool a new request may not take (admission headroom).
+        tensor_parallel_size: ranks the model is split over, one process each (``executor``); it must divide the
+            model's KV heads, query heads and MLP width (SmolLM2: 1 or 3).
+        nnodes: machines those ranks run on (each runs ``tensor_parallel_size / nnodes`` of them); this one is
+            node 0, the others run ``python -m minipaged worker --master-addr … --master-port … --node-rank K``.
+        master_addr, master_port: where the ranks meet (torch.distributed's rendezvous store, served by this
+            process); default ``$MASTER_ADDR`` / ``$MASTER_PORT``, else 127.0.0.1 and a free port.
+        distributed_timeout_s: how long a rank may keep the others waiting inside a step (or to join at start)
+            before the engine calls it hung and ends every rank.
     """
 
     model: str | os.PathLike | None = None
@@ -134,6 +147,11 @@ class Config:
     num_cpu_blocks_override: int | None = None
     attention_backend: str = "auto"
     watermark: float = 0.01
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    distributed_timeout_s: float = 60.0
     # resolved by __post_init__
     torch_device: torch.device = field(init=False, repr=False)
     swap_space_bytes: int = field(init=False, repr=False)
@@ -151,6 +169,11 @@ class Config:
             None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory, "kv_cache_memory")
         )
         self.torch_device = resolve_device(self.device)
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"nnodes={self.nnodes} must divide tensor_parallel_size={self.tensor_parallel_size}: every machine "
+                "runs the same number of ranks"
+            )
 
     def scheduler_config(self, max_model_len: int | None = None) -> SchedulerConfig:
         """The scheduler's knobs; ``max_model_len`` as resolved against the model and the pool, when it was."""
@@ -173,6 +196,16 @@ class Config:
                 f"{', '.join(sorted(known - {'model'}))}"
             )
         return cls(model, **kwargs)
+
+
+def _text(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a host name or address, got {value!r}")
+
+
+def _positive_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 def _fraction(name: str, value: object, low_open: bool, high_closed: bool) -> None:

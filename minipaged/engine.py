@@ -24,8 +24,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .config import Config
 from .events import Observers, step_event
+from .executor import make_runner
 from .inputs import InputProcessor, ParamsLike, Prompt, Prompts, check_params, has_tokenizer
-from .model_runner import ModelRunner
 from .outputs import RequestOutput, is_done, num_output_tokens, request_output, samples
 from .request import Request
 from .sampling_params import SamplingParams
@@ -60,7 +60,7 @@ class LLM:
         from .model_loader import load_tokenizer
 
         self.config = Config.from_kwargs(model, kwargs)
-        self.runner = r = ModelRunner(self.config)
+        self.runner = r = make_runner(self.config)  # with tensor_parallel_size > 1, rank 0 of a group (executor)
         self.model, self.spec, self.cache, self.dtype, self.device = r.model, r.spec, r.cache, r.dtype, r.device
         self.block_size, self.num_blocks, self.max_model_len = r.block_size, r.num_blocks, r.max_model_len
         self.tokenizer = load_tokenizer(r.path) if has_tokenizer(r.path) else None  # a bare test model has none
@@ -90,6 +90,10 @@ class LLM:
 
     def describe(self) -> str:
         return self.runner.describe()
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers now (else at garbage collection or exit); nothing to do without them."""
+        self.runner.shutdown()
 
     # ---- requests -------------------------------------------------------------------------------
     @_serialised
@@ -173,11 +177,7 @@ class LLM:
         pending[rid] = n
         return request_output(self._requests[rid], self.processor.decode)
 
-    def stream(
-        self,
-        prompts: Prompts,
-        sampling_params: ParamsLike = None,
-    ) -> Iterator[RequestOutput]:
+    def stream(self, prompts: Prompts, sampling_params: ParamsLike = None) -> Iterator[RequestOutput]:
         """Yield a ``RequestOutput`` snapshot every time a request gains tokens or finishes. Closing the generator
         early aborts its requests; one dropped inside a reference cycle is closed only when Python's cycle
         collector runs (``gc.collect()``): until then its requests run on. ``close()`` it, or let it end."""
@@ -221,11 +221,9 @@ class LLM:
             self.abort([rid for rid in ids if rid in self._requests])
 
     def chat(
-        self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        sampling_params: ParamsLike = None,
+        self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: ParamsLike = None,
         use_tqdm: bool | None = None,
-    ) -> list[RequestOutput]:
+    ) -> list[RequestOutput]:  # fmt: skip
         """One conversation (a list of ``{"role", "content"}`` messages) or a batch of them, through the chat template."""
         return self.generate(messages, sampling_params, use_tqdm=use_tqdm)
 

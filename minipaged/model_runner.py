@@ -25,9 +25,11 @@ graph will need later: the same addresses every step.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections import defaultdict
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +42,10 @@ from .model import AttentionMetadata, LlamaForCausalLM
 from .sampler import Sampler
 from .scheduler_output import RunnerOutput, SchedulerOutput
 from .utils import cdiv
+
+if TYPE_CHECKING:
+    from .distributed import TPGroup
+    from .executor import MultiprocExecutor
 
 
 class InputBuffers:
@@ -108,14 +114,25 @@ class ModelRunner:
     with ``kv_cache_memory``, what that byte budget (default 1 GiB) holds; else, on a GPU, what is left of
     ``gpu_memory_utilization`` of the card after the weights and the activation peak of one full-budget
     prefill, measured on a throw-away cache (chapter 01's start-up formula).
+
+    Under tensor parallelism every rank has its own ``ModelRunner`` (``tp``: its group): it loads its shard of the
+    weights, sizes its own pool from its own memory, and holds only its KV heads; the ranks then agree on the
+    smallest pool, so that one block table fits all. Rank 0's runner also holds the ``executor`` that started the
+    others: each step it sends them the scheduler output first, and it alone samples.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(
+        self, config: Config, tp: TPGroup | None = None, executor: MultiprocExecutor | None = None, local_rank: int = 0
+    ) -> None:
         from .kernels import get_attention_backend
         from .model_loader import ensure_converted, quiet_transformers
 
+        self.tp, self.executor = tp, executor
         self.path = ensure_converted(progress=True) if config.model is None else config.model
         self.device = config.torch_device
+        if self.device.type == "cuda" and tp is not None:  # one GPU per rank of this machine
+            self.device = torch.device("cuda", (self.device.index or 0) + local_rank)
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, model_config_dtype(self.path), self.device)
         backend = get_attention_backend(config.attention_backend).name
         if backend == "triton":  # refuse a block size the kernels cannot tile now, not at the first step
@@ -124,10 +141,10 @@ class ModelRunner:
             kv_tile_n(config.block_size, 16)
         with quiet_transformers():
             self.model = LlamaForCausalLM.from_pretrained(
-                self.path, dtype=self.dtype, device=self.device, backend=backend
+                self.path, dtype=self.dtype, device=self.device, backend=backend, tp=tp
             )
         hf = self.model.config
-        self.spec = KVSpec(
+        spec = KVSpec(
             hf.num_hidden_layers,
             hf.num_key_value_heads,
             self.model.head_dim,
@@ -135,17 +152,30 @@ class ModelRunner:
             num_attention_heads=hf.num_attention_heads,
             name=getattr(hf, "name_or_path", "") or "model",
         )
+        self.spec = spec if tp is None else spec.per_rank(tp.size)  # this rank's KV heads: what its pool holds
         self.block_size = config.block_size
-        self.num_blocks = self._size_pool(config)
+        own_blocks, own_cpu_blocks = self._size_pool(config), self._num_cpu_blocks(config)
+        # Every rank sizes its pool from its own memory; the block tables are shared, so all take the smallest.
+        self.num_blocks = own_blocks if tp is None else tp.min_int(own_blocks)
+        self.num_cpu_blocks = own_cpu_blocks if tp is None else tp.min_int(own_cpu_blocks)
         self.max_model_len = resolve_max_model_len(
             config, getattr(hf, "max_position_embeddings", None), self.num_blocks
         )
-        self.num_cpu_blocks = self._num_cpu_blocks(config)
+        self.rank_info = {  # what this rank holds, for ``ranks`` (chapter 01's per-rank KV bytes, read live)
+            "rank": 0 if tp is None else tp.rank,
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "num_kv_heads": self.spec.num_kv_heads,
+            "num_attention_heads": self.model.model.num_heads,
+            "bytes_per_block": self.spec.bytes_per_block(self.block_size),
+            "own_num_blocks": own_blocks,
+            "num_blocks": self.num_blocks,
+        }
         self.cache = CacheEngine(
             hf.num_hidden_layers,
             self.num_blocks,
             self.block_size,
-            hf.num_key_value_heads,
+            self.model.num_kv_heads,
             self.model.head_dim,
             self.dtype,
             self.device,
@@ -168,9 +198,13 @@ class ModelRunner:
     def describe(self) -> str:
         """The pool in one line: blocks, bytes, the longest sequence, the device."""
         b, n = self.spec.bytes_per_block(self.block_size), self.num_blocks - 1
+        where = f"device {self.device}"
+        if self.tp is not None:
+            heads = f"{self.spec.num_kv_heads} KV head" + ("s" if self.spec.num_kv_heads > 1 else "")
+            where = f"on each of {self.tp.size} tensor-parallel ranks ({heads} each), {where}"
         return (
             f"KV pool: {n:,} blocks × {self.block_size} tokens ({format_bytes(b)} per block, {format_bytes(b * n)} "
-            f"in all), {self.spec.bytes_per_token:,} B/token, max_model_len {self.max_model_len}, device {self.device}"
+            f"in all), {self.spec.bytes_per_token:,} B/token, max_model_len {self.max_model_len}, {where}"
         )
 
     # ---- start-up ---------------------------------------------------------------------------
@@ -206,7 +240,7 @@ class ModelRunner:
         nb = cdiv(num_tokens, block_size) + 1
         cfg = self.model.config
         cache = CacheEngine(
-            cfg.num_hidden_layers, nb, block_size, cfg.num_key_value_heads, self.model.head_dim, self.dtype, self.device
+            cfg.num_hidden_layers, nb, block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device
         )
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated(self.device)
@@ -263,21 +297,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run one step: block copies, the forward pass, and sampling (n tokens for an n > 1 first sample)."""
+        """Run one step: block copies, the forward pass, and sampling (n tokens for an n > 1 first sample).
+        Under tensor parallelism the workers get the step first, then every rank runs ``forward_step``."""
         result = RunnerOutput()
         self.release(out.finished_sample_keys)  # first, before anything can fail: they are sent once
         if not out.scheduled:
             return result
-        t0 = time.perf_counter()
-        self.cache.swap_out(out.swap_out)
-        self.cache.swap_in(out.swap_in)
-        self.cache.copy(out.copy_blocks)
-        input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
-        t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
-        logits = self.model.compute_logits(hidden[sample_rows])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        # With tensor parallelism the executor sends the step to the workers first; every rank then runs it.
+        logits = self.forward_step(out) if self.executor is None else self.executor.step(self.forward_step, out)
+        assert logits is not None  # rank 0 gathers every rank's slice of the vocabulary
         t2 = time.perf_counter()
         keys, params, offsets, owners = [], [], [], []
         for s in out.scheduled:
@@ -296,7 +324,60 @@ class ModelRunner:
                 result.sampled.setdefault(rid, []).append(token)
         for rid in result.errors:  # a request with a failed row samples nothing this step
             result.sampled.pop(rid, None)
-        self.timers["prepare inputs"] += t1 - t0
-        self.timers["model"] += t2 - t1
         self.timers["sample"] += time.perf_counter() - t2
         return result
+
+    @torch.inference_mode()
+    def forward_step(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """What every rank does with a step: its block copies, then the forward pass on its shard. Returns the
+        logits of the sampling rows (None on a worker: rank 0 gathers them)."""
+        t0 = time.perf_counter()
+        self.cache.swap_out(out.swap_out)
+        self.cache.swap_in(out.swap_in)
+        self.cache.copy(out.copy_blocks)
+        input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.timers["prepare inputs"] += t1 - t0
+        self.timers["model"] += time.perf_counter() - t1
+        return logits
+
+    # ---- tensor parallelism: what rank 0 may ask every rank -----------------------------------
+    def shutdown(self) -> None:
+        """End the other ranks (tensor parallelism; nothing to do without it)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def ranks(self) -> list[dict[str, Any]]:
+        """What each rank holds: its device, KV heads, bytes per block, the pool its memory gave and the one all
+        agreed on. One entry without tensor parallelism."""
+        if self.executor is None:
+            return [self.rank_info]
+        return self.executor.call("rank_info", mine=self.rank_info)
+
+    def kv_blocks(self, layer: int, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every rank's K and V of ``block_ids`` in ``layer`` (a copy on the CPU: [blocks, block_size,
+        its KV heads, head_dim] each), in rank order: what each rank's pool holds for the same block ids."""
+        mine = self.rpc_kv_blocks(layer, block_ids)
+        return [mine] if self.executor is None else self.executor.call("kv_blocks", layer, block_ids, mine=mine)
+
+    def rpc_kv_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.cache.gpu_cache[layer]
+        ids = torch.tensor(block_ids, dtype=torch.long, device=k.device)
+        return k[ids].cpu(), v[ids].cpu()
+
+    def rpc_rank_info(self) -> dict[str, Any]:
+        return self.rank_info
+
+    def rpc_comm(self) -> dict[str, float]:
+        """This rank's time in collectives and its forward time so far (the benchmark's split of a step)."""
+        tp = self.tp
+        return {
+            "model_s": self.timers["model"],
+            "comm_s": 0.0 if tp is None else tp.comm_s,
+            "num_all_reduces": 0 if tp is None else tp.num_all_reduces,
+            "bytes_all_reduced": 0 if tp is None else tp.bytes_all_reduced,
+        }

@@ -23,12 +23,16 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from .attention import AttentionMetadata, PagedAttention
+from .parallel import VocabParallelEmbedding, gather_logits, row_parallel, shard_state_dict, tp_size
+
+if TYPE_CHECKING:
+    from ..distributed import TPGroup
 
 log = logging.getLogger("minipaged")
 
@@ -130,7 +134,9 @@ class Linear(nn.Linear):
                 return ops.binary(pad_rows(x), pad_rows(other.contiguous()), packed, self.bias, op)[: len(x)]
             except Exception as e:
                 _packed_failed(x.dtype, f"_linear_pointwise.binary ({op})", e)
-        y = self(x)  # also where the fused op cannot take `other` (shape, dtype): the GEMM, then the op
+        # Also where the fused op cannot take `other` (shape, dtype): the GEMM, then the op. Linear.forward, not
+        # self(x): a subclass's forward may do more than the GEMM.
+        y = Linear.forward(self, x)
         return y * other if op == "mul" else y + other
 
 
@@ -302,11 +308,15 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, attention: PagedAttention) -> None:
+    """Self-attention on the paged cache. Under tensor parallelism (``tp``) it holds this rank's heads only:
+    q/k/v are column-parallel, o_proj row-parallel, one all-reduce (``model.parallel``)."""
+
+    def __init__(self, config: Any, attention: PagedAttention, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        self.num_heads = config.num_attention_heads // tp_size(tp)
+        self.num_kv_heads = config.num_key_value_heads // tp_size(tp)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         bias = bool(getattr(config, "attention_bias", False))
         h = config.hidden_size
         self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=bias)
@@ -331,31 +341,34 @@ class LlamaAttention(nn.Module):
         k = RotaryEmbedding.apply(self.k_proj(x).reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
         out = self.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).reshape(n, -1)
-        return self.o_proj(out) if residual is None else self.o_proj.add(out, residual)
+        return row_parallel(self.o_proj, out, residual, self.tp)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) · up(x))."""
+    """SwiGLU: down(silu(gate(x)) · up(x)). Under tensor parallelism, this rank's slice of the hidden units:
+    gate/up column-parallel, down row-parallel, one all-reduce."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        units = config.intermediate_size // tp_size(tp)
+        self.gate_proj = Linear(config.hidden_size, units, bias=bias)
+        self.up_proj = Linear(config.hidden_size, units, bias=bias)
+        self.down_proj = Linear(units, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's output, plus ``residual`` when given. silu, the product and the addition ride on the
         GEMMs (``Linear.silu/mul/add``): no separate pass over the [tokens, 1536] activations."""
         h = self.up_proj.mul(x, self.gate_proj.silu(x))
-        return self.down_proj(h) if residual is None else self.down_proj.add(h, residual)
+        return row_parallel(self.down_proj, h, residual, self.tp)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, attention: PagedAttention) -> None:
+    def __init__(self, config: Any, attention: PagedAttention, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, attention)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, attention, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -372,12 +385,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, attention: PagedAttention) -> None:
+    def __init__(self, config: Any, attention: PagedAttention, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.attention = attention
-        self.num_heads = config.num_attention_heads
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention) for _ in range(config.num_hidden_layers))
+        self.num_heads = config.num_attention_heads // tp_size(tp)  # this rank's
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config))
@@ -408,22 +421,25 @@ class LlamaForCausalLM(nn.Module):
     logits, not 300.
     """
 
-    def __init__(self, config: Any, backend: str = "torch") -> None:
+    def __init__(self, config: Any, backend: str = "torch", tp: TPGroup | None = None) -> None:
         super().__init__()
         if getattr(config, "model_type", "llama") not in ("llama", "mistral"):
             raise ValueError(f"model_type {config.model_type!r} is not a Llama-architecture model")
         if config.num_attention_heads % config.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         self.config = config
+        self.tp = tp
         self.attention = PagedAttention(backend)
-        self.model = LlamaModel(config, self.attention)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, self.attention, tp)
+        # The LM head: this rank's slice of the vocabulary (all of it without tensor parallelism)
+        self.lm_head = Linear(config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        """The KV heads this rank holds (all of them without tensor parallelism): its cache's width."""
+        return self.config.num_key_value_heads // tp_size(self.tp)
 
     @property
     def head_dim(self) -> int:
@@ -438,8 +454,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits for ``hidden``'s rows, in fp32. Under tensor parallelism every rank computes its slice of the
+        vocabulary and rank 0 gathers them: rank 0 gets the logits, the other ranks None."""
+        return gather_logits(self.lm_head(hidden).float(), self.config.vocab_size, self.tp)
 
     @classmethod
     def from_pretrained(
@@ -448,8 +466,10 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         backend: str = "torch",
+        tp: TPGroup | None = None,
     ) -> LlamaForCausalLM:
-        """Build from a transformers Llama folder (config.json + safetensors), e.g. the SmolLM2 cache."""
+        """Build from a transformers Llama folder (config.json + safetensors), e.g. the SmolLM2 cache; with
+        ``tp``, this rank's shard of it (every rank reads the whole checkpoint and keeps its slice)."""
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
@@ -463,7 +483,7 @@ class LlamaForCausalLM(nn.Module):
         except (OSError, ValueError, KeyError, TypeError) as e:  # invalid JSON, a missing or wrong model_type
             raise ValueError(f"{folder / 'config.json'} cannot be read as a model config: {_first_line(e)}") from None
         with torch.device("meta"):
-            model = cls(config, backend=backend)
+            model = cls(config, backend=backend, tp=tp)
         state: dict[str, torch.Tensor] = {}
         files = sorted(folder.glob("*.safetensors"))
         if not files:
@@ -478,6 +498,7 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        state = shard_state_dict(state, config, tp)
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as e:  # missing or unexpected tensors, wrong shapes: not this config's weights
