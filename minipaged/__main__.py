@@ -1,4 +1,4 @@
-"""Command line: ``python -m minipaged {prepare,demo,generate,chat,bench,serve,grade,kernels}``.
+"""Command line: ``python -m minipaged {prepare,demo,generate,chat,bench,serve,worker,grade,kernels}``.
 
 * ``prepare``: convert the SmolLM2 GGUF once into the local cache (``make setup`` runs it).
 * ``demo``: the main job — the paged engine serves a batch of prompts; answers, pool figures, throughput.
@@ -8,6 +8,9 @@
 * ``serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME] [engine knobs]``: an
   OpenAI-compatible HTTP server (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
   ``/metrics``); every field of ``Config`` is a flag (``--max-num-seqs 64``, ``--no-enable-prefix-caching``).
+* ``worker --master-addr A --master-port P --node-rank K``: this machine's share of the ranks of a tensor-parallel
+  engine started elsewhere with ``nnodes`` > 1 (``--tensor-parallel-size N`` on the commands above and on ``serve``
+  splits the model over N processes of this machine).
 * ``grade [PATH ...] [--timeout S]``: grade the exercise notebooks in each folder (or each notebook) by running
   the learner's code in a fresh process per notebook and calling the checks on it; print a score table.
 * ``kernels [--arch sm_80,sm_90] [--json]``: compile every Triton kernel for an NVIDIA GPU (no GPU needed)
@@ -94,6 +97,7 @@ def _engine(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.prefix_caching,
         max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -294,6 +298,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    """This machine's ranks of an engine started elsewhere with ``nnodes`` > 1; until that engine shuts down."""
+    from .executor import run_node
+
+    print(
+        f"minipaged: node {args.node_rank} waiting for the engine at {args.master_addr}:{args.master_port}", flush=True
+    )
+    code = run_node(args.master_addr, args.master_port, args.node_rank, args.timeout)
+    print(f"minipaged: node {args.node_rank} done ({'clean shutdown' if code == 0 else 'a rank failed'})", flush=True)
+    return code
+
+
 def cmd_grade(args: argparse.Namespace) -> int:
     from .grading import format_details, format_table, grade_folder
 
@@ -381,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--kv-cache-memory", default=None, help='KV pool budget, e.g. "512MiB" (CPU default 1GiB)')
     engine.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--max-num-seqs", type=_positive, default=256)
+    engine.add_argument(
+        "--tensor-parallel-size", type=_positive, default=1, help="ranks (processes) to split the model over"
+    )
     sampling = argparse.ArgumentParser(add_help=False)
     sampling.add_argument("--max-tokens", type=_positive, default=64)
     sampling.add_argument("--temperature", type=float, default=0.0)
@@ -405,6 +424,20 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API")
     _add_knob_flags(serve)
+    worker = sub.add_parser(
+        "worker",
+        help="run this machine's ranks of a tensor-parallel engine whose rank 0 (the LLM) runs on another machine",
+    )
+    worker.add_argument("--master-addr", required=True, help="the engine's machine (its master_addr)")
+    worker.add_argument("--master-port", type=_positive, required=True, help="the engine's master_port")
+    worker.add_argument("--node-rank", type=_positive, required=True, help="this machine's number: 1 … nnodes-1")
+    worker.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long to wait for the engine to start (default 600 s)",
+    )
     grade = sub.add_parser("grade", help="grade a folder of exercise notebooks")
     grade.add_argument(
         "paths",
@@ -459,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         "chat": cmd_chat,
         "bench": cmd_bench,
         "serve": cmd_serve,
+        "worker": cmd_worker,
         "grade": cmd_grade,
         "kernels": cmd_kernels,
     }

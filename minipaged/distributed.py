@@ -24,19 +24,42 @@ state: two engines may live side by side, and a failed one can be torn down and 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import pickle
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
-FOREVER = datetime.timedelta(days=365)  # the cpu group's timeout: a worker may wait that long for a step
+FOREVER = datetime.timedelta(days=365)  # the wait group's timeout: a worker may wait that long for a step
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CollectiveError(dist.DistError):
+    """A collective of the engine's groups failed: a peer closed its sockets (it died), or it timed out."""
+
+
+def _collective(method: F) -> F:
+    """Raise a collective's failure as a ``CollectiveError`` (gloo raises plain RuntimeErrors, some of them
+    without a word of gloo in them), so that rank 0 can tell a broken group from an error of its own."""
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except RuntimeError as e:
+            if isinstance(e, CollectiveError):
+                raise
+            raise CollectiveError(f"{method.__name__}: {str(e).strip() or type(e).__name__}") from e
+
+    return cast(F, wrapped)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,6 +96,7 @@ class TPGroup:
     cpu_group: Any  # gloo: pickled objects (scheduler outputs, answers)
     wait_group: Any  # gloo, no timeout: "a message is coming", which a worker may wait for for hours
     store: dist.TCPStore
+    timeout: datetime.timedelta  # rank 0's wait for the others, in any collective
     comm_s: float = 0.0
     num_all_reduces: int = 0
     bytes_all_reduced: int = 0
@@ -83,6 +107,7 @@ class TPGroup:
         return self.rank == 0
 
     # ---- tensors (device group) -----------------------------------------------------------------
+    @_collective
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over every rank, in place (each rank then holds the same sum); returns ``t``."""
         t0 = time.perf_counter()
@@ -92,6 +117,7 @@ class TPGroup:
         self.bytes_all_reduced += t.numel() * t.element_size()
         return t
 
+    @_collective
     def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor | None:
         """Every rank's ``t`` concatenated along the last dimension, on rank 0 (None on the others)."""
         t = t.contiguous()
@@ -101,6 +127,7 @@ class TPGroup:
         self.comm_s += time.perf_counter() - t0
         return torch.cat(parts, dim=-1) if parts is not None else None
 
+    @_collective
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (each rank sizes its own pool; all must agree on one size)."""
         t = torch.tensor([value], dtype=torch.int64)
@@ -108,23 +135,27 @@ class TPGroup:
         return int(t.item())
 
     # ---- objects (cpu group) --------------------------------------------------------------------
+    @_collective
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0 sends ``obj`` (pickled) to every rank; every rank returns it.
 
-        The length goes first, on the wait group, which never times out: a worker may wait there for the next
-        step as long as the caller likes. The bytes follow on the cpu group, which times out like the device
+        The length goes first, on the wait group, which never times out for a worker: it may wait there for the
+        next step as long as the caller likes (rank 0 waits ``timeout`` for the workers to take it). The bytes follow on the cpu group, which times out like the device
         group: once a message has begun, every rank is expected to take part at once."""
         if self.is_driver:
             data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
             length = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             length = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(length, group_src=0, group=self.wait_group)
+        sent = dist.broadcast(length, group_src=0, group=self.wait_group, async_op=True)
+        # gloo's sender waits for each receiver to be ready: a hung worker would hold rank 0 here forever
+        sent.wait(self.timeout) if self.is_driver else sent.wait()
         if not self.is_driver:
             data = torch.empty(int(length.item()), dtype=torch.uint8)
         dist.broadcast(data, group_src=0, group=self.cpu_group)
         return obj if self.is_driver else pickle.loads(data.numpy().tobytes())
 
+    @_collective
     def gather_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` in rank order, on rank 0 (None on the others)."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
@@ -169,7 +200,7 @@ def init_tp_group(
         dev = dist.ProcessGroupNCCL(dist.PrefixStore(f"{prefix}/nccl", store), rank, size, options)
     else:
         dev = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/gloo", store), rank, size, timeout)
-    group = TPGroup(rank, size, dev, cpu, wait, store)
+    group = TPGroup(rank, size, dev, cpu, wait, store, timeout)
     group.min_int(0)  # a first collective on each group: returns once every rank is there
     dist.all_reduce(torch.zeros(1, device=device), group=dev)
     return group

@@ -242,9 +242,8 @@ class MultiprocExecutor:
 
 
 def _collective_failed(e: BaseException) -> bool:
-    """A collective broke (a peer closed its sockets, or a timeout): torch's distributed errors, or gloo's."""
-    text = str(e).lower()
-    return isinstance(e, (TensorParallelError, torch.distributed.DistError)) or "gloo" in text or "nccl" in text
+    """A collective broke (a peer closed its sockets, or a timeout), or a rank was found dead."""
+    return isinstance(e, (TensorParallelError, torch.distributed.DistError))
 
 
 # ---- the worker side ---------------------------------------------------------------------------------------

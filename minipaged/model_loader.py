@@ -311,6 +311,7 @@ def save_tiny_llama(
     hidden_size: int = 64,
     intermediate_size: int = 96,
     seed: int = 0,
+    vocab_size: int = 96,
 ) -> Path:
     """A tiny random Llama (seeded: the same weights everywhere) saved as a model folder without a tokenizer,
     whose prompts are token ids: for tests, and for the capstone's second model shape."""
@@ -319,7 +320,7 @@ def save_tiny_llama(
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=96,
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=2,
