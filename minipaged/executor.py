@@ -150,6 +150,10 @@ class MultiprocExecutor:
         """The worker processes' ids (ranks 1 … on this machine)."""
         return [p.pid for p in self._ranks.procs]
 
+    def alive(self) -> list[int]:
+        """The ids of this machine's workers still running (none once the engine is shut down)."""
+        return [p.pid for p in self._ranks.procs if p.is_alive()]
+
     # ---- what rank 0 sends -------------------------------------------------------------------------
     def step(self, forward: Callable[[Any], T], out: Any) -> T:
         """Send the step to every worker, then run rank 0's part of it (``forward(out)``)."""
@@ -160,12 +164,13 @@ class MultiprocExecutor:
 
         return self.guard("a step", run)
 
-    def call(self, method: str, *args: Any, mine: Any) -> list[Any]:
-        """Every rank's answer to ``ModelRunner.rpc_<method>(*args)``, in rank order (``mine``: rank 0's)."""
+    def call(self, method: str, *args: Any, mine: Callable[[], Any]) -> list[Any]:
+        """Every rank's answer to ``ModelRunner.rpc_<method>(*args)``, in rank order (``mine()``: rank 0's, run
+        once the workers have the call, since it may take part in collectives)."""
 
         def run() -> list[Any]:
             self.group.broadcast_object(("call", method, args))
-            answers = self.group.gather_objects(mine)
+            answers = self.group.gather_objects(mine())
             assert answers is not None  # rank 0 gathers
             return answers
 

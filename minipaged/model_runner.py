@@ -29,6 +29,7 @@ import os
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -354,15 +355,18 @@ class ModelRunner:
     def ranks(self) -> list[dict[str, Any]]:
         """What each rank holds: its device, KV heads, bytes per block, the pool its memory gave and the one all
         agreed on. One entry without tensor parallelism."""
-        if self.executor is None:
-            return [self.rank_info]
-        return self.executor.call("rank_info", mine=self.rank_info)
+        return self.on_every_rank("rank_info")
 
     def kv_blocks(self, layer: int, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every rank's K and V of ``block_ids`` in ``layer`` (a copy on the CPU: [blocks, block_size,
         its KV heads, head_dim] each), in rank order: what each rank's pool holds for the same block ids."""
-        mine = self.rpc_kv_blocks(layer, block_ids)
-        return [mine] if self.executor is None else self.executor.call("kv_blocks", layer, block_ids, mine=mine)
+        return self.on_every_rank("kv_blocks", layer, block_ids)
+
+    def on_every_rank(self, method: str, *args: Any) -> list[Any]:
+        """``rpc_<method>(*args)`` run by every rank (rank 0 too, after the workers got the call); the answers
+        in rank order."""
+        mine: Callable[[], Any] = lambda: getattr(self, f"rpc_{method}")(*args)
+        return [mine()] if self.executor is None else self.executor.call(method, *args, mine=mine)
 
     def rpc_kv_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.cache.gpu_cache[layer]
@@ -373,7 +377,7 @@ class ModelRunner:
         return self.rank_info
 
     def rpc_comm(self) -> dict[str, float]:
-        """This rank's time in collectives and its forward time so far (the benchmark's split of a step)."""
+        """This rank's forward time and time in collectives so far (the benchmark's split of a step)."""
         tp = self.tp
         return {
             "model_s": self.timers["model"],
@@ -381,3 +385,17 @@ class ModelRunner:
             "num_all_reduces": 0 if tp is None else tp.num_all_reduces,
             "bytes_all_reduced": 0 if tp is None else tp.bytes_all_reduced,
         }
+
+    def rpc_time_all_reduce(self, shape: tuple[int, ...], repeats: int) -> float:
+        """Seconds per all-reduce of a ``shape`` tensor in the model's dtype, every rank taking part at once: the
+        collective's own cost, without a slow rank to wait for (0 without tensor parallelism)."""
+        if self.tp is None:
+            return 0.0
+        x = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.tp.all_reduce(x)  # the first one may set up buffers
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            self.tp.all_reduce(x)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / repeats

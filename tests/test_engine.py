@@ -132,6 +132,18 @@ def test_prefix_caching_and_chunked_prefill_match(hf, prompt_ids, reference):
     assert len(pool.cached_block_hash_to_block) > 0
 
 
+def test_tensor_parallel_3_matches_transformers(hf, prompt_ids, reference):
+    """SmolLM2 split over three processes (3 of its 9 query heads and 1 of its 3 KV heads each), with chunked
+    prefill: the greedy tokens of one process (tests/test_tensor_parallel.py covers the rest on a tiny model)."""
+    llm = engine(tensor_parallel_size=3, max_num_batched_tokens=64, kv_cache_memory="32MiB")
+    try:
+        assert [r["num_kv_heads"] for r in llm.runner.ranks()] == [1, 1, 1]
+        check_all(llm, hf, prompt_ids, reference)
+        assert max(s["tokens"] for s in llm.step_stats) == 64  # prefills were chunked
+    finally:
+        llm.shutdown()
+
+
 def test_a_request_does_not_depend_on_its_batch(prompt_ids):
     llm = engine()
     alone = llm.generate([prompt_ids[3]], GREEDY)[0].outputs[0].token_ids

@@ -230,8 +230,12 @@ def test_ctrl_c_in_a_script_leaves_no_process(tp_model, tmp_path) -> None:
     script = tmp_path / "serve.py"
     script.write_text(
         textwrap.dedent(f"""
+        import signal
         from minipaged import LLM, SamplingParams
         if __name__ == "__main__":
+            # Python's own Ctrl-C handler, as in a terminal (a shell that started pytest in the background
+            # hands its children SIGINT ignored)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             llm = LLM(model={str(tp_model)!r}, tensor_parallel_size=2, block_size=4, max_model_len=64)
             print("pids", *llm.runner.executor.pids, flush=True)
             params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
