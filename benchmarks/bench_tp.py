@@ -41,11 +41,11 @@ def serve(size: int, prompts: list[list[int]], max_tokens: int) -> dict:
     llm = LLM(dtype="float32", tensor_parallel_size=size, kv_cache_memory="256MiB", max_model_len=1024)
     start_s = time.perf_counter() - t0
     try:
-        llm.generate(prompts[:4], params)  # warm-up: oneDNN's kernels, gloo's buffers
+        llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up: oneDNN's kernels, gloo's buffers
         before = llm.runner.on_every_rank("comm")
         steps0 = llm.num_steps
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
         after = llm.runner.on_every_rank("comm")
         steps = llm.num_steps - steps0
@@ -112,23 +112,28 @@ def main() -> int:
     if split is not None:
         n = split["tensor_parallel_size"]
         rank0 = split["ranks"][0]
-        calls, nbytes = rank0["all_reduces_per_step"], rank0["bytes_all_reduced_per_step"]
-        # A ring all-reduce sends 2 (n - 1) / n of the tensor from each rank; bf16 on a GPU: half fp32's bytes.
-        wire = 2 * (n - 1) / n * nbytes / 2
+        calls = rank0["all_reduces_per_step"]
+        # A decode step's all-reduce: [batch, hidden] in bf16 on a GPU; a ring all-reduce sends 2 (n - 1) / n of it
+        # from each rank.
+        tensor = args.num_prompts * 576 * 2
+        wire = calls * 2 * (n - 1) / n * tensor
         nvlink = {
             "assumed_link_gbps": args.link_gbps,
             "assumed_latency_us": args.link_latency_us,
             "all_reduces_per_step": calls,
-            "bf16_bytes_sent_per_rank_per_step": wire,
+            "decode_all_reduce_bytes_bf16": tensor,
+            "bytes_sent_per_rank_per_decode_step": wire,
             "bandwidth_term_us": 1e6 * wire / (args.link_gbps * 1e9),
             "latency_term_us": calls * args.link_latency_us,
             "measured_here_ms": rank0["comm_ms_per_step"],
+            "measured_here_back_to_back_ms": calls * split["all_reduce_alone_us"][0] / 1e3,
         }
         print(
             f"\nNVLink arithmetic (assumed {args.link_gbps:g} GB/s, {args.link_latency_us:g} µs a call), TP = {n}, "
-            f"one decode step of {args.num_prompts}: {calls:.0f} all-reduces send {wire / 1e3:.0f} kB a rank in "
-            f"bf16 -> {nvlink['bandwidth_term_us']:.2f} µs of bandwidth + {nvlink['latency_term_us']:.0f} µs of "
-            f"latency, against {rank0['comm_ms_per_step']:.1f} ms measured here"
+            f"a decode step of {args.num_prompts}: {calls:.0f} all-reduces of {tensor / 1e3:.1f} kB send "
+            f"{wire / 1e3:.0f} kB a rank -> {nvlink['bandwidth_term_us']:.1f} µs of bandwidth + "
+            f"{nvlink['latency_term_us']:.0f} µs of latency; here {rank0['comm_ms_per_step']:.0f} ms a step in "
+            f"collectives ({nvlink['measured_here_back_to_back_ms']:.0f} ms of it the all-reduces' own cost)"
         )
     for r in runs:
         del r["tokens"]
