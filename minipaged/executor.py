@@ -43,10 +43,11 @@ import torch.multiprocessing as mp
 
 from .config import Config
 from .distributed import TPGroup, check_tp_size, free_port, init_tp_group, open_store
+from .model.llama import read_config
 from .model_runner import ModelRunner
 
 T = TypeVar("T")
-JOIN_S = 5.0  # a worker asked to stop gets this long before it is terminated (then killed)
+JOIN_S = 5.0  # a worker asked to stop gets this long to exit before it is killed
 
 
 class TensorParallelError(RuntimeError):
@@ -71,7 +72,7 @@ def make_runner(config: Config) -> ModelRunner:
     path = ensure_converted(progress=True) if config.model is None else config.model
     check_tp_size(path, config.tensor_parallel_size)
     config = dataclasses.replace(config, model=path)  # the workers load the same folder
-    executor = MultiprocExecutor(config)
+    executor = MultiprocExecutor(config, read_config(path).to_dict())
     return executor.guard("start-up", lambda: ModelRunner(config, tp=executor.group, executor=executor))
 
 
@@ -96,10 +97,7 @@ class _Ranks:
                 graceful = False
         for p in self.procs:
             p.join(JOIN_S if graceful else 0.2)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(2.0)
+        for p in self.procs:  # a worker keeps nothing worth a clean exit: one that is still there is killed
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -111,7 +109,7 @@ class _Ranks:
 class MultiprocExecutor:
     """Rank 0's side of a tensor-parallel engine: the worker processes and this process's group."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, hf_config: dict[str, Any]) -> None:
         self.size = config.tensor_parallel_size
         self.timeout_s = config.distributed_timeout_s
         self.host, self.port = rendezvous(config)
@@ -121,13 +119,14 @@ class MultiprocExecutor:
         weakref.finalize(self, self._ranks.end, True)
         store = open_store(self.host, self.port, self.size, True, self.timeout_s)
         self._ranks.store = store
-        store.set("config", pickle.dumps(config))  # type: ignore[arg-type]  # bytes are fine; for workers started by hand on other machines
+        # for workers started by hand on other machines (bytes are fine: the stubs say str)
+        store.set("config", pickle.dumps((config, hf_config)))  # type: ignore[arg-type]
         ctx = mp.get_context("spawn")
         local = self.size // config.nnodes
         for rank in range(1, local):
             p = ctx.Process(
                 target=worker_main,
-                args=(config, rank, rank, local, self.host, self.port, os.getpid()),
+                args=(config, hf_config, rank, rank, local, self.host, self.port, os.getpid()),
                 name=f"minipaged-tp-rank{rank}",
                 daemon=True,
             )
@@ -253,7 +252,14 @@ def _collective_failed(e: BaseException) -> bool:
 
 # ---- the worker side ---------------------------------------------------------------------------------------
 def worker_main(
-    config: Config, rank: int, local_rank: int, local_size: int, host: str, port: int, parent_pid: int | None
+    config: Config,
+    hf_config: dict[str, Any],
+    rank: int,
+    local_rank: int,
+    local_size: int,
+    host: str,
+    port: int,
+    parent_pid: int | None,
 ) -> None:
     """A worker's whole life: join the group, build its runner (its shard), then run what rank 0 sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the caller, which then ends every rank
@@ -267,7 +273,7 @@ def worker_main(
         tp = init_tp_group(
             rank, config.tensor_parallel_size, store, _device(config, local_rank), config.distributed_timeout_s
         )
-        runner = ModelRunner(config, tp=tp, local_rank=local_rank)
+        runner = ModelRunner(config, tp=tp, local_rank=local_rank, hf_config=hf_config)
         while (msg := tp.broadcast_object()) is not None:
             if msg[0] == "step":
                 runner.forward_step(msg[1])
@@ -303,7 +309,7 @@ def run_node(host: str, port: int, node_rank: int, timeout_s: float = 600.0) -> 
     engine's config from its rendezvous store, start ranks ``node_rank · k … node_rank · k + k − 1``, wait for
     them. Returns 0 when rank 0 shut them down cleanly, else 1."""
     store = open_store(host, port, None, False, timeout_s)  # waits for the engine's store to appear
-    config: Config = pickle.loads(store.get("config"))
+    config, hf_config = pickle.loads(store.get("config"))
     local = config.tensor_parallel_size // config.nnodes
     if not 0 < node_rank < config.nnodes:
         raise ValueError(f"node_rank must be 1 … {config.nnodes - 1} (the engine's machine is node 0), got {node_rank}")
@@ -311,7 +317,7 @@ def run_node(host: str, port: int, node_rank: int, timeout_s: float = 600.0) -> 
     procs = [
         ctx.Process(
             target=worker_main,
-            args=(config, node_rank * local + i, i, local, host, port, os.getpid()),
+            args=(config, hf_config, node_rank * local + i, i, local, host, port, os.getpid()),
             name=f"minipaged-tp-rank{node_rank * local + i}",
         )
         for i in range(local)

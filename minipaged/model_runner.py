@@ -40,6 +40,7 @@ from .cache_engine import CacheEngine
 from .config import Config, model_config_dtype, resolve_dtype
 from .kv_math import GiB, KVSpec, format_bytes, num_blocks_at_startup
 from .model import AttentionMetadata, LlamaForCausalLM
+from .model.llama import config_from_dict
 from .sampler import Sampler
 from .scheduler_output import RunnerOutput, SchedulerOutput
 from .utils import cdiv
@@ -123,7 +124,12 @@ class ModelRunner:
     """
 
     def __init__(
-        self, config: Config, tp: TPGroup | None = None, executor: MultiprocExecutor | None = None, local_rank: int = 0
+        self,
+        config: Config,
+        tp: TPGroup | None = None,
+        executor: MultiprocExecutor | None = None,
+        local_rank: int = 0,
+        hf_config: dict[str, Any] | None = None,
     ) -> None:
         from .kernels import get_attention_backend
         from .model_loader import ensure_converted, quiet_transformers
@@ -140,10 +146,15 @@ class ModelRunner:
             from .kernels.launch import kv_tile_n
 
             kv_tile_n(config.block_size, 16)
-        with quiet_transformers():
+        if hf_config is not None:  # a worker, given rank 0's reading of config.json: no transformers here
             self.model = LlamaForCausalLM.from_pretrained(
-                self.path, dtype=self.dtype, device=self.device, backend=backend, tp=tp
+                self.path, self.dtype, self.device, backend, tp, config_from_dict(hf_config)
             )
+        else:
+            with quiet_transformers():
+                self.model = LlamaForCausalLM.from_pretrained(
+                    self.path, dtype=self.dtype, device=self.device, backend=backend, tp=tp
+                )
         hf = self.model.config
         spec = KVSpec(
             hf.num_hidden_layers,

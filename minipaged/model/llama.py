@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -467,21 +468,20 @@ class LlamaForCausalLM(nn.Module):
         device: str | torch.device = "cpu",
         backend: str = "torch",
         tp: TPGroup | None = None,
+        config: Any = None,
     ) -> LlamaForCausalLM:
         """Build from a transformers Llama folder (config.json + safetensors), e.g. the SmolLM2 cache; with
-        ``tp``, this rank's shard of it (every rank reads the whole checkpoint and keeps its slice)."""
+        ``tp``, this rank's shard of it (every rank reads the whole checkpoint and keeps its slice). ``config``:
+        the folder's config as another process read it (``read_config``): a tensor-parallel worker gets rank
+        0's, and so never imports transformers (3 of the 4.5 seconds a worker needs to start)."""
         from safetensors.torch import load_file
-        from transformers import AutoConfig
 
         from ..model_loader import repair_hint
 
         folder = Path(path)
         if not (folder / "config.json").is_file():
             raise ValueError(f"{folder} is not a model folder: no config.json")
-        try:
-            config = AutoConfig.from_pretrained(folder)
-        except (OSError, ValueError, KeyError, TypeError) as e:  # invalid JSON, a missing or wrong model_type
-            raise ValueError(f"{folder / 'config.json'} cannot be read as a model config: {_first_line(e)}") from None
+        config = config if config is not None else read_config(folder)
         with torch.device("meta"):
             model = cls(config, backend=backend, tp=tp)
         state: dict[str, torch.Tensor] = {}
@@ -507,6 +507,22 @@ class LlamaForCausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.model.rotary_emb = RotaryEmbedding(model.head_dim, _rope_theta(config))
         return model.to(device=device, dtype=dtype).eval()
+
+
+def read_config(folder: str | os.PathLike) -> Any:
+    """A model folder's config.json through transformers' ``AutoConfig`` (its defaults filled in), or a clear
+    error."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # invalid JSON, a missing or wrong model_type
+        raise ValueError(f"{Path(folder) / 'config.json'} cannot be read as a model config: {_first_line(e)}") from None
+
+
+def config_from_dict(values: dict[str, Any]) -> Any:
+    """A config read elsewhere (``read_config(...).to_dict()``), as an object with the same attributes."""
+    return SimpleNamespace(name_or_path=values.get("_name_or_path", ""), **values)
 
 
 def _first_line(exc: BaseException, lines: int = 1) -> str:
