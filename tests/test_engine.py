@@ -135,7 +135,7 @@ def test_prefix_caching_and_chunked_prefill_match(hf, prompt_ids, reference):
 def test_tensor_parallel_3_matches_transformers(hf, prompt_ids, reference):
     """SmolLM2 split over three processes (3 of its 9 query heads and 1 of its 3 KV heads each), with chunked
     prefill: the greedy tokens of one process (tests/test_tensor_parallel.py covers the rest on a tiny model)."""
-    llm = engine(tensor_parallel_size=3, max_num_batched_tokens=64, kv_cache_memory="32MiB")
+    llm = engine(tensor_parallel_size=3, max_num_batched_tokens=64, kv_cache_memory="32MiB", max_model_len=1024)
     try:
         assert [r["num_kv_heads"] for r in llm.runner.ranks()] == [1, 1, 1]
         check_all(llm, hf, prompt_ids, reference)
