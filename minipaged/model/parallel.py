@@ -21,8 +21,8 @@ The vocabulary is split too (vLLM's ``VocabParallelEmbedding`` / ``ParallelLMHea
 [r·V/N, (r+1)·V/N) of the embedding (tied to the LM head in SmolLM2). An embedding lookup is then a sum over ranks
 (the one rank that holds a token's row contributes it, the others zeros: one more all-reduce), and the logits are
 gathered from the ranks' slices on rank 0, which samples. Replicating them instead would be simpler, but the LM
-head is a fifth of SmolLM2's multiply-adds per token (576 × 49,152 against about 106 M in its 30 layers): each rank
-would spend that much compute on logits it need not make.
+head is a fifth of SmolLM2's multiply-adds per decoded token (576 × 49,152 = 28 M, against about 106 M in its 30
+layers): each rank would spend that much compute on logits it need not make.
 """
 
 from __future__ import annotations
