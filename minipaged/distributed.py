@@ -31,7 +31,7 @@ import pickle
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -100,7 +100,6 @@ class TPGroup:
     comm_s: float = 0.0
     num_all_reduces: int = 0
     bytes_all_reduced: int = 0
-    timed: bool = field(default=True, repr=False)
 
     @property
     def is_driver(self) -> bool:
@@ -211,7 +210,6 @@ def init_tp_group(
 class Shape:
     """What a tensor-parallel split must divide: read from a model folder's config.json, without the weights."""
 
-    name: str
     num_attention_heads: int
     num_key_value_heads: int
     intermediate_size: int
@@ -222,7 +220,6 @@ class Shape:
             cfg = json.loads((Path(path) / "config.json").read_text())
             heads = int(cfg["num_attention_heads"])
             return cls(
-                str(cfg.get("_name_or_path") or Path(path).name),
                 heads,
                 int(cfg.get("num_key_value_heads") or heads),
                 int(cfg["intermediate_size"]),
