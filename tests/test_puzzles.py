@@ -1,0 +1,182 @@
+"""The puzzle ladder's harness (``minipaged.puzzles``) and the access trace it stands on (``kernels.trace``).
+
+Right kernels, written here the way a learner would, get "right" on every case; kernels with a learner's
+mistake get a verdict that names it: a stray read in the trace, a store outside every tensor (refused before
+the interpreter touches memory), a wrong number. The figure shows the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from minipaged import puzzles
+from minipaged.kernels.trace import AccessTrace
+from minipaged.viz.layout import check_layout
+from minipaged.viz.trace_viz import trace_figure
+
+
+@triton.jit
+def scatter_kernel(key, cache, slot_mapping, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t)
+    if slot >= 0:
+        d = tl.arange(0, HEAD_DIM)
+        tl.store(cache + slot * HEAD_DIM + d, tl.load(key + t * HEAD_DIM + d))  # the flat slot is the row
+
+
+@triton.jit
+def scatter_writes_padding(key, cache, slot_mapping, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t)
+    d = tl.arange(0, HEAD_DIM)
+    tl.store(cache + slot * HEAD_DIM + d, tl.load(key + t * HEAD_DIM + d))  # slot -1 too
+
+
+@triton.jit
+def gather_kernel(cache, block_table, out, seq_len, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    i = tl.program_id(0)
+    block = tl.load(block_table + i)
+    s = tl.arange(0, BLOCK_SIZE)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    pos = i * BLOCK_SIZE + s
+    x = tl.load(cache + (block * BLOCK_SIZE + s) * HEAD_DIM + d, mask=pos < seq_len)
+    tl.store(out + pos * HEAD_DIM + d, x, mask=pos < seq_len)
+
+
+@triton.jit
+def gather_reads_block_tail(cache, block_table, out, seq_len, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    i = tl.program_id(0)
+    block = tl.load(block_table + i)
+    s = tl.arange(0, BLOCK_SIZE)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    pos = i * BLOCK_SIZE + s
+    x = tl.load(cache + (block * BLOCK_SIZE + s) * HEAD_DIM + d)  # no mask: the last block's unused slots too
+    tl.store(out + pos * HEAD_DIM + d, x, mask=pos < seq_len)
+
+
+@triton.jit
+def gather_wrong_params(cache, table, out, seq_len, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    pass
+
+
+@triton.jit
+def _decode(query, key_cache, value_cache, block_tables, seq_lens, out, scale, table_stride,
+            BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, RESCALE: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0)
+    n = tl.load(seq_lens + i)
+    d = tl.arange(0, HEAD_DIM)
+    s = tl.arange(0, BLOCK_SIZE)
+    q = tl.load(query + i * HEAD_DIM + d)
+    m = tl.full((), float("-inf"), tl.float32)
+    total = tl.full((), 0.0, tl.float32)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for b in range(0, tl.cdiv(n, BLOCK_SIZE)):
+        block = tl.load(block_tables + i * table_stride + b)
+        live = b * BLOCK_SIZE + s < n
+        offs = (block * BLOCK_SIZE + s[:, None]) * HEAD_DIM + d[None, :]
+        k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
+        v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
+        scores = tl.where(live, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        alpha = tl.exp(m - m_new) if RESCALE else 1.0
+        p = tl.exp(scores - m_new)
+        total = total * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m = m_new
+    tl.store(out + i * HEAD_DIM + d, acc / total)
+
+
+def decode_kernel(rescale: bool):
+    """``_decode`` with the puzzle's parameters (RESCALE fixed), as a learner's kernel would have them."""
+
+    class Bound:
+        arg_names = puzzles.PUZZLES["decode"].params
+
+        def __getitem__(self, grid):
+            return lambda **kw: _decode[grid](**kw, RESCALE=rescale)
+
+    return Bound()
+
+
+@pytest.mark.parametrize(
+    "name, kernel",
+    [("scatter", scatter_kernel), ("gather", gather_kernel), ("decode", decode_kernel(True))],
+    ids=["scatter", "gather", "decode"],
+)
+def test_right_kernels_are_right_on_every_case(name, kernel) -> None:
+    for case in puzzles.PUZZLES[name].cases():
+        result = puzzles.run(name, kernel, case)
+        assert puzzles.verdict(result) == "right", case.label
+
+
+def test_a_wrong_address_is_refused_before_the_interpreter_touches_it() -> None:
+    result = puzzles.run("scatter", scatter_writes_padding, 1)  # slot -1 between two real tokens
+    assert result.error.startswith("OutOfBounds: program (1, 0, 0): 16 lane(s) of a store fall outside")
+    assert "element -16 of cache" in result.error
+    assert puzzles.verdict(result) == result.error
+
+
+def test_a_stray_read_is_named_and_drawn() -> None:
+    result = puzzles.run("gather", gather_reads_block_tail, 0)  # 10 tokens: the last block holds 2 of 4
+    assert result.max_error("out") == 0.0  # the output alone looks right: only the trace shows the mistake
+    assert puzzles.verdict(result).startswith("loads 2 cache cell(s) a right kernel never touches")
+    fig = trace_figure(result)
+    assert check_layout(fig) == []
+    stray = [t for t in fig.data if t.name == "✗ a right kernel never touches it"]
+    assert len(stray) == 1 and len(stray[0].x) == 2
+    assert "loads 2 cache cell(s)" in fig.layout.title.text
+
+
+def test_a_missing_rescale_is_a_wrong_number() -> None:
+    verdict = puzzles.verdict(puzzles.run("decode", decode_kernel(False), 0))
+    assert verdict.startswith("out differs from the reference by up to")
+
+
+def test_wrong_parameters_and_a_plain_function_are_named() -> None:
+    got = puzzles.verdict(puzzles.run("gather", gather_wrong_params, 0))
+    assert got == (
+        "the kernel's parameters must be (cache, block_table, out, seq_len, BLOCK_SIZE, HEAD_DIM); yours are "
+        "(cache, table, out, seq_len, BLOCK_SIZE, HEAD_DIM)"
+    )
+    assert "not a @triton.jit kernel" in puzzles.verdict(puzzles.run("gather", lambda *a: None, 0))
+
+
+def test_the_trace_records_per_program_cells_and_counts() -> None:
+    case = puzzles.PUZZLES["gather"].cases()[0]
+    result = puzzles.run("gather", gather_kernel, case)
+    by_program = result.trace.by_program("cache", "load")
+    table = case.tensors["block_table"].tolist()
+    assert by_program == {
+        (0, 0, 0): {(table[0], s) for s in range(4)},
+        (1, 0, 0): {(table[1], s) for s in range(4)},
+        (2, 0, 0): {(table[2], s) for s in range(2)},
+    }
+    assert result.trace.count("cache", "load") == 10 * 16  # every element once, masked lanes not counted
+    assert result.trace.count("out", "store") == 10 * 16
+
+
+def test_traces_refuse_bad_tensors_and_nesting() -> None:
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        AccessTrace(x=torch.zeros(4, 4).T)
+    with AccessTrace(x=torch.zeros(4)), pytest.raises(RuntimeError, match="cannot nest"):
+        with AccessTrace(y=torch.zeros(4)):
+            pass
+    with AccessTrace(x=torch.zeros(4)):  # released after the error: a new trace starts
+        pass
+
+
+def test_a_store_into_an_input_is_named() -> None:
+    @triton.jit
+    def scatter_into_key(key, cache, slot_mapping, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(slot_mapping + t)
+        d = tl.arange(0, HEAD_DIM)
+        tl.store(cache + slot * HEAD_DIM + d, tl.load(key + t * HEAD_DIM + d))
+        tl.store(key + t * HEAD_DIM + d, tl.zeros([HEAD_DIM], tl.float32))
+
+    assert puzzles.verdict(puzzles.run("scatter", scatter_into_key, 0)) == (
+        "stores into key, which the kernel must only read"
+    )
