@@ -1,6 +1,6 @@
 """Parts: run the real engine with a learner's own piece in place of the package's.
 
-Exercises 03–09 each build one piece of the engine, with the same signature as the
+Exercises 03–09 (and two of exercise 11's Triton puzzles) each build one piece of the engine, with the same signature as the
 package's own. ``use`` plugs them in, without editing the package, for as long as a
 ``with`` block lasts::
 
@@ -21,7 +21,8 @@ imports nothing from the package; this module fills it) and calls the learner's 
     ex07  preempt_recompute       Scheduler.preempt: undo a victim's allocation
     ex08  chain_block_hashes      Request.block_hashes: the chained hash of every full block
     ex08  find_prefix_hits        KVCacheManager.get_computed_blocks: the longest cached prefix
-    ex09  paged_decode_attention  PagedAttention: a decode-only step's attention
+    ex09  paged_decode_attention  PagedAttention: a decode-only step's attention (or puzzle 5's Triton kernel)
+    ex11  paged_prefill_attention PagedAttention: a step with new prompt tokens (puzzle 6's Triton kernel)
 
 **Checked by default.** With ``check=True`` every call of a plugged part is checked
 as it returns: the pure parts against the package's own function on the same
@@ -321,21 +322,26 @@ def _attention_before(args: tuple[Any, ...]) -> Any:
 
 
 def _attention_verify(args: tuple[Any, ...], result: torch.Tensor, before: Any) -> str | None:
-
+    """Decode (6 arguments) or prefill (7: ``cu_seqlens_q`` before ``seq_lens``) against the reference."""
+    decode = len(args) == 6
     for name, got, was in (("key_cache", args[1], before[0]), ("value_cache", args[2], before[1])):
         if not bool(((got == was) | (got.isnan() & was.isnan())).all()):
             return f"it wrote into {name}: attention only reads the cache"
-    want = reference.paged_decode_attention(*args)
+    want = (reference.paged_decode_attention if decode else reference.paged_prefill_attention)(*args)
     tol = 1e-4 if result.dtype == torch.float32 else 2e-2
     err = (result.float() - want.float()).abs()
     bad = ~(err <= tol + tol * want.float().abs())  # NaN counts as wrong
     if not bool(bad.any()):
         return None
-    seq, head = (int(x) for x in bad.any(-1).nonzero()[0])
-    return (
-        f"sequence {seq} (seq_len {int(args[4][seq])}), query head {head} is off by up to "
-        f"{float(err[seq, head].max()):.3g} from the reference"
-    )
+    row, head = (int(x) for x in bad.any(-1).nonzero()[0])
+    if decode:
+        where = f"sequence {row} (seq_len {int(args[4][row])})"
+    else:  # row is a new token of the packed batch: name its sequence and position
+        cu = args[4].tolist()
+        seq = max(i for i in range(len(cu) - 1) if cu[i] <= row)
+        seq_len, q_len = int(args[5][seq]), cu[seq + 1] - cu[seq]
+        where = f"sequence {seq} (seq_len {seq_len}, {q_len} new), position {seq_len - q_len + row - cu[seq]}"
+    return f"{where}, query head {head} is off by up to {float(err[row, head].max()):.3g} from the reference"
 
 
 # ---- the requests a scheduler part must leave alone ------------------------------------------------------------
@@ -717,6 +723,30 @@ def _decode_probes() -> list[Probe]:
     return cases
 
 
+def _prefill_probes() -> list[Probe]:
+    """New tokens after a cached prefix, a whole prompt and a decode row in one batch; the decode probes'
+    pools (slots past each sequence's end hold 1e4), and the same fp16 overflow trap."""
+    cases = []
+    for label, args in _decode_probes()[:2]:
+        query, key_cache, value_cache, tables, seq_lens, scale = args
+        lens = seq_lens.tolist()
+        q_lens = [n if n <= 17 else n // 3 for n in lens]  # a whole short prompt, or its last third
+        g = torch.Generator().manual_seed(11)
+        q = torch.randn(sum(q_lens), query.shape[1], query.shape[2], generator=g)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        new = label.replace(", scale 0.3", f", new tokens {q_lens}, scale 0.3")
+        cases.append((new, (q, key_cache, value_cache, tables, cu, seq_lens, scale)))
+    q, key_cache, value_cache, tables, cu, lens, _ = cases[0][1]
+    big_q, big_k, big_v = (t.abs().clamp(0.5, 1).mul(80).to(torch.float16) for t in (q, key_cache, value_cache))
+    cases.append(
+        (
+            "fp16, activations of 40 to 80: q·k overflows fp16 unless computed in float32",
+            (big_q, big_k, big_v, tables, cu, lens, 1 / 16**0.5),
+        )
+    )
+    return cases
+
+
 def _hash_probes() -> list[Probe]:
     tokens = list(range(100, 170))
     return [
@@ -851,6 +881,18 @@ PARTS: dict[str, Part] = {
             _attention_accept,
             _attention_verify,
             _decode_probes,
+            _read_only_caches,
+        ),
+        Part(
+            "paged_prefill_attention",
+            "ex11",
+            "paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale) -> "
+            "Tensor",
+            "PagedAttention: the attention of a step with new prompt tokens (puzzle 6's kernel)",
+            _attention_before,
+            _attention_accept,
+            _attention_verify,
+            _prefill_probes,
             _read_only_caches,
         ),
     ]

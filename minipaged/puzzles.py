@@ -48,6 +48,8 @@ class Case:
     # (tensor, kind) -> the cells a right kernel touches: (block, slot) of a cache, (row,) of an output
     cells: dict[tuple[str, Kind], Cells] = field(default_factory=dict)
     atol: float = 1e-5
+    # tensor -> the most element loads a right kernel makes (puzzle 5: each K/V element once per KV head)
+    max_loads: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,7 +58,8 @@ class Puzzle:
     title: str
     params: tuple[str, ...]  # the kernel's parameters, in order
     cases: Callable[[], list[Case]]
-    drawn: tuple[str, Kind] = ("cache", "load")  # the (tensor, kind) that ``draw`` shows by default
+    drawn: tuple[str, Kind] = ("cache", "load")  # the (tensor, kind) that ``trace_figure`` shows by default
+    axes: tuple[str, str] = ("physical block", "slot in block")  # what the drawn tensor's first two dims are
 
 
 @dataclass
@@ -71,8 +74,8 @@ class Result:
         got, want = self.got[name].float(), self.case.want[name].float()
         if got.shape != want.shape:
             return math.inf
-        both_nan = got.isnan() & want.isnan()
-        diff = (got - want).abs().masked_fill(both_nan, 0.0)
+        same = (got == want) | (got.isnan() & want.isnan())  # -inf == -inf: an empty segment's maximum
+        diff = (got - want).abs().masked_fill(same, 0.0)
         return float(diff.nan_to_num(nan=math.inf).max()) if diff.numel() else 0.0
 
 
@@ -139,6 +142,13 @@ def verdict(result: Result) -> str:
     for name in c.tensors:
         if name not in c.outputs and result.trace.count(name, "store"):
             return f"stores into {name}, which the kernel must only read"
+    for tensor, most in c.max_loads.items():
+        loads = result.trace.count(tensor, "load")
+        if loads > most:
+            return (
+                f"loads {loads:,} elements of {tensor}, {loads / most:.3g}x the {most:,} a kernel reading each "
+                "element once needs"
+            )
     for (tensor, kind), want in c.cells.items():
         dims = len(next(iter(want))) if want else 2
         got = result.trace.cells(tensor, kind, dims)
@@ -323,6 +333,309 @@ def _decode_cases() -> list[Case]:
     return cases
 
 
+# ---- 4. split-KV and the merge -----------------------------------------------------------------------------------
+# NUM_SPLITS is a power of two (the merge loads all of them with one tl.arange) and NUM_SPLITS x BLOCKS_PER_SPLIT
+# covers the longest sequence; the segments past a shorter sequence's end are empty.
+SPLIT_SHAPES = (
+    ("3 sequences of 9, 4 and 1 tokens, blocks of 4, 2 blocks a segment, 4 segments", [9, 4, 1], 4, 16, 2, 4, 0),
+    ("2 sequences of 40 and 7 tokens, blocks of 8, 1 block a segment, 8 segments", [40, 7], 8, 16, 1, 8, 1),
+    ("one sequence of 33 tokens, blocks of 16, 2 blocks a segment, 2 segments, head_dim 32", [33], 16, 32, 2, 2, 2),
+)
+
+
+def _partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bounds: list[tuple[int, int]]):
+    """Each segment's (max score, sum of exp(score - max), normalised output); (-inf, 0, 0) for an empty one."""
+    rows = []
+    for lo, hi in bounds:
+        if hi <= lo:
+            rows.append((-math.inf, 0.0, torch.zeros(q.shape[-1])))
+            continue
+        scores = (k[lo:hi].double() @ q.double()) * scale
+        m = float(scores.max())
+        w = (scores - m).exp()
+        rows.append((m, float(w.sum()), ((w @ v[lo:hi].double()) / w.sum()).float()))
+    return rows
+
+
+def _split_inputs(shape: tuple) -> tuple[dict[str, torch.Tensor], dict[str, Any], list, list[list[int]]]:
+    """The decode batch of one split shape, its scalars, each sequence's partials, and the block tables."""
+    _, seq_lens, block_size, head_dim, per_split, num_splits, seed = shape
+    query, k_cache, v_cache, tables = _decode_inputs(seq_lens, block_size, head_dim, seed)
+    scale = head_dim**-0.5
+    span = per_split * block_size
+    partials = []
+    for i, (t, n) in enumerate(zip(tables, seq_lens)):
+        k, v = _gathered(k_cache, t, n), _gathered(v_cache, t, n)
+        bounds = [(min(s * span, n), min((s + 1) * span, n)) for s in range(num_splits)]
+        partials.append(_partials(query[i], k, v, scale, bounds))
+    table = _padded(tables)
+    tensors = dict(
+        query=query,
+        key_cache=k_cache,
+        value_cache=v_cache,
+        block_tables=table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+    )
+    scalars = dict(scale=scale, table_stride=table.stride(0), BLOCKS_PER_SPLIT=per_split, NUM_SPLITS=num_splits)
+    return tensors, {**scalars, "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim}, partials, tables
+
+
+def _split_cases() -> list[Case]:
+    cases = []
+    for shape in SPLIT_SHAPES:
+        label, seq_lens, block_size, _, _, num_splits, _ = shape
+        tensors, scalars, partials, tables = _split_inputs(shape)
+        owned = _owned(tables, seq_lens, block_size)
+        num_seqs = len(seq_lens)
+        want = dict(
+            part_max=torch.tensor([[m for m, _, _ in p] for p in partials]),
+            part_sum=torch.tensor([[s for _, s, _ in p] for p in partials]),
+            part_out=torch.stack([torch.stack([o for _, _, o in p]) for p in partials]),
+        )
+        cases.append(
+            Case(
+                label,
+                {**tensors, **{n: torch.zeros_like(t) for n, t in want.items()}},
+                scalars,
+                (num_seqs, num_splits),
+                ("part_max", "part_sum", "part_out"),
+                want=want,
+                cells={("key_cache", "load"): owned, ("value_cache", "load"): owned},
+                atol=1e-4,
+            )
+        )
+    return cases
+
+
+def _merge_cases() -> list[Case]:
+    cases = []
+    for shape in SPLIT_SHAPES:
+        label, seq_lens, _, head_dim, _, num_splits, _ = shape
+        _, _, partials, _ = _split_inputs(shape)
+        m = torch.tensor([[x for x, _, _ in p] for p in partials])
+        total = torch.tensor([[x for _, x, _ in p] for p in partials])
+        o = torch.stack([torch.stack([x for _, _, x in p]) for p in partials])
+        # The merge as chapter 05 writes it: rescale every segment to the common maximum, weight by its sum.
+        weight = total.double() * (m.double() - m.double().max(dim=1, keepdim=True).values).exp()
+        out = ((weight[..., None] * o.double()).sum(dim=1) / weight.sum(dim=1, keepdim=True)).float()
+        every: Cells = {(i, s) for i in range(len(seq_lens)) for s in range(num_splits)}
+        cases.append(
+            Case(
+                f"the partials of {label}",
+                dict(part_max=m, part_sum=total, part_out=o, out=torch.zeros(len(seq_lens), head_dim)),
+                dict(NUM_SPLITS=num_splits, HEAD_DIM=head_dim),
+                (len(seq_lens),),
+                ("out",),
+                want=dict(out=out),
+                cells={("part_max", "load"): every, ("part_sum", "load"): every},
+                atol=1e-4,
+            )
+        )
+    return cases
+
+
+# ---- 5. GQA packing ----------------------------------------------------------------------------------------------
+# tl.dot wants every tile dimension >= 16: blocks of 16 or more, and Q_ROWS = max(16, next power of 2 >= G) rows,
+# of which the first G are the query heads that share the program's KV head.
+GQA_SHAPES = (
+    ("3 sequences of 20, 5 and 33 tokens, 8 query heads over 2 KV heads, blocks of 16", [20, 5, 33], 16, 16, 8, 2, 0),
+    (
+        "2 sequences of 40 and 17 tokens, SmolLM2's 9 query heads over 3 KV heads, blocks of 32",
+        [40, 17],
+        32,
+        16,
+        9,
+        3,
+        1,
+    ),
+    ("one sequence of 16 tokens, 4 heads each with its own KV head (G = 1), head_dim 32", [16], 16, 32, 4, 4, 2),
+)
+
+
+def q_rows(num_q_heads: int, num_kv_heads: int) -> int:
+    """Rows of the query tile one program packs: the group, padded to a power of two and to tl.dot's 16."""
+    return max(16, 1 << (num_q_heads // num_kv_heads - 1).bit_length())
+
+
+def _gqa_cases() -> list[Case]:
+    cases = []
+    for label, seq_lens, block_size, head_dim, q_heads, kv_heads, seed in GQA_SHAPES:
+        query, k_cache, v_cache, tables = _decode_inputs(seq_lens, block_size, head_dim, seed, (q_heads, kv_heads))
+        scale = head_dim**-0.5
+        group = q_heads // kv_heads
+        want = torch.zeros_like(query)
+        for i, (t, n) in enumerate(zip(tables, seq_lens)):
+            k, v = _gathered(k_cache, t, n), _gathered(v_cache, t, n)  # [n, kv_heads, d]
+            for h in range(q_heads):
+                want[i, h] = _attend(query[i, h : h + 1], k[:, h // group], v[:, h // group], scale)[0]
+        table = _padded(tables)
+        owned = _owned(tables, seq_lens, block_size)
+        once = sum(seq_lens) * kv_heads * head_dim
+        cases.append(
+            Case(
+                label,
+                dict(
+                    query=query,
+                    key_cache=k_cache,
+                    value_cache=v_cache,
+                    block_tables=table,
+                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                    out=torch.zeros_like(query),
+                ),
+                dict(
+                    scale=scale,
+                    table_stride=table.stride(0),
+                    NUM_Q_HEADS=q_heads,
+                    NUM_KV_HEADS=kv_heads,
+                    Q_ROWS=q_rows(q_heads, kv_heads),
+                    BLOCK_SIZE=block_size,
+                    HEAD_DIM=head_dim,
+                ),
+                (len(seq_lens), kv_heads),
+                ("out",),
+                want=dict(out=want),
+                cells={("key_cache", "load"): owned, ("value_cache", "load"): owned},
+                atol=1e-4,
+                max_loads=dict(key_cache=once, value_cache=once),
+            )
+        )
+    return cases
+
+
+def decode_part(kernel: Any) -> Callable[..., torch.Tensor]:
+    """The engine's ``paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)``
+    launching a puzzle-5 kernel: plug it in with ``parts.use(paged_decode_attention=decode_part(my_kernel))``.
+    The kernel sees float32 (the engine's fp16 and bf16 are converted for it, and its answer back)."""
+
+    def paged_decode_attention(
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        num_seqs, num_q_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        q, kc, vc = (t.float().contiguous() for t in (query, key_cache, value_cache))
+        tables = block_tables.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        kernel[(num_seqs, num_kv_heads)](
+            q, kc, vc, tables, seq_lens.to(torch.int32).contiguous(), out, float(scale), tables.stride(0),
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_ROWS=q_rows(num_q_heads, num_kv_heads),
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        )  # fmt: skip
+        return out.to(query.dtype)
+
+    return paged_decode_attention
+
+
+# ---- 6. prefill over a cached prefix ------------------------------------------------------------------------------
+# (seq_lens, q_lens): the last q_len tokens of each sequence are new, the rest were cached by an earlier step.
+PREFILL_SHAPES = (
+    ("a fresh 20-token prompt, 13 new after 24 cached, one decode row: 4 query heads over 2 KV heads, blocks of 16",
+     [20, 37, 9], [20, 13, 1], 16, 16, 4, 2, 0),
+    ("a 40-token prompt whose first 32 are cached, and a 5-token chunk after 44: SmolLM2's 9 over 3, blocks of 32",
+     [40, 49], [8, 5], 32, 16, 9, 3, 1),
+    ("one 16-token prompt from scratch, head_dim 32, 2 heads each with its own KV head",
+     [16], [16], 16, 32, 2, 2, 2),
+)  # fmt: skip
+
+
+def block_m(max_q_len: int) -> int:
+    """Rows of the query tile: every new token of a sequence in one tile, at least tl.dot's 16."""
+    return max(16, 1 << (max_q_len - 1).bit_length())
+
+
+def _prefill_cases() -> list[Case]:
+    cases = []
+    for label, seq_lens, q_lens, block_size, head_dim, q_heads, kv_heads, seed in PREFILL_SHAPES:
+        gen = torch.Generator().manual_seed(seed)
+        num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 2
+        k_cache = _pool(gen, num_blocks, block_size, head_dim, kv_heads)
+        v_cache = _pool(gen, num_blocks, block_size, head_dim, kv_heads)
+        tables = _tables(gen, seq_lens, num_blocks, block_size)
+        _fill(k_cache, tables, seq_lens, gen)
+        _fill(v_cache, tables, seq_lens, gen)
+        query = torch.randn(sum(q_lens), q_heads, head_dim, generator=gen)
+        cu = [0]
+        for q in q_lens:
+            cu.append(cu[-1] + q)
+        scale, group = head_dim**-0.5, q_heads // kv_heads
+        want = torch.zeros_like(query)
+        for i, (t, n, q_len) in enumerate(zip(tables, seq_lens, q_lens)):
+            k, v = _gathered(k_cache, t, n), _gathered(v_cache, t, n)
+            for j in range(q_len):
+                pos = n - q_len + j  # sees keys 0 .. pos
+                for h in range(q_heads):
+                    row = query[cu[i] + j, h : h + 1]
+                    want[cu[i] + j, h] = _attend(row, k[: pos + 1, h // group], v[: pos + 1, h // group], scale)[0]
+        table = _padded(tables)
+        owned = _owned(tables, seq_lens, block_size)
+        cases.append(
+            Case(
+                label,
+                dict(
+                    query=query,
+                    key_cache=k_cache,
+                    value_cache=v_cache,
+                    block_tables=table,
+                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                    cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+                    out=torch.zeros_like(query),
+                ),
+                dict(
+                    scale=scale,
+                    table_stride=table.stride(0),
+                    NUM_Q_HEADS=q_heads,
+                    NUM_KV_HEADS=kv_heads,
+                    BLOCK_M=block_m(max(q_lens)),
+                    BLOCK_SIZE=block_size,
+                    HEAD_DIM=head_dim,
+                ),
+                (len(seq_lens), q_heads),
+                ("out",),
+                want=dict(out=want),
+                cells={("key_cache", "load"): owned, ("value_cache", "load"): owned},
+                atol=1e-4,
+                max_loads=dict(
+                    key_cache=sum(seq_lens) * q_heads * head_dim, value_cache=sum(seq_lens) * q_heads * head_dim
+                ),
+            )
+        )
+    return cases
+
+
+def prefill_part(kernel: Any) -> Callable[..., torch.Tensor]:
+    """The engine's ``paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q,
+    seq_lens, scale)`` launching a puzzle-6 kernel (float32 for the kernel, like ``decode_part``)."""
+
+    def paged_prefill_attention(
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        _, num_q_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        q, kc, vc = (t.float().contiguous() for t in (query, key_cache, value_cache))
+        tables = block_tables.to(torch.int32).contiguous()
+        cu = cu_seqlens_q.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        max_q_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 1
+        kernel[(seq_lens.shape[0], num_q_heads)](
+            q, kc, vc, tables, seq_lens.to(torch.int32).contiguous(), cu, out, float(scale), tables.stride(0),
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=block_m(max_q_len),
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        )  # fmt: skip
+        return out.to(query.dtype)
+
+    return paged_prefill_attention
+
+
 PUZZLES: dict[str, Puzzle] = {
     p.name: p
     for p in (
@@ -355,6 +668,79 @@ PUZZLES: dict[str, Puzzle] = {
                 "HEAD_DIM",
             ),
             _decode_cases,
+            drawn=("key_cache", "load"),
+        ),
+        Puzzle(
+            "split",
+            "4a. Split-KV: each (sequence, segment) program keeps its segment's max, sum and output",
+            (
+                "query",
+                "key_cache",
+                "value_cache",
+                "block_tables",
+                "seq_lens",
+                "part_max",
+                "part_sum",
+                "part_out",
+                "scale",
+                "table_stride",
+                "BLOCKS_PER_SPLIT",
+                "NUM_SPLITS",
+                "BLOCK_SIZE",
+                "HEAD_DIM",
+            ),
+            _split_cases,
+            drawn=("key_cache", "load"),
+        ),
+        Puzzle(
+            "merge",
+            "4b. Merge: one program per sequence joins its segments' partial results",
+            ("part_max", "part_sum", "part_out", "out", "NUM_SPLITS", "HEAD_DIM"),
+            _merge_cases,
+            drawn=("part_sum", "load"),
+            axes=("sequence", "segment"),
+        ),
+        Puzzle(
+            "gqa",
+            "5. GQA packing: one program per (sequence, KV head) serves the G query heads with tl.dot",
+            (
+                "query",
+                "key_cache",
+                "value_cache",
+                "block_tables",
+                "seq_lens",
+                "out",
+                "scale",
+                "table_stride",
+                "NUM_Q_HEADS",
+                "NUM_KV_HEADS",
+                "Q_ROWS",
+                "BLOCK_SIZE",
+                "HEAD_DIM",
+            ),
+            _gqa_cases,
+            drawn=("key_cache", "load"),
+        ),
+        Puzzle(
+            "prefill",
+            "6. Prefill: a causal tile of new tokens over the sequence's cached prefix",
+            (
+                "query",
+                "key_cache",
+                "value_cache",
+                "block_tables",
+                "seq_lens",
+                "cu_seqlens_q",
+                "out",
+                "scale",
+                "table_stride",
+                "NUM_Q_HEADS",
+                "NUM_KV_HEADS",
+                "BLOCK_M",
+                "BLOCK_SIZE",
+                "HEAD_DIM",
+            ),
+            _prefill_cases,
             drawn=("key_cache", "load"),
         ),
     )

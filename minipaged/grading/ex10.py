@@ -38,6 +38,13 @@ from .core import Check, CheckOutcome, report
 from .runner import run_code_cells
 
 EXERCISES = ("ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex09")
+
+
+def capstone_parts() -> dict[str, parts.Part]:
+    """The parts of exercises 03-09, which the capstone assembles (exercise 11's puzzles plug in on their own)."""
+    return {n: p for n, p in parts.PARTS.items() if p.exercise in EXERCISES}
+
+
 # Chat prompts of 37 to 41 tokens (the chat template's system prompt is most of them): with 12 output
 # tokens each crosses a 16-token block boundary while decoding, so a small pool makes the scheduler preempt.
 PROMPTS = [
@@ -297,11 +304,11 @@ def report_card(
     llm = llm or engine(settings or {})
     rows = []
     for ex in EXERCISES:
-        names = [n for n, p in parts.PARTS.items() if p.exercise == ex]
+        names = [n for n, p in capstone_parts().items() if p.exercise == ex]
         verdict, run = _verdict(llm, prompts, reference, {n: my_parts[n] for n in names})
         rows.append(Row(ex, names, run.calls, verdict))
     verdict, together = _verdict(llm, prompts, reference, dict(my_parts))
-    rows.append(Row("all", list(parts.PARTS), together.calls, verdict))
+    rows.append(Row("all", list(capstone_parts()), together.calls, verdict))
     rows.append(shape_row(my_parts))
     return ReportCard(rows, together.num_preemptions, together.prefix_hit_tokens, llm.num_blocks)
 
@@ -319,10 +326,10 @@ def shape_row(my_parts: dict[str, Callable[..., Any]]) -> Row:
     verdict, run = _verdict(llm, prompts, reference, dict(my_parts))
     return Row(
         "shape",
-        list(parts.PARTS),
+        list(capstone_parts()),
         run.calls,
         verdict.replace("transformers", "the package's engine"),
-        title=f"all {len(parts.PARTS)} parts, {SHAPE_LABEL}",
+        title=f"all {len(capstone_parts())} parts, {SHAPE_LABEL}",
     )
 
 
@@ -337,7 +344,7 @@ def _assembled(my_parts: Callable[[], Any]) -> dict[str, Any]:
 def check_parts(my_parts: Callable[[], dict[str, Callable[..., Any]]]) -> list[CheckOutcome]:
     """Every part is there, is a function of the learner's, and takes the part's arguments."""
     checks = []
-    for name, spec in parts.PARTS.items():
+    for name, spec in capstone_parts().items():
 
         def plug(name: str = name) -> str:
             fn = _assembled(my_parts).get(name)

@@ -148,8 +148,9 @@ class PagedAttention:
             # metadata arrives built, once per step, from LlamaModel.forward.
             meta = self.build_metadata(meta, key_cache, value_cache, q.shape[1], q.dtype)
         write, decode = hooks.plugged("reshape_and_cache"), hooks.plugged("paged_decode_attention")
-        if write is not None or decode is not None:  # a learner's own pieces (exercises 05 and 09)
-            return self._with_parts(write, decode, q, k, v, key_cache, value_cache, meta, scale)
+        prefill = hooks.plugged("paged_prefill_attention")
+        if write is not None or decode is not None or prefill is not None:  # a learner's own (exercises 05, 09, 11)
+            return self._with_parts(write, decode, prefill, q, k, v, key_cache, value_cache, meta, scale)
         if isinstance(meta, TorchAttentionMetadata):
             from ..kernels import torch_backend
 
@@ -189,6 +190,7 @@ class PagedAttention:
         self,
         write: Any,
         decode: Any,
+        prefill: Any,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -197,10 +199,10 @@ class PagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """The same step with a learner's scatter-write and/or decode attention in place of the backend's.
+        """The same step with a learner's scatter-write, decode and/or prefill attention in place of the backend's.
 
         Their signatures are the reference kernels' (``kernels.reference``), which stand in for whichever
-        half is not plugged in; prefill steps always attend with the reference.
+        piece is not plugged in.
         """
         from ..kernels import reference
 
@@ -209,6 +211,6 @@ class PagedAttention:
             return (decode or reference.paged_decode_attention)(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale
             )
-        return reference.paged_prefill_attention(
+        return (prefill or reference.paged_prefill_attention)(
             q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale
         )

@@ -47,6 +47,9 @@ def trace_figure(result: Any, tensor: str | None = None, kind: Kind | None = Non
     dims = len(next(iter(want))) if want else min(2, len(shape))  # (block, slot) of a cache, (row,) of an output
     num_rows, num_cols = shape[0], (shape[1] if dims == 2 else 1)
 
+    y_title, x_title = PUZZLES[result.puzzle].axes if dims == 2 else ("row", "")
+    where = f"{y_title} %{{y}}, {x_title} %{{x}}" if dims == 2 else "row %{y}"
+
     def cell_xy(cell: tuple[int, ...]) -> tuple[int, int]:
         return (cell[1] if dims == 2 else 0), cell[0]
 
@@ -90,7 +93,7 @@ def trace_figure(result: Any, tensor: str | None = None, kind: Kind | None = Non
                     name="touched by program n (n in the cell)",
                     legendgroup="programs",
                     showlegend=i == 0,
-                    hovertemplate=f"{_program_label(program)}<br>block %{{y}}, slot %{{x}}<extra></extra>",
+                    hovertemplate=f"{_program_label(program)}<br>{where}<extra></extra>",
                 ),
                 row=1,
                 col=1,
@@ -108,7 +111,7 @@ def trace_figure(result: Any, tensor: str | None = None, kind: Kind | None = Non
                     mode="markers",
                     marker=dict(symbol=symbol, size=20, color=color, line=dict(width=3, color=color)),
                     name=name,
-                    hovertemplate="block %{y}, slot %{x}<extra>" + name + "</extra>",
+                    hovertemplate=f"{where}<extra>{name}</extra>",
                 ),
                 row=1,
                 col=1,
@@ -121,16 +124,15 @@ def trace_figure(result: Any, tensor: str | None = None, kind: Kind | None = Non
             mode="markers",
             marker=dict(symbol="square", size=22, color=RIGHT_COLOR),
             name="a right kernel touches it",
-            hovertemplate="block %{y}, slot %{x}<extra></extra>",
+            hovertemplate=f"{where}<extra></extra>",
         ),
         row=1,
         col=2,
     )
-    x_title = "slot in block" if dims == 2 else ""
     for col in (1, 2):
-        fig.update_xaxes(title_text=x_title or "row", range=[-0.7, num_cols - 0.3], dtick=1, row=1, col=col)
+        fig.update_xaxes(title_text=x_title or None, range=[-0.7, num_cols - 0.3], dtick=1, row=1, col=col)
     y_range = [num_rows - 0.5, -0.5]  # block 0 on top
-    fig.update_yaxes(title_text="physical block" if dims == 2 else "row", range=y_range, dtick=1, row=1, col=1)
+    fig.update_yaxes(title_text=y_title, range=y_range, dtick=1, row=1, col=1)
     fig.update_yaxes(range=y_range, dtick=1, row=1, col=2)
     fig.update_layout(
         title=dict(text=title or f"{tensor}, {case.label}: {verdict(result)}", font=dict(size=13)),
