@@ -1,6 +1,6 @@
 """Parts: run the real engine with a learner's own piece in place of the package's.
 
-Exercises 03–09 (and two of exercise 11's Triton puzzles) each build one piece of the engine, with the same signature as the
+Exercises 03–09 (and two of exercise 05b's Triton puzzles) each build one piece of the engine, with the same signature as the
 package's own. ``use`` plugs them in, without editing the package, for as long as a
 ``with`` block lasts::
 
@@ -22,7 +22,7 @@ imports nothing from the package; this module fills it) and calls the learner's 
     ex08  chain_block_hashes      Request.block_hashes: the chained hash of every full block
     ex08  find_prefix_hits        KVCacheManager.get_computed_blocks: the longest cached prefix
     ex09  paged_decode_attention  PagedAttention: a decode-only step's attention (or puzzle 5's Triton kernel)
-    ex11  paged_prefill_attention PagedAttention: a step with new prompt tokens (puzzle 6's Triton kernel)
+    ex05b paged_prefill_attention PagedAttention: a step with new prompt tokens (puzzle 6's Triton kernel)
 
 **Checked by default.** With ``check=True`` every call of a plugged part is checked
 as it returns: the pure parts against the package's own function on the same
@@ -885,7 +885,7 @@ PARTS: dict[str, Part] = {
         ),
         Part(
             "paged_prefill_attention",
-            "ex11",
+            "ex05b",
             "paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale) -> "
             "Tensor",
             "PagedAttention: the attention of a step with new prompt tokens (puzzle 6's kernel)",

@@ -1,4 +1,4 @@
-"""The Triton puzzle ladder (exercise 11, beside chapter 05): six small kernels up to paged decode and prefill.
+"""The Triton puzzle ladder (exercise 05b, beside chapter 05): six small kernels up to paged decode and prefill.
 
 Each puzzle fixes a kernel's parameters and its grid; the learner writes the body. The harness builds the
 inputs, launches the learner's ``@triton.jit`` function in Triton's interpreter, compares what it wrote with

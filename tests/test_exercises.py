@@ -64,10 +64,11 @@ def test_every_starter_fails_every_check():
 
 def test_the_course_map_says_what_each_exercise_has_you_write():
     """00's table: every function in "you write" is a stub of that exercise, every part in "it runs in the
-    engine as" is a part of that exercise (minipaged.parts), and the parts of exercises 03-09 are all there; the
-    chapters without an exercise say so."""
-    from minipaged.grading.ex10 import capstone_parts
+    engine as" is a part of that exercise (minipaged.parts), and every part is there; the chapters without an
+    exercise say so. Chapter 05 has two exercises: ex05 and the Triton puzzles, ex05b."""
     from minipaged.parts import PARTS
+
+    ENGINE_PARTS = {"paged_decode_attention", "paged_prefill_attention"}  # puzzles.decode_part, prefill_part
 
     welcome = nbformat.read(EXERCISES.parent / "notebooks" / "00_welcome.ipynb", as_version=4)
     (table,) = [c.source for c in welcome.cells if c.source.startswith("## The course map")]
@@ -80,17 +81,19 @@ def test_the_course_map_says_what_each_exercise_has_you_write():
     assert len(graded) == 10 and [row[0][:2] for row in rows if row not in graded] == ["11", "12"]
     seen_parts = set()
     for chapter, _, you_write, runs_as, _ in graded:
-        ex = "ex" + chapter[:2]
-        (starter,) = EXERCISES.glob(f"{ex}_*.ipynb")
-        stubs = "\n".join(
-            c.source
-            for c in nbformat.read(starter, as_version=4).cells
-            if c.cell_type == "code" and "raise NotImplementedError  # YOUR CODE HERE" in c.source
-        )
-        assert f"({ex})" in you_write, (chapter, you_write)
-        for name in re.findall(r"`(\w+)`", you_write):
-            assert re.search(rf"def {name}\(", stubs), f"{starter.name} has no stub {name}()"
+        exercises = re.findall(r"\((ex\d\d[a-z]?)\)", you_write)  # "... (ex05); ... (ex05b)"
+        assert exercises and exercises[0] == "ex" + chapter[:2], (chapter, you_write)
+        for ex, names in zip(exercises, re.split(r"\(ex\d\d[a-z]?\)", you_write)):  # the names before each tag
+            (starter,) = EXERCISES.glob(f"{ex}_*.ipynb")
+            stubs = "\n".join(
+                c.source
+                for c in nbformat.read(starter, as_version=4).cells
+                if c.cell_type == "code" and "raise NotImplementedError  # YOUR CODE HERE" in c.source
+            )
+            for name in re.findall(r"`(\w+)`", names):
+                assert re.search(rf"def {name}\(", stubs), f"{starter.name} has no stub {name}()"
         for part in re.findall(r"`(\w+)`", runs_as):
-            assert PARTS[part].exercise == ex, (part, ex)
+            # a part of the row's exercise, or one the Triton puzzles (ex05b) plug in through puzzles.*_part
+            assert PARTS[part].exercise in exercises or (part in ENGINE_PARTS and "ex05b" in exercises), (part, chapter)
             seen_parts.add(part)
-    assert seen_parts == set(capstone_parts())
+    assert seen_parts == set(PARTS)

@@ -41,7 +41,7 @@ EXERCISES = ("ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex09")
 
 
 def capstone_parts() -> dict[str, parts.Part]:
-    """The parts of exercises 03-09, which the capstone assembles (exercise 11's puzzles plug in on their own)."""
+    """The parts of exercises 03-09, which the capstone assembles (exercise 05b's puzzles plug in on their own)."""
     return {n: p for n, p in parts.PARTS.items() if p.exercise in EXERCISES}
 
 

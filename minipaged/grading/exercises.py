@@ -27,7 +27,7 @@ class Group:
 
 @dataclass(frozen=True)
 class Exercise:
-    key: str  # "ex03"
+    key: str  # "ex03", or "ex05b" for a chapter's second exercise
     stem: str  # "ex03_free_queue": the starter's file name without .ipynb
     groups: tuple[Group, ...]
     triton: bool = False  # its code runs Triton kernels: without a GPU, the interpreter must be on first
@@ -38,7 +38,7 @@ class Exercise:
 
 
 def _ex(stem: str, *groups: tuple[str, str, str, int], triton: bool = False) -> Exercise:
-    return Exercise(stem[:4], stem, tuple(Group(n, c, tuple(a.split()), t) for n, c, a, t in groups), triton)
+    return Exercise(stem.split("_")[0], stem, tuple(Group(n, c, tuple(a.split()), t) for n, c, a, t in groups), triton)
 
 
 EXERCISES: dict[str, Exercise] = {
@@ -72,6 +72,18 @@ EXERCISES: dict[str, Exercise] = {
             triton=True,
         ),
         _ex(
+            "ex05b_triton_puzzles",
+            ("scatter", "check_scatter", "scatter_kernel", 4),
+            ("gather", "check_gather", "gather_kernel", 4),
+            ("decode", "check_decode", "decode_kernel", 3),
+            ("split", "check_split", "split_kernel", 3),
+            ("merge", "check_merge", "merge_kernel", 3),
+            ("gqa", "check_gqa", "gqa_kernel", 3),
+            ("prefill", "check_prefill", "prefill_kernel", 3),
+            ("engine", "check_engine", "gqa_kernel prefill_kernel", 3),
+            triton=True,
+        ),
+        _ex(
             "ex06_admission",
             ("admit_waiting", "check_admit_waiting", "admit_waiting", 10),
             ("admission_state", "check_admission_state", "admit_waiting", 10),
@@ -102,7 +114,7 @@ EXERCISES: dict[str, Exercise] = {
     )
 }
 
-_NAME = re.compile(r"^(ex\d\d)(?:_|\.ipynb$)")
+_NAME = re.compile(r"^(ex\d\d[a-z]?)(?:_|\.ipynb$)")  # ex05b: a chapter's second exercise
 
 
 def exercise_for(filename: str) -> Exercise | None:
