@@ -22,6 +22,7 @@ stray read shows up in the output as well as in the trace.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -745,6 +746,39 @@ PUZZLES: dict[str, Puzzle] = {
         ),
     )
 }
+
+
+# ---- what a GPU would make of it ----------------------------------------------------------------------------------
+# The shape every puzzle kernel is compiled for: SmolLM2's head_dim 64 and 9 query heads over 3 KV heads, blocks
+# of 16, a 64-row prefill tile, 8 segments of 4 blocks (the engine's own shapes; the cases above are smaller).
+COMPILE_SHAPE = dict(
+    HEAD_DIM=64, BLOCK_SIZE=16, NUM_Q_HEADS=9, NUM_KV_HEADS=3, Q_ROWS=16, BLOCK_M=64, BLOCKS_PER_SPLIT=4, NUM_SPLITS=8
+)
+
+
+def compile_kernels(kernels: dict[str, Any], archs: tuple[str, ...] = ("sm_80", "sm_90")) -> list[Any]:
+    """Compile each puzzle's kernel (``{"gqa": gqa_kernel, ...}``) for an NVIDIA GPU, without one: its registers,
+    spills, shared memory and occupancy, with ``kernels.report``'s compiler in a fresh process (the interpreter
+    stays on here). A kernel that does not compile gets a row with its error."""
+    import textwrap
+
+    from .kernels.report import SourceJob, compile_sources
+
+    jobs = []
+    for puzzle, kernel in kernels.items():
+        p, fn = PUZZLES[puzzle], getattr(kernel, "fn", None)
+        if fn is None:
+            raise TypeError(f"{puzzle}: expected a @triton.jit kernel, got {type(kernel).__name__}")
+        case = p.cases()[0]
+        args: dict[str, Any] = {n: {"tensor": str(t.dtype).removeprefix("torch.")} for n, t in case.tensors.items()}
+        args.update(case.scalars)
+        args.update({k: v for k, v in COMPILE_SHAPE.items() if k in p.params})
+        group = args["NUM_Q_HEADS"] // args["NUM_KV_HEADS"] if "NUM_Q_HEADS" in args else 1
+        source = textwrap.dedent(inspect.getsource(fn))
+        for arch in archs:
+            jobs.append(SourceJob(fn.__name__, source, args, arch, head_dim=args["HEAD_DIM"],
+                                  block_size=args.get("BLOCK_SIZE", 0), group=group))  # fmt: skip
+    return compile_sources(jobs)
 
 
 def describe(puzzle: str) -> str:

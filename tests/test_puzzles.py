@@ -198,3 +198,22 @@ def test_the_engine_check_fails_a_kernel_the_probes_catch(capsys) -> None:
     assert [o.passed for o in outcomes] == [False, False, False]
     assert "PartError: part 'paged_decode_attention'" in outcomes[0].got
     assert capsys.readouterr().out.startswith("engine: 0/3 checks passed")
+
+
+def test_puzzle_kernels_compile_for_a_gpu_and_a_broken_one_says_why() -> None:
+    """``compile_kernels`` compiles a learner's kernel from its source, in a process with the interpreter off."""
+    from minipaged.kernels.report import format_table
+
+    @triton.jit
+    def broken(cache, block_table, out, seq_len, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        tl.store(out + tl.arange(0, HEAD_DIM), helper_nobody_defined(cache))  # noqa: F821
+
+    rows = puzzles.compile_kernels({"scatter": scatter_kernel, "gather": broken}, archs=("sm_90",))
+    assert [(r.kernel, r.arch, r.head_dim, r.block_size) for r in rows] == [
+        ("scatter_kernel", "sm_90", 64, 16),
+        ("broken", "sm_90", 64, 16),
+    ]
+    assert rows[0].error is None and rows[0].registers > 0 and rows[0].spill_bytes == 0
+    assert rows[0].occupancy > 0
+    assert rows[1].registers is None and "helper_nobody_defined" in rows[1].error
+    assert "error: broken" in format_table(rows)

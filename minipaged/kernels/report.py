@@ -480,25 +480,112 @@ def compile_config(cfg: Config) -> list[Row]:
         launches = example_launches(cfg)
     except Exception as e:  # a configuration the planner refuses is a finding, not a crash of the report
         return [Row(cfg.kernel, **base, error=f"{type(e).__name__}: {e}")]
-    rows = []
-    for name, launch in launches:
-        row = Row(name, **base, tiles=_tiles(launch), num_warps=launch.num_warps, num_stages=launch.num_stages)
-        try:
-            compiled = compile_launch(launch, cfg.arch)
-            usage = resource_usage(compiled.asm["cubin"])
-            row.registers = usage["REG"]
-            row.spill_bytes = usage.get("STACK", 0) + usage.get("LOCAL", 0)
-            row.shared_bytes = max(int(compiled.metadata.shared), usage.get("SHARED", 0))
-            limit = ARCH_LIMITS[cfg.arch]["shared_per_program"]
-            if row.shared_bytes > limit:
-                row.error = f"needs {row.shared_bytes} B of shared memory, more than the {limit} B a program may use"
+    return [
+        measure(
+            Row(name, **base, tiles=_tiles(launch), num_warps=launch.num_warps, num_stages=launch.num_stages), launch
+        )
+        for name, launch in launches
+    ]
+
+
+def measure(row: Row, launch: Any) -> Row:
+    """Compile ``launch`` for ``row.arch`` and fill in its registers, spills, shared memory and occupancy (or
+    the error that stopped it: a kernel that does not compile is a finding, not a crash of the report)."""
+    try:
+        compiled = compile_launch(launch, row.arch)
+        usage = resource_usage(compiled.asm["cubin"])
+        row.registers = usage["REG"]
+        row.spill_bytes = usage.get("STACK", 0) + usage.get("LOCAL", 0)
+        row.shared_bytes = max(int(compiled.metadata.shared), usage.get("SHARED", 0))
+        limit = ARCH_LIMITS[row.arch]["shared_per_program"]
+        if row.shared_bytes > limit:
+            row.error = f"needs {row.shared_bytes} B of shared memory, more than the {limit} B a program may use"
+        else:
+            row.occupancy = occupancy(row.arch, row.registers, row.shared_bytes, launch.num_warps)
+            row.occupancy_pct = round(100 * row.occupancy / ARCH_LIMITS[row.arch]["max_warps"], 1)
+    except Exception as e:
+        row.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    return row
+
+
+# ---- a kernel given as source (the puzzle ladder's: a learner's kernel, defined in a notebook) -------------------
+@dataclass(frozen=True)
+class SourceJob:
+    """A ``@triton.jit`` function's source and one launch's arguments, by parameter name: a tensor is given by its
+    dtype (``{"tensor": "float32"}``), an int or a float by a value; which are constexprs the function says."""
+
+    name: str  # the function's name in ``source``
+    source: str
+    args: dict[str, Any]
+    arch: str
+    dtype: str = "float32"
+    head_dim: int = 0
+    block_size: int = 0
+    group: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _jit_from_source(source: str, name: str, folder: Path) -> Any:
+    """Import ``source`` as a module (Triton reads a kernel's source through ``inspect``, so it needs a file)."""
+    import importlib.util
+
+    path = folder / f"{name}.py"
+    path.write_text("import triton\nimport triton.language as tl\n\n\n" + source)
+    spec = importlib.util.spec_from_file_location(f"minipaged_source_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def compile_job(job: SourceJob, folder: Path) -> Row:
+    """One ``SourceJob`` compiled (in a process with the interpreter off) and measured."""
+    import torch
+
+    from .launch import Launch
+
+    row = Row(job.name, job.dtype, job.head_dim, job.block_size, job.group, job.arch, addressing="-",
+              num_warps=job.num_warps, num_stages=job.num_stages)  # fmt: skip
+    try:
+        kernel = _jit_from_source(job.source, job.name, folder)
+        params = inspect.signature(kernel.fn).parameters
+        missing = [p for p in params if p not in job.args]
+        if missing:
+            raise TypeError(f"no value for parameter(s) {missing}")
+        runtime, constexprs = [], {}
+        for p, param in params.items():
+            value = job.args[p]
+            if isinstance(value, dict):  # a tensor: a small one of the right dtype (alignment is what counts)
+                value = torch.zeros(16, dtype=getattr(torch, value["tensor"]))
+            if _is_constexpr_annotation(param.annotation):
+                constexprs[p] = value
             else:
-                row.occupancy = occupancy(cfg.arch, row.registers, row.shared_bytes, launch.num_warps)
-                row.occupancy_pct = round(100 * row.occupancy / ARCH_LIMITS[cfg.arch]["max_warps"], 1)
-        except Exception as e:
-            row.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        rows.append(row)
-    return rows
+                runtime.append(value)
+        launch = Launch(kernel, (1,), tuple(runtime), constexprs, job.num_warps, job.num_stages)
+    except Exception as e:
+        row.error = f"{type(e).__name__}: {e}"
+        return row
+    return measure(row, launch)
+
+
+def _source_worker_main() -> None:
+    """``python -m minipaged.kernels.report --source``: SourceJobs as JSON on stdin, rows as JSON lines out."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    with tempfile.TemporaryDirectory(prefix="minipaged-source-") as folder:
+        for index, job in json.load(sys.stdin):
+            row = compile_job(SourceJob(**job), Path(folder))
+            print(json.dumps(dict(index=index, row=asdict(row))), flush=True)
+
+
+def compile_sources(jobs: Sequence[SourceJob], *, timeout_s: float = WORKER_TIMEOUT_S) -> list[Row]:
+    """Compile kernels given as source, in one fresh worker process (the caller may have the interpreter on)."""
+    for j in jobs:
+        if j.arch not in ARCH_LIMITS:
+            raise ValueError(f"unknown arch {j.arch!r}; choose from {', '.join(ARCH_LIMITS)}")
+    return _run_workers("--source", [list(enumerate(asdict(j) for j in jobs))], timeout_s) if jobs else []
 
 
 def _worker_main() -> None:
@@ -529,23 +616,28 @@ def compile_report(
             raise ValueError(f"unknown arch {c.arch!r}; choose from {', '.join(ARCH_LIMITS)}")
     if not configs:
         return []
+    processes = max(1, min(len(configs), processes or os.cpu_count() or 1))
+    numbered = list(enumerate(asdict(c) for c in configs))
+    return _run_workers("--worker", [numbered[i::processes] for i in range(processes)], timeout_s)
+
+
+def _run_workers(mode: str, chunks: list[list[tuple[int, Any]]], timeout_s: float) -> list[Row]:
+    """Feed each chunk of ``(index, job)`` to its own ``python -m minipaged.kernels.report <mode>`` process;
+    their rows, in index order. A worker still running after ``timeout_s`` is killed and the report fails."""
     ptxas = _tool("ptxas")
     if not ptxas.exists():
         raise RuntimeError(
             f"no ptxas: not in this triton build ({ptxas}), not on PATH, and TRITON_PTXAS_PATH is not set; "
             "install the CUDA toolkit's ptxas or a triton wheel that bundles it"
         )
-    processes = max(1, min(len(configs), processes or os.cpu_count() or 1))
     # Each worker imports triton with the interpreter off, and fuses multiply-adds as a launch would.
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     # Triton looks for ptxas in TRITON_PTXAS_PATH, then in its wheel only: hand it the one found (on PATH, say).
     if not Path(env.get("TRITON_PTXAS_PATH", "")).is_file():
         env["TRITON_PTXAS_PATH"] = str(ptxas)
-    numbered = list(enumerate(asdict(c) for c in configs))
-    chunks = [numbered[i::processes] for i in range(processes)]
     workers = [
         subprocess.Popen(
-            [sys.executable, "-m", "minipaged.kernels.report", "--worker"],
+            [sys.executable, "-m", "minipaged.kernels.report", mode],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -569,14 +661,14 @@ def compile_report(
         for w in workers:
             if w.poll() is None:
                 w.kill()
-    by_config: dict[int, list[Row]] = {}
+    by_index: dict[int, list[Row]] = {}
     for w, (out, err) in zip(workers, outputs):
         if w.returncode != 0:
             raise RuntimeError(f"a compile worker failed (exit {w.returncode}):\n{err[-3000:]}")
         for line in out.splitlines():
             item = json.loads(line)
-            by_config.setdefault(item["index"], []).append(Row(**item["row"]))
-    return [row for i in range(len(configs)) for row in by_config.get(i, [])]  # the caller's order
+            by_index.setdefault(item["index"], []).append(Row(**item["row"]))
+    return [row for i in sorted(by_index) for row in by_index[i]]  # the caller's order
 
 
 COLUMNS = (
@@ -653,3 +745,5 @@ def rows_to_json_lines(rows: Sequence[Row]) -> str:
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
     _worker_main()
+elif __name__ == "__main__" and sys.argv[1:] == ["--source"]:
+    _source_worker_main()
