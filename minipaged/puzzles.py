@@ -23,6 +23,7 @@ stray read shows up in the output as well as in the trace.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -272,8 +273,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     return (w @ v.double()).float()
 
 
-def _decode_inputs(seq_lens: list[int], block_size: int, head_dim: int, seed: int, heads: tuple[int, int] = (0, 0)):
-    """Caches, tables and queries for a decode batch; ``heads`` = (query heads, KV heads), (0, 0) for one head."""
+def _inputs(
+    seq_lens: list[int], block_size: int, head_dim: int, seed: int, heads: tuple[int, int] = (0, 0), q_lens=None
+):
+    """Caches, tables and queries of a batch: ``q_lens[i]`` new tokens for sequence i (one each: a decode batch);
+    ``heads`` = (query heads, KV heads), or (0, 0) for the one-head layouts of puzzles 3 and 4."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 2
     q_heads, kv_heads = heads
@@ -282,9 +286,65 @@ def _decode_inputs(seq_lens: list[int], block_size: int, head_dim: int, seed: in
     tables = _tables(gen, seq_lens, num_blocks, block_size)
     _fill(k_cache, tables, seq_lens, gen)
     _fill(v_cache, tables, seq_lens, gen)
-    q_shape = (len(seq_lens), q_heads, head_dim) if q_heads else (len(seq_lens), head_dim)
-    query = torch.randn(q_shape, generator=gen)
+    rows = sum(q_lens) if q_lens else len(seq_lens)
+    query = torch.randn((rows, q_heads, head_dim) if q_heads else (rows, head_dim), generator=gen)
     return query, k_cache, v_cache, tables
+
+
+def _attention_case(
+    label: str,
+    seq_lens: list[int],
+    block_size: int,
+    head_dim: int,
+    seed: int,
+    heads: tuple[int, int],
+    grid: tuple[int, ...],
+    constexprs: dict[str, int],
+    q_lens: list[int] | None = None,
+    loads_per_element: int = 0,
+) -> Case:
+    """A decode (``q_lens`` None: one new token a sequence) or prefill batch, with the reference's output: each
+    new token at position ``seq_len - q_len + j`` attends to the keys up to its own, query head h to KV head
+    h // G. ``loads_per_element``: how often a right kernel loads each K/V element (0: not counted)."""
+    query, k_cache, v_cache, tables = _inputs(seq_lens, block_size, head_dim, seed, heads, q_lens)
+    new = q_lens or [1] * len(seq_lens)
+    cu = [0, *itertools.accumulate(new)]
+    scale = head_dim**-0.5
+    q3 = query if heads[0] else query[:, None]  # [rows, heads, d]
+    k_heads = k_cache if heads[0] else k_cache[:, :, None]
+    v_heads = v_cache if heads[0] else v_cache[:, :, None]
+    group = q3.shape[1] // k_heads.shape[2]
+    want = torch.zeros_like(q3)
+    for i, (t, n, q_len) in enumerate(zip(tables, seq_lens, new)):
+        k, v = _gathered(k_heads, t, n), _gathered(v_heads, t, n)  # [n, kv_heads, d]
+        for j in range(q_len):
+            pos = n - q_len + j
+            for h in range(q3.shape[1]):
+                row = q3[cu[i] + j, h : h + 1]
+                want[cu[i] + j, h] = _attend(row, k[: pos + 1, h // group], v[: pos + 1, h // group], scale)[0]
+    table = _padded(tables)
+    owned = _owned(tables, seq_lens, block_size)
+    tensors = dict(
+        query=query,
+        key_cache=k_cache,
+        value_cache=v_cache,
+        block_tables=table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+    )
+    if q_lens:
+        tensors["cu_seqlens_q"] = torch.tensor(cu, dtype=torch.int32)
+    once = sum(seq_lens) * k_heads.shape[2] * head_dim
+    return Case(
+        label,
+        {**tensors, "out": torch.zeros_like(query)},
+        dict(scale=scale, table_stride=table.stride(0), **constexprs, BLOCK_SIZE=block_size, HEAD_DIM=head_dim),
+        grid,
+        ("out",),
+        want=dict(out=want.reshape(query.shape)),
+        cells={("key_cache", "load"): owned, ("value_cache", "load"): owned},
+        atol=1e-4,
+        max_loads={c: once * loads_per_element for c in ("key_cache", "value_cache")} if loads_per_element else {},
+    )
 
 
 def _gathered(cache: torch.Tensor, table: list[int], n: int) -> torch.Tensor:
@@ -300,38 +360,10 @@ DECODE_SHAPES = (
 
 
 def _decode_cases() -> list[Case]:
-    cases = []
-    for label, seq_lens, block_size, head_dim, seed in DECODE_SHAPES:
-        query, k_cache, v_cache, tables = _decode_inputs(seq_lens, block_size, head_dim, seed)
-        scale = head_dim**-0.5
-        want = torch.stack(
-            [
-                _attend(query[i : i + 1], _gathered(k_cache, t, n), _gathered(v_cache, t, n), scale)[0]
-                for i, (t, n) in enumerate(zip(tables, seq_lens))
-            ]
-        )
-        table = _padded(tables)
-        owned = _owned(tables, seq_lens, block_size)
-        cases.append(
-            Case(
-                label,
-                dict(
-                    query=query,
-                    key_cache=k_cache,
-                    value_cache=v_cache,
-                    block_tables=table,
-                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                    out=torch.zeros_like(query),
-                ),
-                dict(scale=scale, table_stride=table.stride(0), BLOCK_SIZE=block_size, HEAD_DIM=head_dim),
-                (len(seq_lens),),
-                ("out",),
-                want=dict(out=want),
-                cells={("key_cache", "load"): owned, ("value_cache", "load"): owned},
-                atol=1e-4,
-            )
-        )
-    return cases
+    return [
+        _attention_case(label, seq_lens, block_size, head_dim, seed, (0, 0), (len(seq_lens),), {})
+        for label, seq_lens, block_size, head_dim, seed in DECODE_SHAPES
+    ]
 
 
 # ---- 4. split-KV and the merge -----------------------------------------------------------------------------------
@@ -361,7 +393,7 @@ def _partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, b
 def _split_inputs(shape: tuple) -> tuple[dict[str, torch.Tensor], dict[str, Any], list, list[list[int]]]:
     """The decode batch of one split shape, its scalars, each sequence's partials, and the block tables."""
     _, seq_lens, block_size, head_dim, per_split, num_splits, seed = shape
-    query, k_cache, v_cache, tables = _decode_inputs(seq_lens, block_size, head_dim, seed)
+    query, k_cache, v_cache, tables = _inputs(seq_lens, block_size, head_dim, seed)
     scale = head_dim**-0.5
     span = per_split * block_size
     partials = []
@@ -459,48 +491,20 @@ def q_rows(num_q_heads: int, num_kv_heads: int) -> int:
 
 
 def _gqa_cases() -> list[Case]:
-    cases = []
-    for label, seq_lens, block_size, head_dim, q_heads, kv_heads, seed in GQA_SHAPES:
-        query, k_cache, v_cache, tables = _decode_inputs(seq_lens, block_size, head_dim, seed, (q_heads, kv_heads))
-        scale = head_dim**-0.5
-        group = q_heads // kv_heads
-        want = torch.zeros_like(query)
-        for i, (t, n) in enumerate(zip(tables, seq_lens)):
-            k, v = _gathered(k_cache, t, n), _gathered(v_cache, t, n)  # [n, kv_heads, d]
-            for h in range(q_heads):
-                want[i, h] = _attend(query[i, h : h + 1], k[:, h // group], v[:, h // group], scale)[0]
-        table = _padded(tables)
-        owned = _owned(tables, seq_lens, block_size)
-        once = sum(seq_lens) * kv_heads * head_dim
-        cases.append(
-            Case(
-                label,
-                dict(
-                    query=query,
-                    key_cache=k_cache,
-                    value_cache=v_cache,
-                    block_tables=table,
-                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                    out=torch.zeros_like(query),
-                ),
-                dict(
-                    scale=scale,
-                    table_stride=table.stride(0),
-                    NUM_Q_HEADS=q_heads,
-                    NUM_KV_HEADS=kv_heads,
-                    Q_ROWS=q_rows(q_heads, kv_heads),
-                    BLOCK_SIZE=block_size,
-                    HEAD_DIM=head_dim,
-                ),
-                (len(seq_lens), kv_heads),
-                ("out",),
-                want=dict(out=want),
-                cells={("key_cache", "load"): owned, ("value_cache", "load"): owned},
-                atol=1e-4,
-                max_loads=dict(key_cache=once, value_cache=once),
-            )
+    return [
+        _attention_case(
+            label,
+            seq_lens,
+            block_size,
+            head_dim,
+            seed,
+            (q_heads, kv_heads),
+            (len(seq_lens), kv_heads),
+            dict(NUM_Q_HEADS=q_heads, NUM_KV_HEADS=kv_heads, Q_ROWS=q_rows(q_heads, kv_heads)),
+            loads_per_element=1,  # once per KV head's program: the G query heads share the load
         )
-    return cases
+        for label, seq_lens, block_size, head_dim, q_heads, kv_heads, seed in GQA_SHAPES
+    ]
 
 
 def decode_part(kernel: Any) -> Callable[..., torch.Tensor]:
@@ -522,10 +526,20 @@ def decode_part(kernel: Any) -> Callable[..., torch.Tensor]:
         tables = block_tables.to(torch.int32).contiguous()
         out = torch.empty_like(q)
         kernel[(num_seqs, num_kv_heads)](
-            q, kc, vc, tables, seq_lens.to(torch.int32).contiguous(), out, float(scale), tables.stride(0),
-            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_ROWS=q_rows(num_q_heads, num_kv_heads),
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        )  # fmt: skip
+            q,
+            kc,
+            vc,
+            tables,
+            seq_lens.to(torch.int32).contiguous(),
+            out,
+            float(scale),
+            tables.stride(0),
+            NUM_Q_HEADS=num_q_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            Q_ROWS=q_rows(num_q_heads, num_kv_heads),
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim,
+        )
         return out.to(query.dtype)
 
     return paged_decode_attention
@@ -549,62 +563,21 @@ def block_m(max_q_len: int) -> int:
 
 
 def _prefill_cases() -> list[Case]:
-    cases = []
-    for label, seq_lens, q_lens, block_size, head_dim, q_heads, kv_heads, seed in PREFILL_SHAPES:
-        gen = torch.Generator().manual_seed(seed)
-        num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 2
-        k_cache = _pool(gen, num_blocks, block_size, head_dim, kv_heads)
-        v_cache = _pool(gen, num_blocks, block_size, head_dim, kv_heads)
-        tables = _tables(gen, seq_lens, num_blocks, block_size)
-        _fill(k_cache, tables, seq_lens, gen)
-        _fill(v_cache, tables, seq_lens, gen)
-        query = torch.randn(sum(q_lens), q_heads, head_dim, generator=gen)
-        cu = [0]
-        for q in q_lens:
-            cu.append(cu[-1] + q)
-        scale, group = head_dim**-0.5, q_heads // kv_heads
-        want = torch.zeros_like(query)
-        for i, (t, n, q_len) in enumerate(zip(tables, seq_lens, q_lens)):
-            k, v = _gathered(k_cache, t, n), _gathered(v_cache, t, n)
-            for j in range(q_len):
-                pos = n - q_len + j  # sees keys 0 .. pos
-                for h in range(q_heads):
-                    row = query[cu[i] + j, h : h + 1]
-                    want[cu[i] + j, h] = _attend(row, k[: pos + 1, h // group], v[: pos + 1, h // group], scale)[0]
-        table = _padded(tables)
-        owned = _owned(tables, seq_lens, block_size)
-        cases.append(
-            Case(
-                label,
-                dict(
-                    query=query,
-                    key_cache=k_cache,
-                    value_cache=v_cache,
-                    block_tables=table,
-                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                    cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-                    out=torch.zeros_like(query),
-                ),
-                dict(
-                    scale=scale,
-                    table_stride=table.stride(0),
-                    NUM_Q_HEADS=q_heads,
-                    NUM_KV_HEADS=kv_heads,
-                    BLOCK_M=block_m(max(q_lens)),
-                    BLOCK_SIZE=block_size,
-                    HEAD_DIM=head_dim,
-                ),
-                (len(seq_lens), q_heads),
-                ("out",),
-                want=dict(out=want),
-                cells={("key_cache", "load"): owned, ("value_cache", "load"): owned},
-                atol=1e-4,
-                max_loads=dict(
-                    key_cache=sum(seq_lens) * q_heads * head_dim, value_cache=sum(seq_lens) * q_heads * head_dim
-                ),
-            )
+    return [
+        _attention_case(
+            label,
+            seq_lens,
+            block_size,
+            head_dim,
+            seed,
+            (q_heads, kv_heads),
+            (len(seq_lens), q_heads),
+            dict(NUM_Q_HEADS=q_heads, NUM_KV_HEADS=kv_heads, BLOCK_M=block_m(max(q_lens))),
+            q_lens=q_lens,
+            loads_per_element=q_heads // kv_heads,  # once per query head's program
         )
-    return cases
+        for label, seq_lens, q_lens, block_size, head_dim, q_heads, kv_heads, seed in PREFILL_SHAPES
+    ]
 
 
 def prefill_part(kernel: Any) -> Callable[..., torch.Tensor]:
@@ -628,10 +601,21 @@ def prefill_part(kernel: Any) -> Callable[..., torch.Tensor]:
         out = torch.empty_like(q)
         max_q_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 1
         kernel[(seq_lens.shape[0], num_q_heads)](
-            q, kc, vc, tables, seq_lens.to(torch.int32).contiguous(), cu, out, float(scale), tables.stride(0),
-            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=block_m(max_q_len),
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        )  # fmt: skip
+            q,
+            kc,
+            vc,
+            tables,
+            seq_lens.to(torch.int32).contiguous(),
+            cu,
+            out,
+            float(scale),
+            tables.stride(0),
+            NUM_Q_HEADS=num_q_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            BLOCK_M=block_m(max_q_len),
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim,
+        )
         return out.to(query.dtype)
 
     return paged_prefill_attention

@@ -50,8 +50,17 @@ def trace_figure(result: Any, tensor: str | None = None, kind: Kind | None = Non
     y_title, x_title = PUZZLES[result.puzzle].axes if dims == 2 else ("row", "")
     where = f"{y_title} %{{y}}, {x_title} %{{x}}" if dims == 2 else "row %{y}"
 
-    def cell_xy(cell: tuple[int, ...]) -> tuple[int, int]:
-        return (cell[1] if dims == 2 else 0), cell[0]
+    def squares(cells: list[tuple[int, ...]], col: int, color: str, name: str, **kw: Any) -> None:
+        """One trace of square markers on ``cells`` (x: slot, y: block) in panel ``col``."""
+        marker = dict(symbol="square", size=22, color=color) | kw.pop("marker", {})
+        xy = [((c[1] if dims == 2 else 0), c[0]) for c in cells]
+        kw.setdefault("hovertemplate", f"{where}<extra></extra>")
+        kw.setdefault("mode", "markers")
+        fig.add_trace(
+            go.Scatter(x=[x for x, _ in xy], y=[y for _, y in xy], marker=marker, name=name, **kw),
+            row=1,
+            col=col,
+        )
 
     fig = make_subplots(
         rows=1,
@@ -60,75 +69,30 @@ def trace_figure(result: Any, tensor: str | None = None, kind: Kind | None = Non
         horizontal_spacing=0.08,
         subplot_titles=(f"your kernel's {kind}s", f"a right kernel's {kind}s"),
     )
-    # The empty pool, drawn once per panel, so untouched cells show.
-    every = [(s, b) for b in range(num_rows) for s in range(num_cols)]
-    for col in (1, 2):
-        fig.add_trace(
-            go.Scatter(
-                x=[x for x, _ in every],
-                y=[y for _, y in every],
-                mode="markers",
-                marker=dict(symbol="square", size=22, color=FREE_COLOR),
-                name="not touched",
-                showlegend=col == 1,
-                hoverinfo="skip",
-            ),
-            row=1,
-            col=col,
-        )
+    every: list[tuple[int, ...]] = (
+        [(b, s) for b in range(num_rows) for s in range(num_cols)] if dims == 2 else [(r,) for r in range(num_rows)]
+    )
+    for col in (1, 2):  # the empty pool in both panels, so untouched cells show
+        squares(every, col, FREE_COLOR, "not touched", showlegend=col == 1, hoverinfo="skip", hovertemplate=None)
     touched: set[tuple[int, ...]] = set()
     if result.trace is not None:
         for i, (program, cells) in enumerate(result.trace.by_program(tensor, kind, dims).items()):
             touched |= cells
-            xy = [cell_xy(c) for c in sorted(cells)]
             color = PROGRAM_COLORS[i % len(PROGRAM_COLORS)]
-            fig.add_trace(
-                go.Scatter(
-                    x=[x for x, _ in xy],
-                    y=[y for _, y in xy],
-                    mode="markers+text",
-                    marker=dict(symbol="square", size=22, color=color),
-                    text=[str(i)] * len(xy),
-                    textfont=dict(color=text_color(color), size=11),
-                    name="touched by program n (n in the cell)",
-                    legendgroup="programs",
-                    showlegend=i == 0,
-                    hovertemplate=f"{_program_label(program)}<br>{where}<extra></extra>",
-                ),
-                row=1,
-                col=1,
-            )
+            squares(
+                sorted(cells), 1, color, "touched by program n (n in the cell)",
+                mode="markers+text", text=[str(i)] * len(cells), textfont=dict(color=text_color(color), size=11),
+                legendgroup="programs", showlegend=i == 0,
+                hovertemplate=f"{_program_label(program)}<br>{where}<extra></extra>",
+            )  # fmt: skip
     for cells, symbol, color, name in (
         (sorted(touched - want), "x-thin", STRAY_COLOR, "✗ a right kernel never touches it"),
         (sorted(want - touched), "square-open", MISSING_COLOR, "missed: a right kernel touches it"),
     ):
         if cells:
-            xy = [cell_xy(c) for c in cells]
-            fig.add_trace(
-                go.Scatter(
-                    x=[x for x, _ in xy],
-                    y=[y for _, y in xy],
-                    mode="markers",
-                    marker=dict(symbol=symbol, size=20, color=color, line=dict(width=3, color=color)),
-                    name=name,
-                    hovertemplate=f"{where}<extra>{name}</extra>",
-                ),
-                row=1,
-                col=1,
-            )
-    xy = [cell_xy(c) for c in sorted(want)]
-    fig.add_trace(
-        go.Scatter(
-            x=[x for x, _ in xy],
-            y=[y for _, y in xy],
-            mode="markers",
-            marker=dict(symbol="square", size=22, color=RIGHT_COLOR),
-            name="a right kernel touches it",
-            hovertemplate=f"{where}<extra></extra>",
-        ),
-        row=1,
-        col=2,
-    )
+            mistake = dict(symbol=symbol, size=20, line=dict(width=3, color=color))
+            squares(cells, 1, color, name, marker=mistake, hovertemplate=f"{where}<extra>{name}</extra>")
+    squares(sorted(want), 2, RIGHT_COLOR, "a right kernel touches it")
     for col in (1, 2):
         fig.update_xaxes(title_text=x_title or None, range=[-0.7, num_cols - 0.3], dtick=1, row=1, col=col)
     y_range = [num_rows - 0.5, -0.5]  # block 0 on top
@@ -136,7 +100,7 @@ def trace_figure(result: Any, tensor: str | None = None, kind: Kind | None = Non
     fig.update_yaxes(range=y_range, dtick=1, row=1, col=2)
     fig.update_layout(
         title=dict(text=title or f"{tensor}, {case.label}: {verdict(result)}", font=dict(size=13)),
-        height=150 + 30 * num_rows,
+        height=160 + 30 * max(num_rows, 5),  # room for the legend beside a pool of few rows
         width=880,
         legend=legend_right(),
         margin=dict(t=90),
