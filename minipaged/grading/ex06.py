@@ -176,3 +176,20 @@ def check_admission_state(admit_waiting: Callable[..., Any]) -> list[CheckOutcom
         for s in SCENARIOS
     ]
     return report("admission_state", checks)
+
+
+def worked_examples(labels: Sequence[str] = ("a token budget of 24", "6 blocks free", "a cached 16-token")) -> str:
+    """Scenarios of the checks (those whose label starts with one of ``labels``) and what the package's own
+    ``Scheduler`` admits in each: the specification's examples, computed here rather than written down."""
+    lines = []
+    for s in (s for s in SCENARIOS if s.label.startswith(tuple(labels))):
+        admitted, state = expected(s)
+        lines += [
+            f"{s.label}:",
+            f"  waiting prompts {[len(p) for p in s.waiting]} tokens, budget {s.token_budget}, seats {s.free_seats}, "
+            f"{s.num_blocks - 1 - sum(-(-n // 4) for n in s.others)} of {s.num_blocks - 1} blocks not held by "
+            "running requests",
+            f"  admitted {admitted}; still waiting {state['waiting']}",
+            f"  computed tokens {state['computed']}; blocks {state['blocks']}; free blocks after {state['free_blocks']}",
+        ]
+    return "\n".join(lines)

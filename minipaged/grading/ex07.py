@@ -228,3 +228,29 @@ def check_schedule_running(schedule_running: Callable[..., Any]) -> list[CheckOu
             )
         )
     return report("schedule_running", checks)
+
+
+def worked_examples(part: str) -> str:
+    """Two scenarios of the checks of ``part`` ("preempt" or "running") and what the package's own scheduler
+    does in them: the specification's examples, computed here rather than written down."""
+    lines = []
+    if part == "preempt":
+        for s in PREEMPT_SCENARIOS[2:4]:
+            state, victim = expected_preempt(s), s.running[-1].rid
+            status, computed, outputs, preemptions, blocks = state["requests"][victim]
+            lines += [
+                f"{s.label} (the victim: {victim}, {s.running[-1].prompt}+{s.running[-1].outputs} tokens):",
+                f"  after: waiting {state['waiting']}; {victim} is {status}, {computed} tokens computed, {outputs} "
+                f"outputs kept, {preemptions} preemption(s), {blocks} blocks; {state['free_blocks']} blocks free",
+            ]
+    elif part == "running":
+        for s in RUNNING_SCENARIOS[2:4]:
+            scheduled, preempted, state = expected_running(s)
+            desc = ", ".join(f"{r.rid} {r.prompt}+{r.outputs}" for r in s.running)
+            lines += [
+                f"{s.label} (running, oldest first: {desc} tokens; {s.num_blocks - 1} blocks of 4):",
+                f"  scheduled {scheduled}; preempted {preempted}; waiting after {state['waiting']}",
+            ]
+    else:
+        raise ValueError(f"part must be 'preempt' or 'running', got {part!r}")
+    return "\n".join(lines)
