@@ -1,23 +1,25 @@
-"""The Triton puzzle ladder (exercise 05b, beside chapter 05): six small kernels up to paged decode and prefill.
+"""The Triton puzzle ladder (exercise 05b, beside chapter 05): seven small kernels up to paged decode and prefill.
 
-Each puzzle fixes a kernel's parameters and its grid; the learner writes the body. The harness builds the
-inputs, launches the learner's ``@triton.jit`` function in Triton's interpreter, compares what it wrote with
-the PyTorch reference, and records an access trace (``kernels.trace``): which blocks and slots of the paged
-cache each program read or wrote. ``expected_cells`` is the same picture for a right answer, computed from the
-block tables, so ``draw`` can put the two side by side and a wrong address is seen, not only reported::
+Each puzzle fixes a kernel's parameters and its grid; the learner writes the body. ``run`` builds the inputs in
+guarded buffers, launches the learner's ``@triton.jit`` function in Triton's interpreter and records an access
+trace (``kernels.trace``): which blocks and slots of the paged cache each program read or wrote. ``Case.cells``
+is the same picture for a right answer, worked out from the block tables, so ``verdict`` names the first stray or
+missing access and ``viz.trace_figure`` puts the two side by side: a wrong address is seen, not only reported::
 
-    1 scatter   one program per new token writes its K row into its slot          (vLLM: reshape_and_cache)
-    2 gather    one program per logical block copies a sequence out of the pool    (the paged gather)
-    3 decode    one program per sequence: one query, online softmax over blocks    (PagedAttention V1)
-    4 split     (sequence, segment) programs keep (m, l, o); a merge kernel joins  (flash-decoding, PagedAttention V2)
-    5 gqa       one program per (sequence, KV head) packs the G query heads: tl.dot (vLLM's Triton decode kernel)
-    6 prefill   one program per (sequence, query head): a causal tile over a cached prefix
+    1  scatter  one program per new token writes its K row into its slot          (vLLM: reshape_and_cache)
+    2  gather   one program per logical block copies a sequence out of the pool    (the paged gather)
+    3  decode   one program per sequence: one query, online softmax over blocks    (PagedAttention V1)
+    4a split    (sequence, segment) programs keep (m, l, o)                        (flash-decoding, PagedAttention V2)
+    4b merge    one program per sequence joins the segments
+    5  gqa      one program per (sequence, KV head) packs the G query heads: tl.dot (vLLM's Triton decode kernel)
+    6  prefill  one program per (sequence, query head): a causal tile over a cached prefix
 
-The layouts are the engine's, cut to what each rung needs: a cache is ``[num_blocks, block_size, head_dim]``
-until puzzle 5 brings the KV-head axis back (``[num_blocks, block_size, num_kv_heads, head_dim]``); a block
-table row is padded with block 0, which a right kernel never reads for a position past ``seq_len``. Head dims
-are powers of two, so only sequence lengths need masks. Every case is seeded; unowned blocks hold NaN, so a
-stray read shows up in the output as well as in the trace.
+Puzzles 5 and 6 plug into the engine (``decode_part``, ``prefill_part``), and ``compile_kernels`` compiles any of
+them for sm_80 / sm_90 (``kernels.report``). The layouts are the engine's, cut to what each rung needs: a cache
+is ``[num_blocks, block_size, head_dim]`` until puzzle 5 brings the KV-head axis back (``[num_blocks,
+block_size, num_kv_heads, head_dim]``); a block table row is padded with block 0, which a right kernel never
+reads for a position past ``seq_len``. Head dims are powers of two, so only sequence lengths need masks. Every
+case is seeded; unowned blocks hold NaN, so a stray read shows up in the output as well as in the trace.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -62,15 +62,12 @@ class _Span:
     shape: tuple[int, ...]
 
 
-@dataclass
 class AccessTrace:
     """Record every load and store of the kernels launched inside ``with``; see the module docstring.
 
     The tensors are given by name: contiguous CPU tensors (the ones the kernel's pointer arguments point at).
+    ``accesses`` holds what was recorded, one ``Access`` per load or store of a program on a tensor.
     """
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    accesses: list[Access] = field(default_factory=list)
 
     def __init__(self, **tensors: torch.Tensor) -> None:
         for name, t in tensors.items():
@@ -81,8 +78,8 @@ class AccessTrace:
                     f"{name}: a trace reads contiguous CPU tensors (the interpreter's), got a "
                     f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.device.type} tensor"
                 )
-        self.tensors = dict(tensors)
-        self.accesses = []
+        self.tensors: dict[str, torch.Tensor] = dict(tensors)
+        self.accesses: list[Access] = []
         self._spans = sorted(
             (
                 _Span(n, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.element_size(), tuple(t.shape))
