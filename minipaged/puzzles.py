@@ -487,9 +487,14 @@ GQA_SHAPES = (
 )
 
 
+def tile_rows(n: int) -> int:
+    """Rows of a query tile holding ``n`` rows: the next power of two, and at least tl.dot's 16."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
 def q_rows(num_q_heads: int, num_kv_heads: int) -> int:
-    """Rows of the query tile one program packs: the group, padded to a power of two and to tl.dot's 16."""
-    return max(16, 1 << (num_q_heads // num_kv_heads - 1).bit_length())
+    """Rows of the query tile one puzzle-5 program packs: its G query heads."""
+    return tile_rows(num_q_heads // num_kv_heads)
 
 
 def _gqa_cases() -> list[Case]:
@@ -509,6 +514,20 @@ def _gqa_cases() -> list[Case]:
     ]
 
 
+def _launch(kernel: Any, grid: tuple[int, ...], tensors: list[torch.Tensor], scale: float, **constexprs: int):
+    """Launch a puzzle-5 or -6 kernel on the engine's tensors ``[query, key_cache, value_cache, block_tables,
+    seq_lens, (cu_seqlens_q)]``: float32 data and int32 indices for the kernel, its answer in the query's dtype."""
+    query, key_cache, value_cache, tables, *indices = tensors
+    _, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    q, kc, vc = (t.float().contiguous() for t in (query, key_cache, value_cache))
+    tables, *indices = (t.to(torch.int32).contiguous() for t in (tables, *indices))
+    out = torch.empty_like(q)
+    kernel[grid](q, kc, vc, tables, *indices, out, float(scale), tables.stride(0), NUM_Q_HEADS=num_q_heads,
+                 NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **constexprs)  # fmt: skip
+    return out.to(query.dtype)
+
+
 def decode_part(kernel: Any) -> Callable[..., torch.Tensor]:
     """The engine's ``paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)``
     launching a puzzle-5 kernel: plug it in with ``parts.use(paged_decode_attention=decode_part(my_kernel))``.
@@ -522,27 +541,9 @@ def decode_part(kernel: Any) -> Callable[..., torch.Tensor]:
         seq_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        num_seqs, num_q_heads, head_dim = query.shape
-        _, block_size, num_kv_heads, _ = key_cache.shape
-        q, kc, vc = (t.float().contiguous() for t in (query, key_cache, value_cache))
-        tables = block_tables.to(torch.int32).contiguous()
-        out = torch.empty_like(q)
-        kernel[(num_seqs, num_kv_heads)](
-            q,
-            kc,
-            vc,
-            tables,
-            seq_lens.to(torch.int32).contiguous(),
-            out,
-            float(scale),
-            tables.stride(0),
-            NUM_Q_HEADS=num_q_heads,
-            NUM_KV_HEADS=num_kv_heads,
-            Q_ROWS=q_rows(num_q_heads, num_kv_heads),
-            BLOCK_SIZE=block_size,
-            HEAD_DIM=head_dim,
-        )
-        return out.to(query.dtype)
+        q_heads, kv_heads = query.shape[1], key_cache.shape[2]
+        tensors = [query, key_cache, value_cache, block_tables, seq_lens]
+        return _launch(kernel, (query.shape[0], kv_heads), tensors, scale, Q_ROWS=q_rows(q_heads, kv_heads))
 
     return paged_decode_attention
 
@@ -559,11 +560,6 @@ PREFILL_SHAPES = (
 )  # fmt: skip
 
 
-def block_m(max_q_len: int) -> int:
-    """Rows of the query tile: every new token of a sequence in one tile, at least tl.dot's 16."""
-    return max(16, 1 << (max_q_len - 1).bit_length())
-
-
 def _prefill_cases() -> list[Case]:
     return [
         _attention_case(
@@ -574,7 +570,7 @@ def _prefill_cases() -> list[Case]:
             seed,
             (q_heads, kv_heads),
             (len(seq_lens), q_heads),
-            dict(NUM_Q_HEADS=q_heads, NUM_KV_HEADS=kv_heads, BLOCK_M=block_m(max(q_lens))),
+            dict(NUM_Q_HEADS=q_heads, NUM_KV_HEADS=kv_heads, BLOCK_M=tile_rows(max(q_lens))),
             q_lens=q_lens,
             loads_per_element=q_heads // kv_heads,  # once per query head's program
         )
@@ -595,30 +591,10 @@ def prefill_part(kernel: Any) -> Callable[..., torch.Tensor]:
         seq_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        _, num_q_heads, head_dim = query.shape
-        _, block_size, num_kv_heads, _ = key_cache.shape
-        q, kc, vc = (t.float().contiguous() for t in (query, key_cache, value_cache))
-        tables = block_tables.to(torch.int32).contiguous()
-        cu = cu_seqlens_q.to(torch.int32).contiguous()
-        out = torch.empty_like(q)
-        max_q_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 1
-        kernel[(seq_lens.shape[0], num_q_heads)](
-            q,
-            kc,
-            vc,
-            tables,
-            seq_lens.to(torch.int32).contiguous(),
-            cu,
-            out,
-            float(scale),
-            tables.stride(0),
-            NUM_Q_HEADS=num_q_heads,
-            NUM_KV_HEADS=num_kv_heads,
-            BLOCK_M=block_m(max_q_len),
-            BLOCK_SIZE=block_size,
-            HEAD_DIM=head_dim,
-        )
-        return out.to(query.dtype)
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 1
+        tensors = [query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q]
+        grid = (seq_lens.shape[0], query.shape[1])
+        return _launch(kernel, grid, tensors, scale, BLOCK_M=tile_rows(max_q_len))
 
     return paged_prefill_attention
 
