@@ -390,12 +390,21 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_title("minipaged while serving it", fontsize=10)
     m = result["machine"]
     simd = f", {m['simd'].upper()}" if "simd" in m else ""  # "AMD EPYC" alone hides a 4-5x spread
-    fig.suptitle(
-        f"SmolLM2-135M, {result['workload']['dtype']}, {m['cpu']} {m.get('cpu_family_model', '')} ({m['cpu_count']} cores{simd}), {result['date']}",
-        fontsize=10,
-    )
+    where = f"{m['cpu']} {m.get('cpu_family_model', '')} ({m['cpu_count']} cores{simd})"
+    if "gpu" in m:  # a CUDA run is the GPU's figure, not the host's
+        where = f"{m['gpu']['name']} (torch {m['gpu']['torch']}, CUDA {m['gpu']['cuda']})"
+    fig.suptitle(f"SmolLM2-135M, {result['workload']['dtype']}, {where}, {result['date']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def gpu_info(device: str) -> dict:
+    """The GPU a CUDA run measured (its name, torch and CUDA), for the JSON and the plot's title."""
+    if device != "cuda":
+        return {}
+    import torch
+
+    return dict(gpu=dict(name=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda))
 
 
 def main() -> int:
@@ -535,7 +544,7 @@ def main() -> int:
     result = dict(
         benchmark=f"engine_{args.device}",
         date=dt.date.today().isoformat(),
-        machine=machine(),
+        machine=machine() | gpu_info(args.device),
         omp_wait_policy=os.environ["OMP_WAIT_POLICY"],
         workload=dict(
             kind=args.workload,

@@ -174,6 +174,14 @@ class Config:
                 f"nnodes={self.nnodes} must divide tensor_parallel_size={self.tensor_parallel_size}: every machine "
                 "runs the same number of ranks"
             )
+        if self.torch_device.type == "cuda":  # one GPU per rank on this machine: cuda:first, cuda:first + 1, ...
+            ranks, first, gpus = self.tensor_parallel_size // self.nnodes, self.torch_device.index or 0, gpu_count()
+            if first + ranks > gpus:
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} puts {ranks} rank(s) on this machine, one GPU "
+                    f"each (cuda:{first} to cuda:{first + ranks - 1}), but torch sees {gpus} GPU(s): lower "
+                    "tensor_parallel_size, or use device='cpu' (the ranks then share the CPU over gloo)"
+                )
 
     def scheduler_config(self, max_model_len: int | None = None) -> SchedulerConfig:
         """The scheduler's knobs; ``max_model_len`` as resolved against the model and the pool, when it was."""
@@ -231,7 +239,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
             f"device={device!r} was asked for, but this torch ({torch.__version__}) sees no CUDA GPU; "
             "use device='cpu', or leave device unset to pick CUDA only when it is there"
         )
+    if dev.type == "cuda" and (dev.index or 0) >= gpu_count():
+        raise ValueError(f"device={device!r} was asked for, but torch sees {gpu_count()} GPU(s) (cuda:0 and up)")
     return dev
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def resolve_dtype(dtype: str, config_dtype: Any, device: torch.device) -> torch.dtype:

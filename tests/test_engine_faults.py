@@ -361,6 +361,21 @@ def test_engine_arguments_are_checked_and_explained(tiny_model):
         small_engine(tiny_model, watermark=1.5)
 
 
+def test_cuda_ranks_need_a_gpu_each(tiny_model, monkeypatch):
+    """Tensor parallelism on CUDA gives each rank of this machine its own GPU: asking for more ranks than GPUs
+    (or for a GPU index past the last) is refused when the engine is built, before any worker starts."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 puts 3 rank\(s\) on this machine.*sees 2 GPU"):
+        small_engine(tiny_model, device="cuda", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"cuda:1 to cuda:2\), but torch sees 2 GPU"):
+        small_engine(tiny_model, device="cuda:1", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"device='cuda:2' was asked for, but torch sees 2 GPU"):
+        small_engine(tiny_model, device="cuda:2")
+    with pytest.raises(ValueError, match=r"puts 2 rank\(s\).*cuda:1 to cuda:2"):  # 4 ranks over 2 machines
+        small_engine(tiny_model, device="cuda:1", tensor_parallel_size=4, nnodes=2, master_addr="10.0.0.1")
+
+
 def test_cli_checks_its_arguments_before_loading_the_model(monkeypatch, capsys):
     from minipaged import __main__ as cli
     from minipaged import engine as engine_module

@@ -67,7 +67,7 @@ def test_runner_reuses_its_input_buffers(tiny_model):
 def test_dtype_auto_follows_vllm(tiny_model, monkeypatch):
     from minipaged.config import resolve_dtype
 
-    assert LLM(model=tiny_model, num_gpu_blocks_override=16).dtype == torch.float32  # CPU: float32
+    assert LLM(model=tiny_model, num_gpu_blocks_override=16, device="cpu").dtype == torch.float32  # CPU: float32
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert resolve_dtype("auto", "float32", cuda) == torch.bfloat16  # fp32 checkpoint (our SmolLM2 cache)

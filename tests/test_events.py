@@ -39,7 +39,7 @@ def test_one_event_per_step_matching_the_pool(tiny_model, expected) -> None:
         assert 0 not in held  # the null block is never handed out
         assert len(set(held)) == e.blocks_in_use  # every block in use belongs to a request (shared ones once)
         assert e.num_cached_free_blocks <= e.num_free_blocks
-        assert e.device == "cpu" and e.block_size == 4 and e.num_blocks == 14
+        assert e.device == llm.device.type and e.block_size == 4 and e.num_blocks == 14
         for r in e.requests:
             if r.state == "running":  # blocks cover its computed tokens, and only the last has room left
                 assert r.block_ids and 0 <= r.unused_slots < 4

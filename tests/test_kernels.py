@@ -73,7 +73,7 @@ if DEVICE.type == "cuda":  # bf16 only where it is compiled: the interpreter has
     CASES.append(Case(torch.bfloat16, 16, 4, 2, 128))
 
 
-def paged_cache(case: Case, seq_lens: list[int], seed: int, spare_blocks: int = 3):
+def paged_cache(case: Case, seq_lens: list[int], seed: int, spare_blocks: int = 3, device: torch.device = DEVICE):
     """A pool filled with NaN, each sequence's tokens written through a shuffled block table.
 
     Any read of a slot that is not one of a sequence's tokens (the tail of a partial last block,
@@ -97,7 +97,7 @@ def paged_cache(case: Case, seq_lens: list[int], seed: int, spare_blocks: int = 
             kc[blk, off] = torch.randn(case.num_kv_heads, case.head_dim, generator=g).to(case.dtype)
             vc[blk, off] = torch.randn(case.num_kv_heads, case.head_dim, generator=g).to(case.dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return kc.to(DEVICE), vc.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE)
+    return kc.to(device), vc.to(device), tables.to(device), lens.to(device)
 
 
 def naive_attention(q: torch.Tensor, key_cache, value_cache, table, seq_len: int, q_positions: list[int], scale):
@@ -152,7 +152,7 @@ def test_torch_backend_groups_many_decodes_by_length(with_prefill):
     if with_prefill:
         seq_lens[10], q_lens[10] = 23, 6
         seq_lens[40], q_lens[40] = 8, 8
-    kc, vc, tables, lens = paged_cache(case, seq_lens, seed=6)
+    kc, vc, tables, lens = paged_cache(case, seq_lens, seed=6, device=torch.device("cpu"))
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     plan = TB.plan_attention(tables, cu, lens, case.block_size)
     assert len(plan.decode) == TB.MAX_DECODE_GROUPS and len(plan.prefills) == (2 if with_prefill else 0)
@@ -200,7 +200,7 @@ def heads_major(cache: torch.Tensor) -> torch.Tensor:
 def test_reference_handles_caches_with_no_slot_view():
     case = Case(torch.float32, 4, 3, 2, 8)
     seq_lens, q_lens = [6, 1, 9], [6, 1, 2]
-    kc, vc, tables, lens = paged_cache(case, seq_lens, seed=3)
+    kc, vc, tables, lens = paged_cache(case, seq_lens, seed=3, device=torch.device("cpu"))
     hk, hv = heads_major(kc), heads_major(vc)
     assert R.slot_view(hk) is None and R.slot_view(kc) is not None
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -220,7 +220,7 @@ def test_reference_handles_caches_with_no_slot_view():
 
 
 def test_reference_empty_decode_batch():
-    kc, vc, tables, lens = paged_cache(Case(torch.float32, 4, 1, 1, 8), [3], seed=4)
+    kc, vc, tables, lens = paged_cache(Case(torch.float32, 4, 1, 1, 8), [3], seed=4, device=torch.device("cpu"))
     q = torch.empty(0, 1, 8)
     none = torch.empty(0, tables.shape[1], dtype=tables.dtype)
     assert R.paged_decode_attention(q, kc, vc, none, lens[:0], 1.0).shape == (0, 1, 8)
@@ -478,7 +478,8 @@ def test_triton_refuses_bf16_in_the_interpreter():
 @pytest.mark.parametrize("num_splits", [0, 65, 2.0])
 def test_num_splits_is_checked(num_splits):
     with pytest.raises(ValueError, match="num_splits"):
-        K.paged_decode_attention(**_decode_args(), num_splits=num_splits)
+        args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in _decode_args().items()}
+        K.paged_decode_attention(**args, num_splits=num_splits)
 
 
 def test_backend_dispatch():

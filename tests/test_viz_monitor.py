@@ -139,7 +139,10 @@ def test_timeline_has_one_point_per_event_and_marks_where_they_happened(tiny_mod
         llm.kv_cache_manager.prefix_cache_hits,
         llm.kv_cache_manager.prefix_cache_queries,
     )
-    assert f"<b>{s['preemptions']} preemptions</b>" in mon.caption.value and "on <b>cpu</b>" in mon.caption.value
+    assert (
+        f"<b>{s['preemptions']} preemptions</b>" in mon.caption.value
+        and f"on <b>{llm.device.type}</b>" in mon.caption.value
+    )
     assert f"{s['prefix_hits']} of {s['prefix_queries']} prompt tokens hit" in mon.caption.value
     for fig in (mon.grid, mon.waste_figure, mon.timeline):
         assert check_layout(fig) == []
