@@ -18,7 +18,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "minipaged"
 
 LAB = {"workloads", "contiguous", "simulator", "testing"}
-CLASSROOM = {"parts", "puzzles", "glossary", "grading", "show", "sources", "viz", "__main__"}
+CLASSROOM = {"parts", "puzzles", "glossary", "selfcheck", "grading", "show", "sources", "viz", "__main__"}
 
 
 def _name(path: Path) -> str:

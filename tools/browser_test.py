@@ -83,7 +83,8 @@ class Act:
 
     kind: "slider" (drag the handle labelled ``label`` to ``value``, a fraction of the track), "type" (type
     ``value`` into that slider's readout and press Enter: an exact value, for a screenshot), "select" (pick
-    the option ``value`` of the dropdown labelled ``label``), "click" (the button showing ``label``), "play"
+    the option ``value`` of the dropdown labelled ``label``), "fill" (type ``value`` into the text box labelled
+    ``label``), "click" (the button showing ``label``), "play"
     (press play, wait for a change, press pause/stop).
     expect: "text" (the text the widget shows outside its controls) and/or "figure" (a plotly figure's
     data or layout, and the SVG drawn from it). ``initial=True``: the widget must look as it did first.
@@ -103,9 +104,12 @@ class Act:
             "select": (f"pick option #{self.value}" if isinstance(self.value, int) else f"pick '{self.value}'")
             + f" in '{self.label}'",
             "click": f"press '{self.label}'",
+            "fill": f"type {self.value!r} into '{self.label}'",
             "play": "press play",
         }[self.kind]
-        return what + (" → the first picture again" if self.initial else f" → {'+'.join(self.expect)} changes")
+        if self.initial:
+            return what + " → the first picture again"
+        return what + (f" → {'+'.join(self.expect)} changes" if self.expect else "")
 
 
 @dataclass
@@ -351,7 +355,29 @@ SPECS = [
         ],
         timeout=400,
     ),
+    NotebookSpec("notebooks/12_tensor_parallel.ipynb", []),
 ]
+
+
+def _quiz(chapter: str) -> WidgetSpec:
+    """Every chapter ends with its self-check: a wrong answer gets a verdict, the answer can be shown, and new
+    numbers redraw the questions (the second question asks for a number in every chapter)."""
+    return WidgetSpec(
+        f'Quiz("{chapter}")',
+        f"Quiz {chapter}",
+        0,
+        [
+            Act("fill", "answer 2", "0", ()),
+            Act("click", "Check 2"),
+            Act("click", "Show answer 2"),
+            Act("click", "New numbers"),
+        ],
+        "03_self_check.png" if chapter == "03" else None,
+    )
+
+
+for _spec in SPECS:
+    _spec.widgets.append(_quiz(Path(_spec.path).name[:2]))
 
 
 # ---- set-up: chromium and playwright --------------------------------------------------------------
@@ -1019,6 +1045,10 @@ class NotebookRun:
             page.keyboard.press("Control+A")
             page.keyboard.type(str(act.value))
             page.keyboard.press("Enter")
+        elif act.kind == "fill":  # a text box: type an answer (no change on screen until it is checked)
+            box = self._control(root, ".widget-text", act.label).locator("input")
+            box.scroll_into_view_if_needed()
+            box.fill(str(act.value))
         elif act.kind == "select":
             select = self._control(root, ".widget-dropdown", act.label).locator("select")
             select.scroll_into_view_if_needed()

@@ -16,6 +16,7 @@ from .block_viz import BlockPoolGrid, BlockTableView, ContiguousVsPaged  # chapt
 from .kernel_viz import PagedReadView  # chapter 05
 from .kv_widgets import KVCalculator, KVGrowthView  # chapter 01
 from .monitor import EngineMonitor  # chapter 09: a live engine
+from .quiz import Quiz  # every chapter's self-check
 
 __all__ = [
     "BatchingPlayer",
@@ -28,6 +29,7 @@ __all__ = [
     "KVGrowthView",
     "PagedReadView",
     "PrefixSharingView",
+    "Quiz",
     "batch_and_latency_figure",
     "watermark_sweep_figure",
 ]
