@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_math import KVSpec
+from .request import RequestMetrics
 
 CHAPTERS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12")
 GiB, MiB = 2**30, 2**20
@@ -653,17 +654,23 @@ def _written(rng: random.Random) -> Asked:
     )
 
 
-def _samples(rng: random.Random) -> Asked:
-    budget = rng.choice([8, 16])
-    n = rng.randrange(2 * budget + 1, 4 * budget)
-    step = rng.randrange(1, -(-n // budget) + 1)
+def _chunked(rng: random.Random, first_step: int):  # -> (n, budget, step, ScheduledRequest)
+    """A prompt prefilled alone in chunks of the token budget, run by the real scheduler up to a drawn step:
+    (its length, the budget, the step, that step's chunk)."""
+    budget = rng.choice([8, 16, 32])
+    n = rng.randrange(2 * budget + 1, 5 * budget)
+    step = rng.randrange(first_step, -(-n // budget) + 1)
     d = _driver(block_size=4, num_blocks=256, budget=budget, max_num_seqs=4, caching=False, max_model_len=512)
     d.add("r", _prompt(rng, n), max_tokens=3, ignore_eos=True)
-    out = None
     for _ in range(step):
         out = d.step()
-    assert out is not None
-    sampled = sum(s.num_samples for s in out.scheduled)
+    (chunk,) = out.scheduled
+    return n, budget, step, chunk
+
+
+def _samples(rng: random.Random) -> Asked:
+    n, budget, step, chunk = _chunked(rng, 1)
+    sampled = chunk.num_samples
     return Asked(
         f"A {n}-token prompt is prefilled alone in chunks of {budget} tokens (the budget). How many tokens does the "
         f"engine sample (rows of logits it needs) in step {step}?",
@@ -677,16 +684,7 @@ def _samples(rng: random.Random) -> Asked:
 
 
 def _positions(rng: random.Random) -> Asked:
-    budget = rng.choice([8, 16, 32])
-    n = rng.randrange(2 * budget + 1, 5 * budget)
-    step = rng.randrange(2, -(-n // budget) + 1)
-    d = _driver(block_size=4, num_blocks=256, budget=budget, max_num_seqs=4, caching=False, max_model_len=512)
-    d.add("r", _prompt(rng, n), max_tokens=3, ignore_eos=True)
-    out = None
-    for _ in range(step):
-        out = d.step()
-    assert out is not None
-    (chunk,) = out.scheduled
+    n, budget, step, chunk = _chunked(rng, 2)
     last = chunk.start + chunk.num_new_tokens - 1
     return Asked(
         f"A {n}-token prompt is prefilled alone in chunks of {budget} tokens. In step {step}, the runner builds the "
@@ -770,21 +768,20 @@ def _checked(rng: random.Random) -> Asked:
 
 
 # ---- chapter 11: serving ------------------------------------------------------------------------------
-def _times(rng: random.Random) -> tuple[float, list[float]]:
+def _streamed(rng: random.Random) -> RequestMetrics:
+    """A streamed request's clock: arrival, then 4-7 tokens."""
     arrival = round(rng.uniform(0, 1), 3)
     t = arrival + rng.uniform(0.05, 0.5)
     times = []
     for _ in range(rng.randrange(4, 8)):
         times.append(round(t, 3))
         t += rng.uniform(0.01, 0.06)
-    return arrival, times
+    return RequestMetrics("r", arrival, 10, len(times), first_token=times[0], finish=times[-1], token_times=times)
 
 
 def _ttft(rng: random.Random) -> Asked:
-    from .request import RequestMetrics
-
-    arrival, times = _times(rng)
-    m = RequestMetrics("r", arrival, 10, len(times), first_token=times[0], finish=times[-1], token_times=times)
+    m = _streamed(rng)
+    arrival, times = m.arrival, m.token_times
     ms = float(m.ttft or 0) * 1000
     return Asked(
         f"A streamed request arrives at t = {arrival} s; its tokens arrive at {times} s. TTFT, in ms?",
@@ -798,10 +795,8 @@ def _ttft(rng: random.Random) -> Asked:
 
 
 def _itl(rng: random.Random) -> Asked:
-    from .request import RequestMetrics
-
-    arrival, times = _times(rng)
-    m = RequestMetrics("r", arrival, 10, len(times), first_token=times[0], finish=times[-1], token_times=times)
+    m = _streamed(rng)
+    arrival, times = m.arrival, m.token_times
     ms = float(m.mean_itl or 0) * 1000
     return Asked(
         f"The same kind of request: arrival t = {arrival} s, tokens at {times} s. Its mean inter-token latency, in ms?",
