@@ -311,18 +311,14 @@ class BlockPool:
 
         Raises ``ValueError`` when fewer are free: callers (``KVCacheManager``)
         check ``get_num_free_blocks()`` first and turn a shortage into ``None``.
-        A cached block handed out here loses its hash: this is the eviction.
+        A cached block handed out here loses its hash: this is the eviction
+        (``get_new_blocks`` below, the module's function, does the work).
         """
         check_int("num_blocks", num_blocks, 0)
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} blocks: only {self.free_block_queue.num_free_blocks} are free")
-        blocks = self.free_block_queue.popleft_n(num_blocks)
-        for block in blocks:
-            if self.enable_caching:
-                self._maybe_evict_cached_block(block)
-            assert block.ref_cnt == 0, f"block {block.block_id} in the free queue with ref_cnt {block.ref_cnt}"
-            block.ref_cnt = 1
-        return blocks
+        part = hooks.plugged("get_new_blocks")  # a learner's own LRU eviction (exercise 08)
+        return (part or get_new_blocks)(self, num_blocks)
 
     def evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drop ``block``'s hash from the cache map: it is about to hold new tokens, or its contents
@@ -387,12 +383,8 @@ class BlockPool:
                     f"block {block.block_id} freed {drops[block.block_id]} time(s) with ref_cnt "
                     f"{block.ref_cnt} (double free?)"
                 )
-        released: list[KVCacheBlock] = []
-        for block in blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                released.append(block)
-        self.free_block_queue.append_n(released)
+        part = hooks.plugged("free_blocks")  # a learner's own (exercise 08)
+        (part or free_blocks)(self, blocks)
 
     # ---- prefix cache ------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -470,3 +462,33 @@ class BlockPool:
     def get_usage(self) -> float:
         """Fraction of usable blocks in use (the null block counts neither way)."""
         return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
+
+
+# ---- LRU eviction: the two functions BlockPool's methods run (exercise 08 writes them) -------------------
+def get_new_blocks(pool: BlockPool, num_blocks: int) -> list[KVCacheBlock]:
+    """Pop ``num_blocks`` blocks from the front of ``pool``'s free queue (the least recently freed) and hand
+    each out with ``ref_cnt = 1``, evicting its cached hash first: the block is about to hold other tokens, so a
+    later lookup must no longer find it. ``BlockPool.get_new_blocks`` checks the count and calls this::
+
+        free queue:  head -> [b7 #h7] [b2] [b5 #h5] ... <- tail       get_new_blocks(pool, 2)
+        handed out:  b7 (hash h7 dropped from the cache map), b2      queue: head -> [b5 #h5] ...
+    """
+    blocks = pool.free_block_queue.popleft_n(num_blocks)
+    for block in blocks:
+        if pool.enable_caching:
+            pool._maybe_evict_cached_block(block)
+        assert block.ref_cnt == 0, f"block {block.block_id} in the free queue with ref_cnt {block.ref_cnt}"
+        block.ref_cnt = 1
+    return blocks
+
+
+def free_blocks(pool: BlockPool, ordered_blocks: Sequence[KVCacheBlock]) -> None:
+    """Drop one reference to each block; those reaching 0 join the back of the free queue in the order given,
+    their hashes kept (cached but free: a later prompt may still hit them until they reach the front).
+    ``BlockPool.free_blocks`` checks the list (no null block, no double free) and calls this."""
+    released: list[KVCacheBlock] = []
+    for block in ordered_blocks:
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            released.append(block)
+    pool.free_block_queue.append_n(released)

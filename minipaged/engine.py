@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from . import hooks
 from .config import Config
 from .events import Observers, step_event
 from .executor import make_runner
@@ -123,12 +124,14 @@ class LLM:
 
     @_serialised
     def abort(self, request_ids: str | Sequence[str]) -> None:
-        """Stop requests wherever they are and give back their blocks; unknown ids are ignored, as in vLLM."""
-        for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
-            if rid in self._requests:
-                for req in reversed(samples(self._requests[rid])):  # forked samples first
-                    self.scheduler.abort(req.request_id)  # the runner drops its state with the next step
-                del self._requests[rid]
+        """Stop requests wherever they are and give back their blocks; unknown ids are ignored, as in vLLM.
+        Cleanup must succeed, also after a learner's part failed a step: it runs the package's own pieces."""
+        with hooks.suspended():
+            for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+                if rid in self._requests:
+                    for req in reversed(samples(self._requests[rid])):  # forked samples first
+                        self.scheduler.abort(req.request_id)  # the runner drops its state with the next step
+                    del self._requests[rid]
         release_if_idle(self.scheduler, self.runner)
 
     def _now(self) -> float:

@@ -13,7 +13,8 @@ Keeping the seam here, below everything, is what lets the engine's modules impor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 # What is plugged in now, by part name; and, per active ``parts.use`` block (innermost last), what to run when it
@@ -47,9 +48,21 @@ def plugged(name: str) -> Any:
     return _plugged.get(name) if _plugged else None
 
 
-def active() -> bool:
-    """Whether anything is plugged in now."""
-    return bool(_plugged)
+def active(ignore: frozenset[str] = frozenset()) -> bool:
+    """Whether anything is plugged in now (other than the parts named in ``ignore``)."""
+    return bool(_plugged) and any(name not in ignore for name in _plugged)
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Nothing plugged in while the block lasts: for cleanup that must succeed whatever a learner's part does
+    (an abort gives a request's blocks back with the package's own functions)."""
+    saved = dict(_plugged)
+    _plugged.clear()
+    try:
+        yield
+    finally:
+        _plugged.update(saved)
 
 
 def at_exit(key: Any, action: Callable[[], None]) -> None:

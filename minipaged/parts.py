@@ -21,8 +21,13 @@ imports nothing from the package; this module fills it) and calls the learner's 
     ex07  preempt_recompute       Scheduler.preempt: undo a victim's allocation
     ex08  chain_block_hashes      Request.block_hashes: the chained hash of every full block
     ex08  find_prefix_hits        KVCacheManager.get_computed_blocks: the longest cached prefix
+    ex08  get_new_blocks          BlockPool.get_new_blocks: the least recently freed blocks, hashes evicted
+    ex08  free_blocks             BlockPool.free_blocks: blocks reaching ref count 0 join the back of the queue
     ex09  paged_decode_attention  PagedAttention: a decode-only step's attention (or puzzle 5's Triton kernel)
     ex05b paged_prefill_attention PagedAttention: a step with new prompt tokens (puzzle 6's Triton kernel)
+    ex10b admission_order         Scheduler.schedule: the order waiting requests are tried in (a policy)
+    ex10b preemption_order        Scheduler.schedule: the order running requests give way in (a policy)
+    ex10b prefill_cap             Scheduler.schedule: the most prompt tokens a prefill takes this step (a policy)
 
 **Checked by default.** With ``check=True`` every call of a plugged part is checked
 as it returns: the pure parts against the package's own function on the same
@@ -44,8 +49,9 @@ from typing import Any
 
 import torch
 
+from . import block_pool as package_pool
 from . import hooks
-from .block_pool import BlockHash, BlockPool, chain_block_hashes
+from .block_pool import BlockHash, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, chain_block_hashes
 from .block_table import slot_mapping as package_slot_mapping
 from .hooks import PartError
 from .kernels import reference
@@ -139,7 +145,9 @@ def _pool_difference(got: dict[str, Any], want: dict[str, Any]) -> str | None:
         if g_ref != ref:
             return f"block {bid}'s ref count is {g_ref}, expected {ref}"
         if g_h != h:
-            return f"block {bid}'s hash was changed ({'cleared' if g_h is None else 'rewritten'})"
+            if h is None:
+                return f"block {bid} kept its hash; expected none (a block handed out leaves the prefix cache)"
+            return f"block {bid}'s hash was {'cleared' if g_h is None else 'rewritten'}"
         if (g_prev, g_nxt) != (prev, nxt):
             return f"block {bid}'s free-queue links are ({g_prev}, {g_nxt}), expected ({prev}, {nxt})"
     if got["ends"] != want["ends"]:
@@ -155,13 +163,19 @@ def _left_alone(pool: Any, before: dict[str, Any]) -> str | None:
 
 
 # free_queue_remove(queue, block): the block, its two neighbours' links and the free count change; nothing else
-def _queue_blocks(queue: Any, block: Any) -> list[Any]:
-    """Every block on the free queue, walked from the head (bounded: a broken queue may loop), and ``block``."""
+def _queued(queue: Any) -> list[Any]:
+    """Every block on the free queue, walked from the head (bounded: a broken queue may loop)."""
     seen: list[Any] = []
     b = queue.fake_free_list_head.next_free_block
     while b is not None and b is not queue.fake_free_list_tail and len(seen) <= queue.num_free_blocks + 1:
         seen.append(b)
         b = b.next_free_block
+    return seen
+
+
+def _queue_blocks(queue: Any, block: Any) -> list[Any]:
+    """Every block on the free queue, and ``block``."""
+    seen = _queued(queue)
     return seen if any(x is block for x in seen) else [*seen, block]
 
 
@@ -212,6 +226,62 @@ def _remove_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | Non
                 f"neighbours change"
             )
     return None
+
+
+# get_new_blocks(pool, num_blocks) and free_blocks(pool, ordered_blocks): the LRU order of a pool.
+# A twin of the pool (same ref counts, hashes, cache map and free-queue order) takes the package's own call;
+# the learner's call must leave the real pool exactly like the twin. Built field by field: a deep copy would
+# recurse down the free queue's links.
+def _twin(pool: Any) -> tuple[BlockPool, list[KVCacheBlock]]:
+    twin = BlockPool(pool.num_blocks, pool.enable_caching)
+    for mine, theirs in zip(twin.blocks, pool.blocks):
+        mine.ref_cnt, mine._block_hash = theirs.ref_cnt, theirs.block_hash
+        mine.prev_free_block = mine.next_free_block = None  # relinked below, in the pool's order
+    order = [b.block_id for b in _queued(pool.free_block_queue)]
+    twin.free_block_queue = FreeKVCacheBlockQueue([twin.blocks[i] for i in order])
+    twin.cached_block_hash_to_block = {
+        h: {i: twin.blocks[i] for i in same} for h, same in pool.cached_block_hash_to_block.items()
+    }
+    return twin, twin.blocks
+
+
+def _get_new_before(args: tuple[Any, ...]) -> Any:
+    pool, num_blocks = args
+    twin, _ = _twin(pool)
+    want = [b.block_id for b in package_pool.get_new_blocks(twin, num_blocks)]
+    return want, _pool_state(twin)
+
+
+def _blocks_accept(args: tuple[Any, ...], result: Any) -> list[KVCacheBlock]:
+    pool, num_blocks = args
+    if not isinstance(result, list) or not all(isinstance(b, KVCacheBlock) for b in result):
+        raise ValueError(f"a list of the pool's KVCacheBlock objects, got {type(result).__name__}")
+    if len(result) != num_blocks:
+        raise ValueError(f"{num_blocks} blocks were asked for, {len(result)} returned")
+    if any(pool.blocks[b.block_id] is not b for b in result if 0 <= b.block_id < len(pool.blocks)):
+        raise ValueError("blocks that are not this pool's own")
+    return result
+
+
+def _get_new_verify(args: tuple[Any, ...], result: list[KVCacheBlock], before: Any) -> str | None:
+    want, state = before
+    got = [b.block_id for b in result]
+    if got != want:
+        return f"it handed out blocks {got}, expected {want}: the front of the free queue, least recently freed first"
+    problem = _pool_difference(_pool_state(args[0]), state)
+    return None if problem is None else f"the pool afterwards: {problem}"
+
+
+def _free_before(args: tuple[Any, ...]) -> Any:
+    pool, blocks = args
+    twin, twin_blocks = _twin(pool)
+    package_pool.free_blocks(twin, [twin_blocks[b.block_id] for b in blocks])
+    return _pool_state(twin)
+
+
+def _free_verify(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
+    problem = _pool_difference(_pool_state(args[0]), before)
+    return None if problem is None else f"the pool afterwards: {problem}"
 
 
 # slot_mapping(block_tables, positions, block_size, pad_to=None)
@@ -604,6 +674,37 @@ def _hits_verify(args: tuple[Any, ...], result: list[int], before: Any) -> str |
     return _left_alone(pool, before)
 
 
+# The open capstone's policy (exercise 10b): three questions the scheduler asks once a step, before it changes
+# anything; any answer is allowed that keeps the step sound, and each is checked as it returns, checked mode or
+# not (the rest of the step is the package's and relies on it).
+def _permutation(given: list[Any], result: Any, what: str) -> list[str]:
+    ids = [r.request_id for r in given]
+    got = [str(rid) for rid in result] if isinstance(result, (list, tuple)) else None
+    if got is None or sorted(got) != sorted(ids):
+        raise ValueError(
+            f"returned {result!r:.120}; expected every {what} request id exactly once: a permutation of {ids}"
+        )
+    return got
+
+
+def _order_accept(args: tuple[Any, ...], result: Any) -> list[str]:
+    return _permutation(args[0], result, "waiting")
+
+
+def _victims_accept(args: tuple[Any, ...], result: Any) -> list[str]:
+    return _permutation(args[0], result, "running")
+
+
+def _cap_accept(args: tuple[Any, ...], result: Any) -> int:
+    if isinstance(result, bool) or not isinstance(result, int) or result < 1:
+        raise ValueError(f"returned {result!r:.40}; expected a whole number of prompt tokens, at least 1")
+    return result
+
+
+def _any_answer(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
+    return None  # accept() has checked everything a policy must respect
+
+
 # ---- probes: shapes that tell apart mistakes SmolLM2's shapes hide ------------------------------------------
 # SmolLM2 has 9 query heads over 3 KV heads (h // 3 and h // num_kv_heads agree), 16-token blocks and tables
 # with no spare column: a part can be right on it by accident. Checked mode first calls each part on these.
@@ -622,6 +723,29 @@ def _free_queue_probes() -> list[Probe]:
         ("a cached block at the back of the queue", (q, b[7])),
         ("a cached block in the middle", (q, b[3])),
     ]
+
+
+def _lru_pool() -> tuple[BlockPool, list[KVCacheBlock]]:
+    """Eight blocks: three cached and free (LRU order 5, 2, 7), two in use (3 shared by two requests, 6)."""
+    pool = BlockPool(8)
+    hashes = chain_block_hashes(list(range(48)), 16)
+    used = pool.get_new_blocks(7)  # 1..7, in use
+    for block, h in zip((used[4], used[1], used[6]), hashes):  # blocks 5, 2, 7: full and cached
+        block.set_block_hash(h)
+        pool.cached_block_hash_to_block[h] = {block.block_id: block}
+    pool.touch([used[2]])  # block 3: a second user
+    pool.free_blocks([used[4], used[1], used[6], used[0], used[3]])  # 5, 2, 7, 1, 4 free, in that order
+    return pool, pool.blocks
+
+
+def _get_new_probes() -> list[Probe]:
+    pool, _ = _lru_pool()
+    return [("two blocks from a queue whose front holds cached blocks (LRU order 5, 2, 7, 1, 4)", (pool, 2))]
+
+
+def _free_probes() -> list[Probe]:
+    pool, b = _lru_pool()
+    return [("a request's blocks tail first: 6, then 3 (shared by another request)", (pool, [b[6], b[3]]))]
 
 
 def _slot_probes() -> list[Probe]:
@@ -871,6 +995,53 @@ PARTS: dict[str, Part] = {
             _hits_accept,
             _hits_verify,
             _hit_probes,
+        ),
+        Part(
+            "get_new_blocks",
+            "ex08",
+            "get_new_blocks(pool, num_blocks) -> [KVCacheBlock]",
+            "BlockPool.get_new_blocks: hand out the least recently freed blocks, evicting their hashes",
+            _get_new_before,
+            _blocks_accept,
+            _get_new_verify,
+            _get_new_probes,
+        ),
+        Part(
+            "free_blocks",
+            "ex08",
+            "free_blocks(pool, ordered_blocks) -> None",
+            "BlockPool.free_blocks: drop a reference; blocks reaching 0 join the back of the free queue",
+            _free_before,
+            _none,
+            _free_verify,
+            _free_probes,
+        ),
+        Part(
+            "admission_order",
+            "ex10b",
+            "admission_order(waiting) -> [request_id]",
+            "Scheduler.schedule: the order waiting requests are tried in (first come, first served)",
+            None,
+            _order_accept,
+            _any_answer,
+        ),
+        Part(
+            "preemption_order",
+            "ex10b",
+            "preemption_order(running) -> [request_id]",
+            "Scheduler.schedule: the order running requests give way when the pool is dry (newest first)",
+            None,
+            _victims_accept,
+            _any_answer,
+        ),
+        Part(
+            "prefill_cap",
+            "ex10b",
+            "prefill_cap(request) -> int",
+            "Scheduler.schedule: the most prompt tokens a prefill takes this step (no cap but the budget)",
+            None,
+            _cap_accept,
+            _any_answer,
         ),
         Part(
             "paged_decode_attention",

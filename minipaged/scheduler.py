@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import hooks
@@ -64,6 +65,61 @@ def num_seqs_when_running(req: Request) -> int:
 
 # The three pieces of one step that the exercises build (06 and 07). Each is a plain function of the
 # queues and the KV cache manager, so a learner's own version can stand in for it (``minipaged.parts``).
+#
+# Three decisions of a step are a *policy* (the open capstone, exercise 10b, writes its own): the order waiting
+# requests are tried in, the order running requests give way when the pool is dry, and how many prompt tokens a
+# prefill may take in one step. The package's policy is vLLM's default: first come first served, the newest
+# running request preempted first, a prompt chunked only by the budget left. A plugged policy is asked once per
+# step, *before* the step changes anything (so a policy that fails leaves the scheduler as it was, with no
+# snapshot to restore), and the rest of the step (allocation, the budget, the seats) stays the package's: a
+# policy can make serving slower or faster, never wrong.
+POLICY_PARTS = frozenset({"admission_order", "preemption_order", "prefill_cap"})
+
+
+@dataclass
+class Policy:
+    """One step's answers from a plugged policy (None: the package's rule)."""
+
+    victims: dict[str, int] | None = None  # request id -> rank: the lowest rank gives way first
+    caps: dict[str, int] = field(default_factory=dict)  # request id -> most prompt tokens this step
+
+
+def ask_policy(running: list[Request], waiting: deque[Request], free_seats: int) -> tuple[Policy, list[Request] | None]:
+    """Ask the plugged policy (if any) this step's questions; change nothing. Returns the answers and the waiting
+    queue's new order (None: keep it)."""
+    order_fn, victim_fn, cap_fn = (hooks.plugged(n) for n in ("admission_order", "preemption_order", "prefill_cap"))
+    policy, order = Policy(), None
+    if order_fn is not None and len(waiting) > 1:
+        by_id = {r.request_id: r for r in waiting}
+        order = [by_id[rid] for rid in order_fn(list(waiting))]
+    if victim_fn is not None and len(running) > 1:
+        policy.victims = {rid: i for i, rid in enumerate(victim_fn(list(running)))}
+    if cap_fn is not None:  # the prefills this step could run: running ones, and waiting ones up to the seats
+        for req in [*running, *(order if order is not None else waiting)][: len(running) + max(free_seats, 0)]:
+            if req.num_tokens - req.num_computed_tokens > 1:
+                policy.caps[req.request_id] = cap_fn(req)
+    return policy, order
+
+
+_POLICY = Policy()  # no policy plugged: the package's rules
+
+
+def prefill_chunk(req: Request, computed: int, token_budget: int, policy: Policy = _POLICY) -> int:
+    """New tokens for ``req`` (``computed`` of its tokens in the cache) this step: all it still needs, capped by
+    the budget, and by the policy's cap for it if there is one."""
+    return min(req.num_tokens - computed, token_budget, policy.caps.get(req.request_id, token_budget))
+
+
+def take_victim(running: list[Request], first: int, policy: Policy = _POLICY) -> Request:
+    """Remove and return the request to preempt: the newest (vLLM's FCFS rule), or the one the policy ranks first
+    among those not served yet this step (``running[first:]``: a request already given its tokens this step
+    cannot give its blocks back)."""
+    if policy.victims is None:
+        return running.pop()
+    rank = policy.victims
+    victim = min(running[first:], key=lambda r: rank.get(r.request_id, len(rank)))
+    running.remove(victim)
+    return victim
 
 
 def schedule_running(
@@ -72,6 +128,7 @@ def schedule_running(
     kv: KVCacheManager,
     token_budget: int,
     preempt: Callable[[Request, KVCacheManager, deque[Request]], None],
+    policy: Policy = _POLICY,
 ) -> tuple[list[tuple[str, int]], list[str]]:
     """Step 1: serve the running requests, oldest first, while the token budget lasts.
 
@@ -90,9 +147,9 @@ def schedule_running(
     i = 0
     while i < len(running) and token_budget > 0:
         req = running[i]
-        num_new = min(req.num_tokens - req.num_computed_tokens, token_budget)
+        num_new = prefill_chunk(req, req.num_computed_tokens, token_budget, policy)
         while kv.allocate_slots(req, num_new) is None:
-            victim = running.pop()
+            victim = take_victim(running, i, policy)
             preempt(victim, kv, waiting)
             preempted.append(victim.request_id)
             if victim is req:
@@ -116,7 +173,7 @@ def preempt_recompute(victim: Request, kv: KVCacheManager, waiting: deque[Reques
 
 
 def admit_waiting(
-    waiting: deque[Request], kv: KVCacheManager, token_budget: int, free_seats: int
+    waiting: deque[Request], kv: KVCacheManager, token_budget: int, free_seats: int, policy: Policy = _POLICY
 ) -> list[tuple[str, int]]:
     """Step 2: admit waiting requests in arrival order while the budget, the seats and the pool allow.
 
@@ -132,7 +189,7 @@ def admit_waiting(
         if seats > free_seats:
             break
         hits, num_hit_tokens = kv.get_computed_blocks(req)
-        num_new = min(req.num_tokens - num_hit_tokens, token_budget)
+        num_new = prefill_chunk(req, num_hit_tokens, token_budget, policy)
         if kv.allocate_slots(req, num_new, num_hit_tokens, hits) is None:
             break
         req.num_computed_tokens = num_hit_tokens
@@ -235,16 +292,24 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         # A new step: the blocks hashed for the last one hold their K/V now (a driver whose step
         # failed has rolled them back already, see step.run_step), so the manager stops tracking them.
+        free_seats = self.config.max_num_seqs - sum(num_seqs_when_running(r) for r in self.running)
+        policy, order = ask_policy(self.running, self.waiting, free_seats)  # before anything changes
         self.kv.commit_step()
         out = SchedulerOutput(block_size=self.block_size)
         budget = self.config.max_num_batched_tokens
+        if order is not None:
+            self.waiting.clear()
+            self.waiting.extend(order)
 
         # 1. running requests, oldest first; preempt the newest when the pool runs dry
         def preempt(victim: Request, kv: KVCacheManager, waiting: deque[Request]) -> None:
             self.preempt(victim, out)
 
-        running_fn = hooks.plugged("schedule_running") or schedule_running
-        scheduled, _ = running_fn(self.running, self.waiting, self.kv, budget, preempt)
+        running_fn = hooks.plugged("schedule_running")  # a learner's own (exercise 07) applies no policy
+        if running_fn is not None:
+            scheduled, _ = running_fn(self.running, self.waiting, self.kv, budget, preempt)
+        else:
+            scheduled, _ = schedule_running(self.running, self.waiting, self.kv, budget, preempt, policy)
         budget -= self._add_all(out, scheduled)
 
         # 2. swapped, then waiting requests, in arrival order, unless this step had to preempt
@@ -261,8 +326,11 @@ class Scheduler:
                 free_seats -= num_seqs_when_running(req)
                 budget -= self._add_all(out, [(req.request_id, num_new)])
             if not self.swapped and budget > 0 and free_seats > 0:
-                admit_fn = hooks.plugged("admit_waiting") or admit_waiting
-                admitted = admit_fn(self.waiting, self.kv, budget, free_seats)
+                admit_fn = hooks.plugged("admit_waiting")  # a learner's own (exercise 06) applies no policy
+                if admit_fn is not None:
+                    admitted = admit_fn(self.waiting, self.kv, budget, free_seats)
+                else:
+                    admitted = admit_waiting(self.waiting, self.kv, budget, free_seats, policy)
                 self.running.extend(self.requests[rid] for rid, _ in admitted)
                 budget -= self._add_all(out, admitted)
 

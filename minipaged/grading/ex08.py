@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..block_pool import get_request_block_hasher
+from ..block_pool import BlockHash, BlockPool, get_request_block_hasher
 from ..kv_cache_manager import KVCacheManager
 from ..request import Request
 from .core import Check, CheckOutcome, report
@@ -175,3 +175,196 @@ def check_find_prefix_hits(find_prefix_hits: Callable[..., Any]) -> list[CheckOu
             )
         )
     return report("find_prefix_hits", checks)
+
+
+# ---- part 3: LRU eviction -----------------------------------------------------------------------
+def example_pool() -> BlockPool:
+    """Eight blocks: 5, 2 and 7 full, cached and free, then 1 and 4 free (the queue's LRU order 5, 2, 7, 1, 4);
+    3 in use by two requests, 6 by one. Chapter 08, section 3's picture in miniature."""
+    pool = BlockPool(8)
+    used = pool.get_new_blocks(7)  # 1..7
+    for block, h in zip((used[4], used[1], used[6]), map(BlockHash, reference_hashes(_tokens(12), 4))):
+        block.set_block_hash(h)
+        pool.cached_block_hash_to_block[h] = {block.block_id: block}
+    pool.touch([used[2]])  # block 3: a second user
+    pool.free_blocks([used[4], used[1], used[6], used[0], used[3]])
+    return pool
+
+
+def _twice_cached() -> BlockPool:
+    """Blocks 1 and 2 hold the same tokens (two requests computed them at once), both cached and free."""
+    pool = BlockPool(4)
+    a, b, c = pool.get_new_blocks(3)
+    (h,) = map(BlockHash, reference_hashes(_tokens(4), 4))
+    for block in (a, b):
+        block.set_block_hash(h)
+    pool.cached_block_hash_to_block[h] = {a.block_id: a, b.block_id: b}
+    pool.free_blocks([a, b, c])  # the queue: 1, 2, 3
+    return pool
+
+
+def _in_use_cached() -> tuple[BlockPool, list[Any]]:
+    """A request's three full blocks, cached while it runs: 1, 2, 3 with hashes, in use."""
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(3)
+    for block, h in zip(blocks, map(BlockHash, reference_hashes(_tokens(12, 3), 4))):
+        block.set_block_hash(h)
+        pool.cached_block_hash_to_block[h] = {block.block_id: block}
+    return pool, blocks
+
+
+def view(pool: BlockPool) -> tuple[list[int], list[int], dict[int, int]]:
+    """What LRU eviction decides, in ids: the free queue front to back, the blocks the prefix cache can still
+    find, and every block's ref count that is not 0."""
+    queue: list[int] = []
+    b = pool.free_block_queue.fake_free_list_head.next_free_block
+    while b is not None and b is not pool.free_block_queue.fake_free_list_tail and len(queue) <= pool.num_blocks:
+        queue.append(b.block_id)
+        b = b.next_free_block
+    cached = sorted(i for same in pool.cached_block_hash_to_block.values() for i in same)
+    return queue, cached, {blk.block_id: blk.ref_cnt for blk in pool.blocks if blk.ref_cnt and not blk.is_null}
+
+
+@dataclass(frozen=True)
+class Eviction:
+    label: str
+    pool: Callable[[], tuple[BlockPool, list[Any]]]  # a fresh pool and the blocks the call frees (if any)
+    count: int = 0  # blocks asked of get_new_blocks
+    free: Callable[[list[Any]], list[Any]] = lambda blocks: blocks  # which blocks, in which order
+
+
+def _plain(pool: BlockPool) -> tuple[BlockPool, list[Any]]:
+    return pool, pool.blocks
+
+
+def _held() -> tuple[BlockPool, list[Any]]:
+    """Blocks 1, 2 and 3 held by one request, no hashes."""
+    pool = BlockPool(8)
+    pool.get_new_blocks(3)
+    return pool, pool.blocks
+
+
+GET_CASES = [
+    Eviction("a fresh pool: the blocks in id order", lambda: _plain(BlockPool(8)), 3),
+    Eviction("the front holds cached-but-free blocks 5 and 2: both evicted", lambda: _plain(example_pool()), 2),
+    Eviction("every free block, the uncached ones too", lambda: _plain(example_pool()), 5),
+    Eviction("no block asked for: nothing changes", lambda: _plain(example_pool()), 0),
+    Eviction(
+        "two blocks cached under one hash: evicting block 1 keeps block 2 findable", lambda: _plain(_twice_cached()), 1
+    ),
+]
+FREE_CASES = [
+    Eviction(
+        "a request's blocks 1, 2, 3, freed tail first as KVCacheManager.free does",
+        _held,
+        free=lambda b: [b[3], b[2], b[1]],
+    ),
+    Eviction(
+        "block 6, then block 3, which another request still uses",
+        lambda: _plain(example_pool()),
+        free=lambda b: [b[6], b[3]],
+    ),
+    Eviction(
+        "cached blocks keep their hashes when freed: a later prompt can still hit them",
+        _in_use_cached,
+        free=lambda b: b[::-1],
+    ),
+    Eviction("an empty list: nothing changes", lambda: _plain(example_pool()), free=lambda b: []),
+]
+
+
+def _run_get(get_new_blocks: Callable[..., Any], c: Eviction) -> Any:
+    pool, _ = c.pool()
+    got = get_new_blocks(pool, c.count)
+    return [int(getattr(b, "block_id", b)) for b in got], *view(pool)
+
+
+def _run_free(free_blocks: Callable[..., Any], c: Eviction) -> Any:
+    pool, blocks = c.pool()
+    free_blocks(pool, c.free(blocks))
+    return view(pool)
+
+
+def _workload(parts_in: dict[str, Callable[..., Any]]) -> Any:
+    """A prefix-caching workload in a 12-block pool, served by the real scheduler with the parts plugged in
+    unchecked: the driver reads every context back through its block table, so a block still findable after
+    it was handed out (a stale hit) fails there. Returns the hits and the pool at the end."""
+    import random
+
+    from .. import parts
+    from ..testing import Driver
+
+    rng = random.Random(8)
+    base = [rng.randrange(1, 40) for _ in range(12)]
+    with parts.use(check=False, **parts_in):
+        d = Driver(block_size=4, num_blocks=12, caching=True, budget=16, max_num_seqs=4)
+        for i in range(14):
+            prompt = base[: rng.randrange(5, 12)] + [rng.randrange(1, 40) for _ in range(rng.randrange(1, 6))]
+            d.add(f"r{i}", prompt, max_tokens=rng.randrange(1, 6), ignore_eos=True)
+        d.run()
+        return d.kv.prefix_cache_hits, *view(d.kv.block_pool)  # inside: leaving parts.use resets the cache
+
+
+def _safe(run: Callable[[], Any]) -> Any:
+    """The workload's outcome, or the first error in words (a broken pool fails the driver's own checks)."""
+    try:
+        return run()
+    except AssertionError as e:
+        return f"the driver found the cache wrong: {str(e).splitlines()[0][:200] or 'a read-back check failed'}"
+
+
+def _lru_report(
+    name: str,
+    fn: Callable[..., Any],
+    package: Callable[..., Any],
+    cases: list[Eviction],
+    run: Callable[[Callable[..., Any], Eviction], Any],
+    tried: Callable[[Eviction], str],
+    hint: str,
+) -> list[CheckOutcome]:
+    """Each case against the package's own function on a fresh pool, then the workload with ``fn`` in the pool."""
+    checks = [Check(tried(c), lambda c=c: run(fn, c), run(package, c), hint=hint) for c in cases]
+    workload = (
+        "14 prompts sharing prefixes through a 12-block pool, your part in the engine's pool; then (prefix hits, "
+        "free queue, cached blocks, ref counts)"
+    )
+    checks.append(Check(workload, lambda: _safe(lambda: _workload({name: fn})), _workload({name: package}), hint=hint))
+    return report(name, checks)
+
+
+def check_get_new_blocks(get_new_blocks: Callable[..., Any]) -> list[CheckOutcome]:
+    """``get_new_blocks(pool, num_blocks) -> [KVCacheBlock]``: the least recently freed, hashes evicted."""
+    from ..block_pool import get_new_blocks as package
+
+    return _lru_report(
+        "get_new_blocks",
+        get_new_blocks,
+        package,
+        GET_CASES,
+        _run_get,
+        lambda c: (
+            f"get_new_blocks(pool, {c.count})  # {c.label}; then (handed out, free queue front to back, "
+            "cached blocks, ref counts)"
+        ),
+        "take blocks from the front of pool.free_block_queue (the least recently freed), set each one's "
+        "ref_cnt to 1, and evict its hash: remove it from pool.cached_block_hash_to_block[h] (and the entry once "
+        "empty) and call block.reset_hash(), or a later prompt would hit a block that now holds other tokens "
+        "(chapter 08, section 3)",
+    )
+
+
+def check_free_blocks(free_blocks: Callable[..., Any]) -> list[CheckOutcome]:
+    """``free_blocks(pool, ordered_blocks) -> None``: a reference dropped; blocks at 0 join the back, in order."""
+    from ..block_pool import free_blocks as package
+
+    return _lru_report(
+        "free_blocks",
+        free_blocks,
+        package,
+        FREE_CASES,
+        _run_free,
+        lambda c: f"free_blocks(pool, blocks)  # {c.label}; then (free queue front to back, cached blocks, ref counts)",
+        "for each block in the order given: ref_cnt -= 1; only a block reaching 0 joins the back of "
+        "pool.free_block_queue (most recently used), in that order; keep its hash, so a later prompt can still "
+        "hit it until it reaches the front (chapter 08, section 3)",
+    )

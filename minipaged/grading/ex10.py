@@ -131,7 +131,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 def package_parts() -> dict[str, Callable[..., Any]]:
     """The package's own piece for every part, with the parts' signatures: what a learner who solved every
     exercise hands in."""
-    from ..block_pool import FreeKVCacheBlockQueue, chain_block_hashes
+    from ..block_pool import FreeKVCacheBlockQueue, chain_block_hashes, free_blocks, get_new_blocks
     from ..block_table import slot_mapping
     from ..kernels import reference
     from ..kv_cache_manager import KVCacheManager, find_prefix_hits
@@ -147,6 +147,8 @@ def package_parts() -> dict[str, Callable[..., Any]]:
         preempt_recompute=preempt_recompute,
         chain_block_hashes=chain_block_hashes,
         find_prefix_hits=find_prefix_hits,
+        get_new_blocks=get_new_blocks,
+        free_blocks=free_blocks,
         paged_decode_attention=reference.paged_decode_attention,
     )
 

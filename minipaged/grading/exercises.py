@@ -97,6 +97,8 @@ EXERCISES: dict[str, Exercise] = {
             "ex08_prefix_hashing",
             ("chain_block_hashes", "check_chain_block_hashes", "chain_block_hashes", 7),
             ("find_prefix_hits", "check_find_prefix_hits", "find_prefix_hits", 8),
+            ("free_blocks", "check_free_blocks", "free_blocks", 5),
+            ("get_new_blocks", "check_get_new_blocks", "get_new_blocks", 6),
         ),
         _ex(
             "ex09_paged_decode",
@@ -106,11 +108,12 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex(
             "ex10_capstone",
-            ("capstone_parts", "check_parts", "my_parts", 10),
+            ("capstone_parts", "check_parts", "my_parts", 12),
             ("capstone_engine", "check_engine_settings", "engine_settings", 6),
             ("report_card", "check_report_card", "my_parts engine_settings", 11),
             triton=True,
         ),
+        _ex("ex10b_open_policy", ("policy", "check_policy", "my_policy", 5)),
     )
 }
 

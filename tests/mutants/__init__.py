@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
-EXERCISES = [*(f"ex{n:02d}" for n in range(1, 6)), "ex05b", *(f"ex{n:02d}" for n in range(6, 11))]
+EXERCISES = [*(f"ex{n:02d}" for n in range(1, 6)), "ex05b", *(f"ex{n:02d}" for n in range(6, 11)), "ex10b"]
 
 
 def mutant(target: str, mistake: str, checks: Sequence[str] | None = None) -> Callable[[Callable], Callable]:

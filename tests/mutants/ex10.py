@@ -30,6 +30,8 @@ def right_parts() -> dict:
         "preempt_recompute": mine["ex07"].preempt_recompute,
         "chain_block_hashes": mine["ex08"].chain_block_hashes,
         "find_prefix_hits": mine["ex08"].find_prefix_hits,
+        "get_new_blocks": mine["ex08"].get_new_blocks,
+        "free_blocks": mine["ex08"].free_blocks,
         "paged_decode_attention": mine["ex09"].paged_decode_attention,
     }
 
@@ -49,7 +51,7 @@ def keyed_by_function_name() -> dict:
     return parts
 
 
-@mutant("my_parts", "takes one of the two functions of exercise 08 and forgets the other")
+@mutant("my_parts", "takes three of the four functions of exercise 08 and forgets the fourth")
 def forgets_a_part() -> dict:
     parts = right_parts()
     del parts["find_prefix_hits"]  # MISTAKE
