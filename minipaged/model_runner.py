@@ -42,12 +42,43 @@ from .kv_math import GiB, KVSpec, format_bytes, num_blocks_at_startup
 from .model import AttentionMetadata, LlamaForCausalLM
 from .model.llama import config_from_dict
 from .sampler import Sampler
-from .scheduler_output import RunnerOutput, SchedulerOutput
+from .scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from .utils import cdiv
 
 if TYPE_CHECKING:
     from .distributed import TPGroup
     from .executor import MultiprocExecutor
+
+
+def step_inputs(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """The flat inputs of one step, from the scheduler's plain-data decisions: every scheduled token in one row,
+    request after request, whatever mix of prefill chunks and decodes the step holds::
+
+        scheduled   A: last chunk of a 20-token prompt    B: decode at 7    C: a 3-token prompt, n = 2
+        input_ids   [a16 a17 a18 a19 | b7 | c0 c1 c2]      (the tokens at positions 16..19, 7, 0..2)
+        positions   [16  17  18  19  | 7  | 0  1  2 ]      (RoPE needs the true positions, not 0..n-1)
+        cu_seqlens_q [0, 4, 5, 8]                          (where each request's rows start; the last: total)
+        seq_lens    [20, 8, 3]                              (tokens each attends to: cached context + new)
+        sample_rows [3, 4, 7, 7]                            (the row of each sampled token: a request's last
+                                                             row, once per sample, none mid-prompt)
+
+    Returns ``(input_ids, positions, cu_seqlens_q, seq_lens, sample_rows)`` as lists; ``prepare_inputs``
+    copies them into the runner's reused buffers. vLLM's ``GPUModelRunner._prepare_inputs`` builds the same
+    arrays (its ``query_start_loc`` is our ``cu_seqlens_q``).
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    cu = [0]
+    seq_lens: list[int] = []
+    sample_rows: list[int] = []
+    for s in scheduled:
+        end = s.start + s.num_new_tokens
+        ids += s.token_ids
+        positions += range(s.start, end)
+        cu.append(cu[-1] + s.num_new_tokens)
+        seq_lens.append(end)
+        sample_rows += [cu[-1] - 1] * s.num_samples
+    return ids, positions, cu, seq_lens, sample_rows
 
 
 class InputBuffers:
@@ -272,16 +303,8 @@ class ModelRunner:
 
     # ---- a step -----------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        ids: list[int] = []
-        positions: list[int] = []
-        cu = [0]
-        sample_rows: list[int] = []
-        for s in out.scheduled:
-            end = s.start + s.num_new_tokens
-            ids += s.token_ids
-            positions += range(s.start, end)
-            cu.append(cu[-1] + s.num_new_tokens)
-            sample_rows += [cu[-1] - 1] * s.num_samples
+        build = hooks.plugged("step_inputs") or step_inputs  # a learner's own (exercise 09b), if plugged in
+        ids, positions, cu, seq_lens, sample_rows = build(out.scheduled)
         buf = self.buffers
         slots = hooks.plugged("slot_mapping") or slot_mapping  # a learner's own (exercise 04), if plugged in
         meta = AttentionMetadata(
@@ -289,9 +312,7 @@ class ModelRunner:
                 "slot_mapping", slots([s.block_ids for s in out.scheduled], out.positions(), out.block_size)
             ),
             block_tables=buf.fill("block_tables", make_block_table_tensor([s.block_ids for s in out.scheduled])),
-            seq_lens=buf.fill(
-                "seq_lens", torch.tensor([s.start + s.num_new_tokens for s in out.scheduled], dtype=torch.int32)
-            ),
+            seq_lens=buf.fill("seq_lens", torch.tensor(seq_lens, dtype=torch.int32)),
             cu_seqlens_q=buf.fill("cu_seqlens_q", torch.tensor(cu, dtype=torch.int32)),
             max_query_len=max((s.num_new_tokens for s in out.scheduled), default=0),
         )

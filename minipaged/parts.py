@@ -24,6 +24,7 @@ imports nothing from the package; this module fills it) and calls the learner's 
     ex08  get_new_blocks          BlockPool.get_new_blocks: the least recently freed blocks, hashes evicted
     ex08  free_blocks             BlockPool.free_blocks: blocks reaching ref count 0 join the back of the queue
     ex09  paged_decode_attention  PagedAttention: a decode-only step's attention (or puzzle 5's Triton kernel)
+    ex09b step_inputs             ModelRunner.prepare_inputs: the flat inputs of a mixed prefill + decode step
     ex05b paged_prefill_attention PagedAttention: a step with new prompt tokens (puzzle 6's Triton kernel)
     ex10b admission_order         Scheduler.schedule: the order waiting requests are tried in (a policy)
     ex10b preemption_order        Scheduler.schedule: the order running requests give way in (a policy)
@@ -705,6 +706,36 @@ def _any_answer(args: tuple[Any, ...], result: Any, before: Any) -> str | None:
     return None  # accept() has checked everything a policy must respect
 
 
+# step_inputs(scheduled): pure, so the package's own answer on the same plain data is the expected one
+def _plain(scheduled: Any) -> list[tuple[Any, ...]]:
+    return [(s.request_id, s.start, s.num_new_tokens, tuple(s.token_ids), s.num_samples) for s in scheduled]
+
+
+def _inputs_before(args: tuple[Any, ...]) -> Any:
+    from .model_runner import step_inputs
+
+    return step_inputs(args[0]), _plain(args[0])
+
+
+_INPUT_NAMES = ("input_ids", "positions", "cu_seqlens_q", "seq_lens", "sample_rows")
+
+
+def _inputs_accept(args: tuple[Any, ...], result: Any) -> tuple[list[int], ...]:
+    if not isinstance(result, (tuple, list)) or len(result) != 5:
+        raise ValueError(f"returned {type(result).__name__}; expected five lists: ({', '.join(_INPUT_NAMES)})")
+    return tuple(_int_list(r, f"{name} as a list of ints") for r, name in zip(result, _INPUT_NAMES))
+
+
+def _inputs_verify(args: tuple[Any, ...], result: tuple[list[int], ...], before: Any) -> str | None:
+    want, plain = before
+    if _plain(args[0]) != plain:
+        return "it changed the scheduler's decisions (the ScheduledRequest objects): it only reads them"
+    for name, got, expected in zip(_INPUT_NAMES, result, want):
+        if list(got) != list(expected):
+            return f"{name}: {_first_difference(list(got), list(expected))}"
+    return None
+
+
 # ---- probes: shapes that tell apart mistakes SmolLM2's shapes hide ------------------------------------------
 # SmolLM2 has 9 query heads over 3 KV heads (h // 3 and h // num_kv_heads agree), 16-token blocks and tables
 # with no spare column: a part can be right on it by accident. Checked mode first calls each part on these.
@@ -736,6 +767,21 @@ def _lru_pool() -> tuple[BlockPool, list[KVCacheBlock]]:
     pool.touch([used[2]])  # block 3: a second user
     pool.free_blocks([used[4], used[1], used[6], used[0], used[3]])  # 5, 2, 7, 1, 4 free, in that order
     return pool, pool.blocks
+
+
+def _inputs_probes() -> list[Probe]:
+    from .scheduler_output import ScheduledRequest
+
+    def sr(rid: str, start: int, n: int, samples: int) -> ScheduledRequest:
+        return ScheduledRequest(rid, n, start, [3, 9], samples, token_ids=[100 + start + i for i in range(n)])
+
+    return [
+        (
+            "a mixed step: a prompt's last chunk at 16, a decode at 7, a 3-token prompt sampled twice (n = 2), and "
+            "a chunk in the middle of a prompt (no sample)",
+            ([sr("a", 16, 4, 1), sr("b", 7, 1, 1), sr("c", 0, 3, 2), sr("d", 8, 5, 0)],),
+        )
+    ]
 
 
 def _get_new_probes() -> list[Probe]:
@@ -1042,6 +1088,16 @@ PARTS: dict[str, Part] = {
             None,
             _cap_accept,
             _any_answer,
+        ),
+        Part(
+            "step_inputs",
+            "ex09b",
+            "step_inputs(scheduled) -> (input_ids, positions, cu_seqlens_q, seq_lens, sample_rows)",
+            "ModelRunner.prepare_inputs: the flat inputs of a mixed prefill + decode step",
+            _inputs_before,
+            _inputs_accept,
+            _inputs_verify,
+            _inputs_probes,
         ),
         Part(
             "paged_decode_attention",

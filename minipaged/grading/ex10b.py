@@ -168,6 +168,23 @@ def serve(policy: Policy, llm: Any = None) -> Run:
     )
 
 
+_BASELINE: dict[str, Run] = {}
+
+
+def baseline_sim() -> Run:
+    """First come, first served on the simulator: computed once per process (the workload is fixed and seeded)."""
+    if "sim" not in _BASELINE:
+        _BASELINE["sim"] = simulate(FCFS)
+    return _BASELINE["sim"]
+
+
+def baseline_serve(llm: Any) -> Run:
+    """First come, first served on the engine's workload, once per process (greedy and stepped: deterministic)."""
+    if "eng" not in _BASELINE:
+        _BASELINE["eng"] = serve(FCFS, llm)
+    return _BASELINE["eng"]
+
+
 def score(run: Run, base: Run) -> float:
     """Geometric mean of throughput (yours ÷ base) and p99 TTFT (base ÷ yours): 1.0 is the base's."""
     if run.error or not run.throughput or not run.ttft_p99:
@@ -216,7 +233,7 @@ class ReportCard:
 
 def report_card(policy: Policy, name: str = "your policy", llm: Any = None) -> ReportCard:
     llm = llm or engine()
-    return ReportCard(name, simulate(policy), simulate(FCFS), serve(policy, llm), serve(FCFS, llm))
+    return ReportCard(name, simulate(policy), baseline_sim(), serve(policy, llm), baseline_serve(llm))
 
 
 # ---- the leaderboard ------------------------------------------------------------------------------------
@@ -279,9 +296,9 @@ def leaderboard(
         except Exception as exc:
             policies[path.stem] = exc
     policies.update(extra or {})
-    base = simulate(FCFS)
+    base = baseline_sim()
     llm = (llm or engine()) if with_engine else None
-    eng_base = serve(FCFS, llm) if llm is not None else None
+    eng_base = baseline_serve(llm) if llm is not None else None
     entries = []
     for name, policy in policies.items():
         if isinstance(policy, Exception):
@@ -320,12 +337,12 @@ def check_policy(my_policy: Callable[[], Policy]) -> list[CheckOutcome]:
     def eng() -> Run:
         if "eng" not in cache:
             llm = engine()
-            cache["eng"], cache["eng_base"] = serve(got(), llm), serve(FCFS, llm)
+            cache["eng"], cache["eng_base"] = serve(got(), llm), baseline_serve(llm)
         return cache["eng"]
 
     def differs() -> bool:
         run = sim()
-        return run.error is None and run.decisions != simulate(FCFS).decisions
+        return run.error is None and run.decisions != baseline_sim().decisions
 
     checks = [
         Check(

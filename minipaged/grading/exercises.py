@@ -106,6 +106,7 @@ EXERCISES: dict[str, Exercise] = {
             ("paged_decode_edges", "check_paged_decode_edges", "paged_decode_attention", 8),
             triton=True,
         ),
+        _ex("ex09b_step_inputs", ("step_inputs", "check_step_inputs", "step_inputs", 8)),
         _ex(
             "ex10_capstone",
             ("capstone_parts", "check_parts", "my_parts", 12),
