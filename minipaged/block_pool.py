@@ -255,10 +255,11 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """All free blocks, front to back (O(n): for tests and pictures, not the hot path)."""
+        """All free blocks, front to back (O(n): for tests, checks and pictures, not the hot path). Bounded by the
+        free count, so a queue a learner's code broke into a loop still ends."""
         out: list[KVCacheBlock] = []
         block = self.fake_free_list_head.next_free_block
-        while block is not None and block is not self.fake_free_list_tail:
+        while block is not None and block is not self.fake_free_list_tail and len(out) <= self.num_free_blocks + 1:
             out.append(block)
             block = block.next_free_block
         return out

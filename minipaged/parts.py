@@ -164,19 +164,9 @@ def _left_alone(pool: Any, before: dict[str, Any]) -> str | None:
 
 
 # free_queue_remove(queue, block): the block, its two neighbours' links and the free count change; nothing else
-def _queued(queue: Any) -> list[Any]:
-    """Every block on the free queue, walked from the head (bounded: a broken queue may loop)."""
-    seen: list[Any] = []
-    b = queue.fake_free_list_head.next_free_block
-    while b is not None and b is not queue.fake_free_list_tail and len(seen) <= queue.num_free_blocks + 1:
-        seen.append(b)
-        b = b.next_free_block
-    return seen
-
-
 def _queue_blocks(queue: Any, block: Any) -> list[Any]:
     """Every block on the free queue, and ``block``."""
-    seen = _queued(queue)
+    seen = queue.get_all_free_blocks()
     return seen if any(x is block for x in seen) else [*seen, block]
 
 
@@ -238,7 +228,7 @@ def _twin(pool: Any) -> tuple[BlockPool, list[KVCacheBlock]]:
     for mine, theirs in zip(twin.blocks, pool.blocks):
         mine.ref_cnt, mine._block_hash = theirs.ref_cnt, theirs.block_hash
         mine.prev_free_block = mine.next_free_block = None  # relinked below, in the pool's order
-    order = [b.block_id for b in _queued(pool.free_block_queue)]
+    order = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
     twin.free_block_queue = FreeKVCacheBlockQueue([twin.blocks[i] for i in order])
     twin.cached_block_hash_to_block = {
         h: {i: twin.blocks[i] for i in same} for h, same in pool.cached_block_hash_to_block.items()

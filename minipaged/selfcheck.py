@@ -12,7 +12,7 @@ until the learner asks to see it. A new seed draws new numbers, for another try:
 
 Some wrong answers are the mistakes a learner makes (K counted but not V, the null block forgotten, hashes
 taken as independent): those get their own explanation instead of a bare "not yet". ``viz.quiz.Quiz`` is the
-widget; ``tests/test_selfcheck.py`` checks every question on many seeds: the right answer passes, written
+widget; ``tests/test_selfcheck.py`` checks every question on many random draws: the right answer passes, written
 several ways, and every listed mistake fails.
 """
 

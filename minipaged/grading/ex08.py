@@ -216,11 +216,7 @@ def _in_use_cached() -> tuple[BlockPool, list[Any]]:
 def view(pool: BlockPool) -> tuple[list[int], list[int], dict[int, int]]:
     """What LRU eviction decides, in ids: the free queue front to back, the blocks the prefix cache can still
     find, and every block's ref count that is not 0."""
-    queue: list[int] = []
-    b = pool.free_block_queue.fake_free_list_head.next_free_block
-    while b is not None and b is not pool.free_block_queue.fake_free_list_tail and len(queue) <= pool.num_blocks:
-        queue.append(b.block_id)
-        b = b.next_free_block
+    queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
     cached = sorted(i for same in pool.cached_block_hash_to_block.values() for i in same)
     return queue, cached, {blk.block_id: blk.ref_cnt for blk in pool.blocks if blk.ref_cnt and not blk.is_null}
 

@@ -45,7 +45,7 @@ class Quiz:
         self.seed = seed
         self.asked = selfcheck.questions(self.chapter, seed)
         self.title.value = (
-            f"<b>Self-check, chapter {self.chapter}</b> — numbers drawn with seed {seed}; every answer is computed "
+            f"<b>Self-check, chapter {self.chapter}</b> — draw {seed + 1} of the numbers; every answer is computed "
             "by the package when you press Check."
         )
         rows, self.inputs, self.feedback = [], [], []
