@@ -41,7 +41,19 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 # No -ffast-math: in a shared library GCC 12 links crtfastmath, which flushes denormals for the whole process.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# -ffp-contract=off: a*b + c stays two roundings, as in PyTorch's elementwise ops (the layer ops must round
+# where PyTorch rounds); attention asks for its fused multiply-adds by name (std::fma).
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+]
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 log = logging.getLogger("minipaged")
 
@@ -113,15 +125,20 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                 return None, f"the freshly built {lib_path} does not load: {e}"
             log.warning("minipaged: the cached %s does not load (%s): building it again", lib_path.name, e)
             lib_path.unlink(missing_ok=True)
-    fn = lib.minipaged_paged_attention
-    fn.restype = None
-    fn.argtypes = (
-        [ctypes.c_void_p] * 5
-        + [ctypes.c_int64]
-        + [ctypes.c_void_p] * 2
-        + [ctypes.c_int64] * 5
-        + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
-    )
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    signatures = {
+        "minipaged_paged_attention": [ptr] * 5
+        + [i64]
+        + [ptr] * 2
+        + [i64] * 5
+        + [ctypes.c_float, i64]
+        + [ctypes.c_int] * 2,
+        "minipaged_rms_norm": [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int],
+        "minipaged_rope_and_cache": [ptr, i64] + [ptr] * 6 + [i64] * 4 + [ctypes.c_int],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, argtypes
     return lib, ""
 
 
@@ -200,16 +217,20 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_q_len: int | None = None,
+    num_rows: int | None = None,
 ) -> torch.Tensor:
     """``reference.paged_prefill_attention``'s result (a decode is a prefill of one row), unchecked.
 
     The caller has checked the arguments (``validation.check_paged_prefill``) and ``usable``.
     Sequences with more than ``max_q_len`` query rows are skipped: their output rows are left
-    unwritten, for the caller to fill (``torch_backend`` gives long prefills to SDPA).
+    unwritten, for the caller to fill (``torch_backend`` gives long prefills to SDPA). A fp32 or bf16
+    query is read as it is and the output has its dtype (computed in fp32, rounded once); any other
+    dtype goes through fp32. ``num_rows``: the step's rows when ``query`` has padding rows after them (a GEMM
+    padded to its row bucket); those rows of the output are zeros.
     """
     lib = library()
     assert lib is not None and usable(key_cache, value_cache), "call usable() first"
-    q = query.contiguous().float()
+    q = query.contiguous() if query.dtype in CACHE_DTYPES else query.contiguous().float()
     out = torch.empty_like(q)
     tables = block_tables.to(torch.int32).contiguous()
     cu = cu_seqlens_q.to(torch.int32).contiguous()
@@ -232,5 +253,75 @@ def paged_attention(
         float(scale),
         q.shape[0] if max_q_len is None else max_q_len,
         CACHE_DTYPES[key_cache.dtype],
+        CACHE_DTYPES[q.dtype],
     )
-    return out.to(query.dtype)
+    if num_rows is not None and num_rows < out.shape[0]:
+        out[num_rows:].zero_()
+    return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def fits_layer_ops(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """True when ``rms_norm`` / ``rope_and_cache`` can take these tensors: CPU, fp32 or bf16, one dtype, no
+    autograd, and the library built. Anywhere else the model runs its PyTorch ops (which compute the same)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in CACHE_DTYPES
+        and all(o.dtype == x.dtype and o.device.type == "cpu" for o in others)
+        and not torch.is_grad_enabled()
+        and library() is not None
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``RMSNorm``'s result in one pass (fp32 inside, rounded as PyTorch's ops round): x [rows, dim], its rows
+    evenly spaced (a slice of a wider tensor is fine); weight [dim]. The caller has checked ``fits_layer_ops``."""
+    lib = library()
+    assert lib is not None and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.minipaged_rms_norm(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, CACHE_DTYPES[x.dtype]
+    )
+    return out
+
+
+def rope_and_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_q_heads: int,
+) -> torch.Tensor:
+    """RoPE on q and k and the K/V write, in one pass: the rotated queries [num_tokens, num_q_heads, head_dim].
+
+    ``qkv`` is the fused projection's output, ``[num_tokens, (num_q_heads + 2 · num_kv_heads) · head_dim]`` (q,
+    then k, then v); each token's rotated k and its v go to its slot of the caches (``slots`` int64, one per
+    token, -1: write nothing). ``cos``/``sin`` ``[num_tokens, head_dim]``. The caller has checked
+    ``fits_layer_ops`` and ``usable``, and the slots (``validation.check_reshape_and_cache``). ``qkv`` may have
+    padding rows after the step's tokens (one per slot): their queries come back as zeros."""
+    lib = library()
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    n = slots.shape[0]
+    assert lib is not None and qkv.stride(1) == 1 and qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim
+    assert cos.is_contiguous() and sin.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
+    assert cos.shape == (n, head_dim) == sin.shape and qkv.shape[0] >= n
+    q = torch.empty(qkv.shape[0], num_q_heads, head_dim, dtype=qkv.dtype)
+    if n < q.shape[0]:
+        q[n:].zero_()
+    lib.minipaged_rope_and_cache(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        slots.data_ptr(),
+        n,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        CACHE_DTYPES[qkv.dtype],
+    )
+    return q

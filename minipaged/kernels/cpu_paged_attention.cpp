@@ -17,15 +17,20 @@
 //
 // Cache layout [num_blocks, block_size, num_kv_heads, head_dim], contiguous; fp32 or bf16
 // (bf16 is widened to fp32 on load: a bf16 number is the top half of an fp32). Queries and the
-// output are fp32 [num_tokens, num_q_heads, head_dim]; scores and sums are fp32. Sequence i's
+// output are [num_tokens, num_q_heads, head_dim] in fp32 or bf16 (the model's dtype: no conversion
+// pass before or after); scores, sums and the running output are fp32, rounded once when stored. Sequence i's
 // query rows are cu_seqlens_q[i] .. cu_seqlens_q[i+1]-1, the last q_len of its seq_lens[i]
 // tokens, so a decode is a sequence with one row. kernels/reference.py is the specification;
 // tests/test_cpu_kernel.py compares the two.
 #include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -38,6 +43,27 @@ inline float widen(uint16_t bits) {  // bf16 -> fp32: the 16 bits are the fp32's
   float f;
   std::memcpy(&f, &word, sizeof f);
   return f;
+}
+
+// fp32 -> the storage type. For bf16: round to nearest, ties to even, exactly as PyTorch's c10::BFloat16
+// does (a NaN stays a NaN), so an op written here rounds every element as PyTorch's op would.
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+template <>
+inline uint16_t narrow<uint16_t>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if (x != x) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+// x rounded to T and back: what a PyTorch op in dtype T leaves between two steps of a computation.
+template <typename T>
+inline float round_to(float x) {
+  return widen(narrow<T>(x));
 }
 
 // e^x for x <= 0 (every exponent here is a score minus a running maximum), written out so that the
@@ -67,14 +93,14 @@ template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += q[i] * widen(k[i]);
+  for (int64_t i = 0; i < d; ++i) s = std::fma(q[i], widen(k[i]), s);
   return s;
 }
 
 template <typename T>
 inline void axpy(float p, const T* v, float* acc, int64_t d) {
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += p * widen(v[i]);
+  for (int64_t i = 0; i < d; ++i) acc[i] = std::fma(p, widen(v[i]), acc[i]);
 }
 
 struct Shape {
@@ -85,8 +111,8 @@ struct Shape {
 // One tile: rows row0 .. row0+rows-1 of the packed query, the first of them at absolute position
 // first_pos of a sequence whose block table is `table`. Every query head of every row is handled at
 // once, so each token's K row (all its KV heads, contiguous) and V row are read in order, once.
-template <typename T, int64_t kHeadDim>  // kHeadDim 0: any head_dim, read at run time
-void attend_tile(const float* query, float* out, const T* key_cache, const T* value_cache, const int32_t* table,
+template <typename TQ, typename T, int64_t kHeadDim>  // kHeadDim 0: any head_dim, read at run time
+void attend_tile(const TQ* query_in, TQ* out, const T* key_cache, const T* value_cache, const int32_t* table,
                  int64_t row0, int64_t rows, int64_t first_pos, const Shape& sh) {
   const int64_t hq = sh.num_q_heads, G = hq / sh.num_kv_heads, bs = sh.block_size;
   const int64_t d = kHeadDim ? kHeadDim : sh.head_dim;  // a constant lets the compiler unroll dot and axpy
@@ -94,6 +120,8 @@ void attend_tile(const float* query, float* out, const T* key_cache, const T* va
   const int64_t nq = rows * hq;                       // query vectors j = r * hq + head
   std::vector<float> m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f), acc(nq * d, 0.f), s(nq * bs);
   std::vector<int64_t> seen(rows);
+  std::vector<float> query(nq * d);  // the tile's queries in fp32, read from the model's dtype once
+  for (int64_t i = 0; i < nq * d; ++i) query[i] = widen(query_in[row0 * hq * d + i]);
   const int64_t last = first_pos + rows - 1;  // the tile's last row sees positions 0..last
   for (int64_t pos0 = 0; pos0 <= last; pos0 += bs) {
     const int64_t physical = table[pos0 / bs];
@@ -115,7 +143,7 @@ void attend_tile(const float* query, float* out, const T* key_cache, const T* va
         }
       for (int64_t r = 0; r < rows; ++r) {
         if (t >= seen[r]) continue;
-        const float* qr = query + (row0 + r) * hq * d;
+        const float* qr = query.data() + r * hq * d;
         for (int64_t h = 0; h < hq; ++h)
           s[(r * hq + h) * bs + t] = dot(qr + h * d, k_row + (h / G) * d, d) * sh.scale;
       }
@@ -150,20 +178,160 @@ void attend_tile(const float* query, float* out, const T* key_cache, const T* va
         if (t >= seen[r]) continue;
         for (int64_t h = 0; h < hq; ++h) {
           const int64_t j = r * hq + h;
-          axpy(s[j * bs + t], v_row + (h / G) * d, acc.data() + j * d, d);
+          const float p = std::is_same_v<T, uint16_t> ? round_to<uint16_t>(s[j * bs + t]) : s[j * bs + t];
+          axpy(p, v_row + (h / G) * d, acc.data() + j * d, d);  // bf16 P with a bf16 cache: see the AVX tile
         }
       }
     }
   }
   for (int64_t j = 0; j < nq; ++j) {
-    float* o = out + (row0 * hq + j) * d;  // row r, head h: (row0 + r) * hq + h = row0 * hq + j
+    TQ* o = out + (row0 * hq + j) * d;  // row r, head h: (row0 + r) * hq + h = row0 * hq + j
     const float inv = 1.f / l[j];
-    for (int64_t i = 0; i < d; ++i) o[i] = acc[j * d + i] * inv;
+    for (int64_t i = 0; i < d; ++i) o[i] = narrow<TQ>(acc[j * d + i] * inv);
   }
 }
 
-template <typename T>
-void paged_attention(const float* query, float* out, const T* key_cache, const T* value_cache,
+
+#if defined(__AVX512F__)
+// ---- the same tile with AVX-512, for head_dim 64 and 128 (what Llama-family models use) ----------------------
+// The portable tile above scores one (row, head, token) at a time: every score ends in a horizontal sum of a
+// vector, and that, not memory, is what bounds it. Here a KV head's chunk of 16 tokens is scored for one query
+// vector at once: 16 vectors of partial products, folded into one vector whose lane t is token t's score
+// (reduce16, 42 instructions for 16 scores instead of 16 horizontal sums), and the softmax and the values run
+// on that vector:
+//
+//     for each block, each KV head, each chunk of 16 of the block's tokens:
+//       K, V rows of the chunk -> fp32 (once, shared by the rows x G query vectors of that KV head)
+//       for each query vector j of the tile that uses this KV head:
+//         s   = [q_j . k_0, ..., q_j . k_15] * scale     (lanes past the row's causal limit: -inf)
+//         online softmax on s;  acc_j (D/16 registers) = acc_j * alpha + sum_t p_t v_t
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> 16 fp32: widen to 32 bits, shift into the high half
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// 16 fp32 -> bf16 -> fp32: round to nearest even, in integer arithmetic (no AVX512-BF16 needed)
+inline __m512 round_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// v[t] holds 16 partial sums of token t's score; lane t of the result is their total.
+inline __m512 reduce16(const __m512* v) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] for a = v[2i], b = v[2i+1]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of tokens 4i .. 4i+3
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Add the four 128-bit lanes: 0x88 takes lanes (0, 2) of each source, 0xDD lanes (1, 3).
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// exp_nonpositive, 16 lanes at once (the same range reduction and polynomial; 2^n by scalef).
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 floor_ = _mm512_set1_ps(-87.f);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, floor_, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, floor_);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+
+template <typename TQ, typename T, int64_t D>
+void attend_tile_avx512(const TQ* query_in, TQ* out, const T* key_cache, const T* value_cache, const int32_t* table,
+                        int64_t row0, int64_t rows, int64_t first_pos, const Shape& sh) {
+  constexpr int64_t V = D / 16;  // vectors per head
+  const int64_t hq = sh.num_q_heads, hkv = sh.num_kv_heads, G = hq / hkv, bs = sh.block_size;
+  const int64_t slot_stride = hkv * D, nq = rows * hq;
+  std::vector<float> query(nq * D), m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f), acc(nq * D, 0.f);
+  for (int64_t i = 0; i < nq * D; ++i) query[i] = widen(query_in[row0 * hq * D + i]);
+  alignas(64) float kbuf[16 * D], vbuf[16 * D], p[16];
+  const __m512 scale = _mm512_set1_ps(sh.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t last = first_pos + rows - 1;
+  for (int64_t pos0 = 0; pos0 <= last; pos0 += bs) {
+    const int64_t physical = table[pos0 / bs];
+    const T* k_block = key_cache + physical * bs * slot_stride;
+    const T* v_block = value_cache + physical * bs * slot_stride;
+    if (pos0 + bs <= last) {  // the next block is elsewhere in the pool: ask for it now (see attend_tile)
+      const int64_t next = table[pos0 / bs + 1] * bs * slot_stride;
+      for (int64_t i = 0; i < bs * slot_stride; i += 64 / static_cast<int64_t>(sizeof(T))) {
+        __builtin_prefetch(key_cache + next + i);
+        __builtin_prefetch(value_cache + next + i);
+      }
+    }
+    const int64_t tokens = std::min(bs, last - pos0 + 1);  // the tile's last row sees them all
+    for (int64_t kh = 0; kh < hkv; ++kh) {
+      for (int64_t c0 = 0; c0 < tokens; c0 += 16) {
+        const int64_t nt = std::min<int64_t>(16, tokens - c0);
+        for (int64_t t = 0; t < nt; ++t)  // this chunk's K and V rows of head kh, in fp32
+          for (int64_t v = 0; v < V; ++v) {
+            const int64_t at = (c0 + t) * slot_stride + kh * D + v * 16;
+            _mm512_store_ps(kbuf + t * D + v * 16, load16(k_block + at));
+            _mm512_store_ps(vbuf + t * D + v * 16, load16(v_block + at));
+          }
+        for (int64_t r = 0; r < rows; ++r) {
+          // Tokens of this chunk row r may see: up to its own position (causal), and no further than the chunk.
+          const int64_t used = std::min(nt, first_pos + r - (pos0 + c0) + 1);
+          if (used <= 0) continue;
+          const __mmask16 valid = used >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << used) - 1u);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t j = r * hq + kh * G + g;
+            __m512 q[V], part[16];
+            for (int64_t v = 0; v < V; ++v) q[v] = _mm512_loadu_ps(query.data() + j * D + v * 16);
+            for (int64_t t = 0; t < 16; ++t) {
+              if (t >= nt) {
+                part[t] = _mm512_setzero_ps();
+                continue;
+              }
+              __m512 sum = _mm512_mul_ps(q[0], _mm512_load_ps(kbuf + t * D));
+              for (int64_t v = 1; v < V; ++v) sum = _mm512_fmadd_ps(q[v], _mm512_load_ps(kbuf + t * D + v * 16), sum);
+              part[t] = sum;
+            }
+            const __m512 s = _mm512_mask_mov_ps(minus_inf, valid, _mm512_mul_ps(reduce16(part), scale));
+            const float m_new = std::max(m[j], _mm512_reduce_max_ps(s));
+            const float alpha = exp_nonpositive(m[j] - m_new);  // 0 on the first chunk (m = -inf)
+            const __m512 e = exp_nonpositive16(_mm512_sub_ps(s, _mm512_set1_ps(m_new)));
+            m[j] = m_new;
+            l[j] = l[j] * alpha + _mm512_reduce_add_ps(e);
+            // With a bf16 cache, P.V multiplies bf16 probabilities, as PyTorch's bf16 attention does (its flash
+            // kernel rounds P to bf16 for that GEMM; the sum l keeps the fp32 values): the same numbers as a
+            // bf16 model's attention in transformers, not a more precise and so different one.
+            _mm512_store_ps(p, std::is_same_v<T, uint16_t> ? round_bf16(e) : e);
+            float* aj = acc.data() + j * D;
+            __m512 a[V];
+            for (int64_t v = 0; v < V; ++v) a[v] = _mm512_mul_ps(_mm512_loadu_ps(aj + v * 16), _mm512_set1_ps(alpha));
+            for (int64_t t = 0; t < used; ++t) {
+              const __m512 pt = _mm512_set1_ps(p[t]);
+              for (int64_t v = 0; v < V; ++v) a[v] = _mm512_fmadd_ps(pt, _mm512_load_ps(vbuf + t * D + v * 16), a[v]);
+            }
+            for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(aj + v * 16, a[v]);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    TQ* o = out + (row0 * hq + j) * D;
+    const float inv = 1.f / l[j];
+    for (int64_t i = 0; i < D; ++i) o[i] = narrow<TQ>(acc[j * D + i] * inv);
+  }
+}
+#endif  // __AVX512F__
+
+template <typename TQ, typename T>
+void paged_attention(const TQ* query, TQ* out, const T* key_cache, const T* value_cache,
                      const int32_t* block_tables, const int32_t* cu_seqlens_q, const int32_t* seq_lens,
                      int64_t num_seqs, int64_t max_q_len, const Shape& sh) {
   // Work items: (sequence, tile of rows). A decode is one item; a 24-token chunk three. Sequences
@@ -183,12 +351,78 @@ void paged_attention(const float* query, float* out, const T* key_cache, const T
     const int64_t rows = std::min(kRowsPerTile, cu_seqlens_q[i + 1] - row0);
     const int64_t first_pos = seq_lens[i] - q_len + (row0 - cu_seqlens_q[i]);
     const int32_t* table = block_tables + i * sh.table_stride;
+#if defined(__AVX512F__)
+    if (sh.head_dim == 64) {
+      attend_tile_avx512<TQ, T, 64>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
+      continue;
+    }
+    if (sh.head_dim == 128) {
+      attend_tile_avx512<TQ, T, 128>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
+      continue;
+    }
+#endif
     if (sh.head_dim == 64)
-      attend_tile<T, 64>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
+      attend_tile<TQ, T, 64>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
     else if (sh.head_dim == 128)
-      attend_tile<T, 128>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
+      attend_tile<TQ, T, 128>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
     else
-      attend_tile<T, 0>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
+      attend_tile<TQ, T, 0>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
+  }
+}
+
+// ---- the elementwise steps around attention ---------------------------------------------------------------
+// Each does in one pass what PyTorch does in several (RMSNorm: eight ops; RoPE on q and k and the cache
+// write: seventeen), rounding where PyTorch's ops round, so the engine's numbers stay transformers'.
+
+// RMSNorm as transformers computes it: in fp32, x / sqrt(mean(x^2) + eps), rounded to T, then times the
+// weight in T. Rows of x are x_stride elements apart; out is [rows, dim] contiguous.
+template <typename T>
+void rms_norm(const T* x, int64_t x_stride, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (rows * dim >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < dim; ++i) sum += widen(xr[i]) * widen(xr[i]);
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+    T* o = out + r * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) o[i] = narrow<T>(widen(weight[i]) * round_to<T>(widen(xr[i]) * inv));
+  }
+}
+
+// One head's rotation: y = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], each product and the
+// sum rounded to T as PyTorch's three ops round them.
+template <typename T>
+inline void rotate(const T* x, const T* c, const T* s, T* y, int64_t d) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i)
+    y[i] = narrow<T>(round_to<T>(widen(x[i]) * widen(c[i])) + round_to<T>(-widen(x[i + half]) * widen(s[i])));
+#pragma omp simd
+  for (int64_t i = half; i < d; ++i)
+    y[i] = narrow<T>(round_to<T>(widen(x[i]) * widen(c[i])) + round_to<T>(widen(x[i - half]) * widen(s[i])));
+}
+
+// RoPE on this step's q and k and the K/V write, in one pass over the QKV projection's output:
+//     qkv row t = [ q: num_q_heads x d | k: num_kv_heads x d | v: num_kv_heads x d ]   (qkv_stride apart)
+//     q_out[t]            = rotate(q)                  [num_tokens, num_q_heads, d], contiguous
+//     key_cache[slot_t]   = rotate(k),  value_cache[slot_t] = v     (slot_t < 0: padding, nothing written)
+// cos and sin are [num_tokens, d] in T (the model computes them once per step for every layer).
+template <typename T>
+void rope_and_cache(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin, T* q_out, T* key_cache,
+                    T* value_cache, const int64_t* slots, int64_t num_tokens, int64_t hq, int64_t hkv, int64_t d) {
+#pragma omp parallel for if (num_tokens >= 64)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const T* row = qkv + t * qkv_stride;
+    const T* c = cos + t * d;
+    const T* s = sin + t * d;
+    for (int64_t h = 0; h < hq; ++h) rotate(row + h * d, c, s, q_out + (t * hq + h) * d, d);
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    const T* k = row + hq * d;
+    for (int64_t h = 0; h < hkv; ++h) rotate(k + h * d, c, s, key_cache + (slot * hkv + h) * d, d);
+    std::memcpy(value_cache + slot * hkv * d, k + hkv * d, sizeof(T) * hkv * d);
   }
 }
 
@@ -196,20 +430,57 @@ void paged_attention(const float* query, float* out, const T* key_cache, const T
 
 extern "C" {
 
-// cache_dtype: 0 = fp32, 1 = bf16. Every pointer is to contiguous memory, indices are int32. Output rows of
+// dtype codes: 0 = fp32, 1 = bf16. Every pointer is to contiguous memory, indices are int32. Output rows of
 // sequences with more than max_q_len query rows are not written.
-void minipaged_paged_attention(const float* query, float* out, const void* key_cache, const void* value_cache,
+void minipaged_paged_attention(const void* query, void* out, const void* key_cache, const void* value_cache,
                                const int32_t* block_tables, int64_t table_stride, const int32_t* cu_seqlens_q,
                                const int32_t* seq_lens, int64_t num_seqs, int64_t num_q_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t block_size, float scale, int64_t max_q_len,
-                               int cache_dtype) {
+                               int cache_dtype, int query_dtype) {
   const Shape sh{num_q_heads, num_kv_heads, head_dim, block_size, table_stride, scale};
-  if (cache_dtype == 1)
-    paged_attention(query, out, static_cast<const uint16_t*>(key_cache), static_cast<const uint16_t*>(value_cache),
-                    block_tables, cu_seqlens_q, seq_lens, num_seqs, max_q_len, sh);
+  using bf16 = uint16_t;
+  const auto* kb = static_cast<const bf16*>(key_cache);
+  const auto* vb = static_cast<const bf16*>(value_cache);
+  const auto* kf = static_cast<const float*>(key_cache);
+  const auto* vf = static_cast<const float*>(value_cache);
+  const auto* qb = static_cast<const bf16*>(query);
+  const auto* qf = static_cast<const float*>(query);
+  auto* ob = static_cast<bf16*>(out);
+  auto* of = static_cast<float*>(out);
+  if (cache_dtype == 1 && query_dtype == 1)
+    paged_attention(qb, ob, kb, vb, block_tables, cu_seqlens_q, seq_lens, num_seqs, max_q_len, sh);
+  else if (cache_dtype == 1)
+    paged_attention(qf, of, kb, vb, block_tables, cu_seqlens_q, seq_lens, num_seqs, max_q_len, sh);
+  else if (query_dtype == 1)
+    paged_attention(qb, ob, kf, vf, block_tables, cu_seqlens_q, seq_lens, num_seqs, max_q_len, sh);
   else
-    paged_attention(query, out, static_cast<const float*>(key_cache), static_cast<const float*>(value_cache),
-                    block_tables, cu_seqlens_q, seq_lens, num_seqs, max_q_len, sh);
+    paged_attention(qf, of, kf, vf, block_tables, cu_seqlens_q, seq_lens, num_seqs, max_q_len, sh);
+}
+
+void minipaged_rms_norm(const void* x, int64_t x_stride, const void* weight, void* out, int64_t rows, int64_t dim,
+                        float eps, int dtype) {
+  if (dtype == 1)
+    rms_norm(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(weight),
+             static_cast<uint16_t*>(out), rows, dim, eps);
+  else
+    rms_norm(static_cast<const float*>(x), x_stride, static_cast<const float*>(weight), static_cast<float*>(out),
+             rows, dim, eps);
+}
+
+void minipaged_rope_and_cache(const void* qkv, int64_t qkv_stride, const void* cos, const void* sin, void* q_out,
+                              void* key_cache, void* value_cache, const int64_t* slots, int64_t num_tokens,
+                              int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int dtype) {
+  if (dtype == 1) {
+    using T = uint16_t;
+    rope_and_cache(static_cast<const T*>(qkv), qkv_stride, static_cast<const T*>(cos), static_cast<const T*>(sin),
+                   static_cast<T*>(q_out), static_cast<T*>(key_cache), static_cast<T*>(value_cache), slots,
+                   num_tokens, num_q_heads, num_kv_heads, head_dim);
+  } else {
+    using T = float;
+    rope_and_cache(static_cast<const T*>(qkv), qkv_stride, static_cast<const T*>(cos), static_cast<const T*>(sin),
+                   static_cast<T*>(q_out), static_cast<T*>(key_cache), static_cast<T*>(value_cache), slots,
+                   num_tokens, num_q_heads, num_kv_heads, head_dim);
+  }
 }
 
 }  // extern "C"

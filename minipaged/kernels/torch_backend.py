@@ -83,7 +83,7 @@ MAX_DECODE_GROUPS = 16
 MIN_DECODE_GROUP = 4
 # Longer prefills are GEMM-shaped (every query row meets every context row): SDPA on the gathered
 # context beats a row-at-a-time kernel there, and the gather is small beside the arithmetic.
-KERNEL_MAX_Q_LEN = 96
+KERNEL_MAX_Q_LEN = 2048
 
 
 def plan_attention(
@@ -166,7 +166,7 @@ def attend(
     group = query.shape[1] // num_kv_heads
     if plan.in_place is not None:  # rows of the long prefills are left for the loop below
         out = cpu_kernel.paged_attention(
-            query, key_cache, value_cache, *plan.in_place, scale, max_q_len=KERNEL_MAX_Q_LEN
+            query, key_cache, value_cache, *plan.in_place, scale, max_q_len=KERNEL_MAX_Q_LEN, num_rows=plan.num_rows
         )
     else:
         out = torch.empty_like(query)

@@ -20,7 +20,10 @@ model calls it before its first layer): it checks the step's index tensors again
 the cache and returns the backend's own metadata, which every layer then uses as is:
 
     TorchAttentionMetadata    the rows to write and their slots, and an ``AttentionPlan``
-                              (gather indices and masks, ``kernels.torch_backend``)
+                              (gather indices and masks, ``kernels.torch_backend``); ``fused`` when
+                              the compiled CPU kernels take the whole layer's attention: RoPE, the
+                              K/V write and attention straight from the QKV projection's output
+                              (``rope_write_attend``), no PyTorch op in between
     TritonAttentionMetadata   the decode split count (it asks the GPU for its SM count);
                               the kernels are then called with ``checked=True`` and read
                               ``max_query_len`` from here, not back from the device
@@ -59,6 +62,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     write_rows: torch.Tensor | None = None  # the new K/V rows to write (None: all of them)
     write_slots: torch.Tensor | None = None  # int64, their slots
     plan: Any = None  # kernels.torch_backend.AttentionPlan
+    fused: bool = False  # rope_write_attend may run (the compiled kernels, no learner's part plugged in)
 
 
 @dataclass
@@ -68,6 +72,8 @@ class TritonAttentionMetadata(AttentionMetadata):
 
 class PagedAttention:
     """Picks the kernels of one backend: ``torch`` (``kernels.torch_backend``, the CPU default) or ``triton``."""
+
+    PARTS = ("reshape_and_cache", "paged_decode_attention", "paged_prefill_attention")  # a learner's may replace
 
     def __init__(self, backend: str = "torch") -> None:
         from .. import kernels
@@ -109,7 +115,12 @@ class PagedAttention:
                 key_cache.shape[1],
                 in_place=cpu_kernel.usable(key_cache, value_cache),
             )
-            return TorchAttentionMetadata(**meta.common(), write_rows=rows, write_slots=slots, plan=plan)
+            fused = (
+                plan.in_place is not None
+                and cpu_kernel.fits_layer_ops(q, key_cache)
+                and not any(hooks.plugged(part) for part in self.PARTS)
+            )
+            return TorchAttentionMetadata(**meta.common(), write_rows=rows, write_slots=slots, plan=plan, fused=fused)
         validation.check_triton_runtime(dtype, key_cache.device)
         validation.check_last_dim_contiguous(key_cache=key_cache, value_cache=value_cache)
         num_splits = None
@@ -147,8 +158,7 @@ class PagedAttention:
             # Called on its own (chapter 09 runs one layer by hand): plan for this call. Inside the model the
             # metadata arrives built, once per step, from LlamaModel.forward.
             meta = self.build_metadata(meta, key_cache, value_cache, q.shape[1], q.dtype)
-        write, decode = hooks.plugged("reshape_and_cache"), hooks.plugged("paged_decode_attention")
-        prefill = hooks.plugged("paged_prefill_attention")
+        write, decode, prefill = (hooks.plugged(part) for part in self.PARTS)
         if write is not None or decode is not None or prefill is not None:  # a learner's own (exercises 05, 05b, 09)
             return self._with_parts(write, decode, prefill, q, k, v, key_cache, value_cache, meta, scale)
         if isinstance(meta, TorchAttentionMetadata):
@@ -185,6 +195,27 @@ class PagedAttention:
             max_query_len=meta.max_query_len,
             checked=True,
         )
+
+    def rope_write_attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: TorchAttentionMetadata,
+        num_q_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """A layer's attention from its QKV projection's output, where ``meta.fused``: one compiled pass rotates q
+        and k and writes k and v to their slots (``cpu_kernel.rope_and_cache``), then the kernel attends. The
+        same numbers as RoPE in PyTorch, then ``__call__``, in two calls instead of about twenty."""
+        from ..kernels import cpu_kernel, torch_backend
+
+        with torch.profiler.record_function("paged_attention"):
+            slots = meta.slot_mapping.to(torch.int64).contiguous()
+            q = cpu_kernel.rope_and_cache(qkv, cos, sin, key_cache, value_cache, slots, num_q_heads)
+            return torch_backend.attend(meta.plan, q, key_cache, value_cache, scale)
 
     def _with_parts(
         self,

@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from .attention import AttentionMetadata, PagedAttention
+from .attention import AttentionMetadata, PagedAttention, TorchAttentionMetadata
 from .parallel import VocabParallelEmbedding, gather_logits, row_parallel, shard_state_dict, tp_size
 
 if TYPE_CHECKING:
     from ..distributed import TPGroup
+    from .step_program import StepProgram
 
 log = logging.getLogger("minipaged")
 
@@ -265,8 +266,45 @@ def _packed_failed(dtype: torch.dtype, op: str, exc: BaseException) -> None:
         )
 
 
+class MergedLinear:
+    """Several ``Linear`` layers that read the same input, run as one GEMM (vLLM's ``QKVParallelLinear`` and
+    ``MergedColumnParallelLinear``): their weights stacked along the output, so a layer's q, k and v come from one
+    call. The model keeps the separate layers (their names are the checkpoint's; tensor parallelism shards them);
+    the stacked copy is made on first use and again whenever one of them changes. A plain object, not a module:
+    it adds nothing to the state dict::
+
+        q_proj [576, 576] ┐                 x [n, 576] @ W^T = [ q | k | v ]   [n, 960]
+        k_proj [192, 576] ├─ W [960, 576]
+        v_proj [192, 576] ┘
+    """
+
+    def __init__(self, *parts: Linear) -> None:
+        self.parts = parts
+        self._merged: tuple[tuple[int, ...], Linear] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.merged(x)
+
+    @property
+    def merged(self) -> Linear:
+        """The one ``Linear`` with the stacked weights, up to date with the parts'."""
+        params = [t for p in self.parts for t in (p.weight, p.bias) if t is not None]
+        key = tuple(v for t in params for v in (t._version, t.data_ptr()))
+        if self._merged is None or self._merged[0] != key:
+            # Outside inference mode: the copy must be a normal tensor, whose version Linear's packing reads.
+            with torch.inference_mode(False), torch.no_grad():
+                w = torch.cat([p.weight.detach() for p in self.parts])
+                merged = Linear(w.shape[1], w.shape[0], bias=self.parts[0].bias is not None, device="meta")
+                merged.weight = nn.Parameter(w, requires_grad=False)
+                if self.parts[0].bias is not None:
+                    merged.bias = nn.Parameter(torch.cat([p.bias.detach() for p in self.parts]), requires_grad=False)
+            self._merged = (key, merged)
+        return self._merged[1]
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) · weight, computed in fp32 like the reference implementation."""
+    """x / rms(x) · weight, computed in fp32 like the reference implementation. On a CPU at inference time one
+    compiled pass does it (``cpu_kernel.rms_norm``: the same roundings as the eight PyTorch ops below)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -274,6 +312,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels import cpu_kernel
+
+        if x.dim() == 2 and x.stride(1) == 1 and cpu_kernel.fits_layer_ops(x, self.weight):
+            return cpu_kernel.rms_norm(x, self.weight.contiguous(), self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -326,6 +368,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.scale = self.head_dim**-0.5
         self.attention = attention
+        self.qkv_proj = MergedLinear(self.q_proj, self.k_proj, self.v_proj)  # the compiled CPU path's one GEMM
 
     def forward(
         self,
@@ -336,8 +379,17 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention's output, plus ``residual`` when given (added by o_proj's GEMM: ``Linear.add``)."""
+        """Attention's output, plus ``residual`` when given (added by o_proj's GEMM: ``Linear.add``).
+
+        Where the compiled CPU kernels run the step (``meta.fused``), q, k and v come from one GEMM and RoPE, the
+        K/V write and attention from two compiled calls (``PagedAttention.rope_write_attend``); elsewhere (a GPU,
+        a learner's kernel plugged in) the same computation runs as PyTorch ops and the backend's kernels."""
         n = x.shape[0]
+        if isinstance(meta, TorchAttentionMetadata) and meta.fused:
+            out = self.attention.rope_write_attend(
+                self.qkv_proj(x), cos, sin, kv_cache[0], kv_cache[1], meta, self.num_heads, self.scale
+            )
+            return row_parallel(self.o_proj, out.reshape(n, -1), residual, self.tp)
         q = RotaryEmbedding.apply(self.q_proj(x).reshape(n, self.num_heads, self.head_dim), cos, sin)
         k = RotaryEmbedding.apply(self.k_proj(x).reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
@@ -395,6 +447,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config))
+        self._program: StepProgram | bool | None = None  # None: not built yet; False: failed, not tried again
 
     def forward(
         self,
@@ -409,9 +462,27 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         meta = self.attention.build_metadata(meta, kv_caches[0][0], kv_caches[0][1], self.num_heads, x.dtype)
         cos, sin = self.rotary_emb(positions, x.dtype)
+        program = self.step_program() if isinstance(meta, TorchAttentionMetadata) and meta.fused else None
+        if program is not None:
+            try:
+                return self.norm(program.run(x, cos, sin, kv_caches, meta))
+            except RuntimeError as e:  # a oneDNN op refused something the probe did not try: the modules' path
+                log.warning("minipaged: the CPU step program failed (%s); running the model's modules instead", e)
+                self._program = False  # rerunning the step is safe: it writes the same K/V to the same slots
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
+
+    def step_program(self) -> StepProgram | None:
+        """The layers as a program of compiled calls (``step_program``), built on first use and again when a
+        weight changes; None where it cannot run (the modules then run the step)."""
+        from .step_program import StepProgram
+
+        if self._program is False:
+            return None
+        if self._program is None or self._program.key != StepProgram.weights_key(self):
+            self._program = StepProgram.build(self) or False  # a piece missing now is missing for good
+        return self._program or None
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,126 @@
+"""A step on the CPU as a fixed program: per layer, nine compiled calls and no Python decisions between them.
+
+The model's modules decide at every call which path to take: is oneDNN there, is this weight packed yet, does
+the input need padding, is a learner's kernel plugged in, is there tensor parallelism. On SmolLM2 that is about
+twenty Python-level calls per layer, thirty layers a step, and at a small batch their overhead (14 ms of a 35 ms
+decode step, measured on a 2-core Xeon) weighs as much as the matrix products that need the time. A CUDA graph
+removes it on a GPU by recording the kernels once and replaying them; this is the CPU's version of the same idea,
+made by hand: every decision is taken once, when the program is built, and a step only calls the kernels::
+
+    per layer, rows padded once to their bucket (``packed_rows``: the oneDNN kernels' row count)
+      h   = rms_norm(x)                               compiled (cpu_kernel)
+      qkv = h @ [Wq | Wk | Wv]^T                      oneDNN, one GEMM (MergedLinear's packed weight)
+      q   = rope_and_cache(qkv) -> K/V to their slots compiled
+      a   = paged_attention(q)                        compiled
+      x   = a @ Wo^T + x                              oneDNN, the residual added in the GEMM
+      h   = rms_norm(x)                               compiled
+      g   = silu(h @ Wgate^T)                         oneDNN, silu in the GEMM
+      x   = (h @ Wup^T) * g @ Wdown^T + x             oneDNN, two GEMMs with their multiply and add
+
+Same kernels, same weights, same padding as the modules' own path: the same numbers, bit for bit
+(``tests/test_step_program.py``). The row buckets are the bounded set of shapes a step can have (about 70 up to
+2048 rows); they are what a CUDA-graph runner would capture once each. The program is rebuilt when a weight
+changes, and the modules' path runs wherever a piece is missing (no oneDNN, a GPU, tensor parallelism, a
+learner's attention kernel plugged in: ``PagedAttention.build_metadata`` says, in ``meta.fused``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kernels import cpu_kernel, torch_backend
+from .llama import Linear, OneDNNOps, onednn_ops, pad_rows
+
+if TYPE_CHECKING:
+    from .attention import TorchAttentionMetadata
+    from .llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class LayerProgram:
+    """One decoder layer's weights, resolved: norms as they are, projections packed for oneDNN."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    biases: tuple[torch.Tensor | None, ...]  # qkv, o, gate, up, down
+
+
+class StepProgram:
+    """``LlamaModel``'s layers as a program of compiled calls (see the module docstring); ``build`` says if it can."""
+
+    def __init__(self, ops: OneDNNOps, layers: list[LayerProgram], num_heads: int, scale: float, key: tuple) -> None:
+        self.ops, self.layers, self.num_heads, self.scale, self.key = ops, layers, num_heads, scale, key
+
+    @staticmethod
+    def weights_key(model: LlamaModel) -> tuple[int, ...]:
+        """Every parameter's version and address: a program is good while this is unchanged."""
+        return tuple(v for p in model.layers.parameters() for v in (p._version, p.data_ptr()))
+
+    @classmethod
+    def build(cls, model: LlamaModel) -> StepProgram | None:
+        """The program for ``model``'s current weights, or None where a piece is missing (its path runs instead)."""
+        ops = onednn_ops()
+        first = model.layers[0].self_attn
+        dtype = first.q_proj.weight.dtype
+        if ops is None or model.embed_tokens.tp is not None or cpu_kernel.library() is None:
+            return None
+        probe = torch.zeros(1, model.embed_tokens.embedding_dim, dtype=dtype)
+        layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj(probe)  # makes the merged weight
+            linears: list[Linear] = [attn.qkv_proj.merged, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            packed = []
+            for lin in linears:
+                found = lin._packed_weight(torch.zeros(1, lin.in_features, dtype=dtype))
+                if found is None:
+                    return None
+                packed.append(found[1])
+            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            if not cpu_kernel.fits_layer_ops(probe, norm1.weight, norm2.weight) or norm1.eps != norm2.eps:
+                return None
+            layers.append(
+                LayerProgram(
+                    norm1.weight.contiguous(),
+                    norm2.weight.contiguous(),
+                    norm1.eps,
+                    *packed,
+                    biases=tuple(lin.bias for lin in linears),
+                )
+            )
+        return cls(ops, layers, first.num_heads, first.scale, cls.weights_key(model))
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: TorchAttentionMetadata,
+    ) -> torch.Tensor:
+        """The layers on ``x`` [num_tokens, hidden] (before the final norm): hidden states [num_tokens, hidden]."""
+        n = x.shape[0]
+        x = pad_rows(x)
+        pointwise, binary = self.ops.pointwise, self.ops.binary
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
+            b_qkv, b_o, b_gate, b_up, b_down = layer.biases
+            h = cpu_kernel.rms_norm(x, layer.input_norm, layer.eps)
+            qkv = pointwise(h, layer.qkv, b_qkv, "none", [], "")
+            with torch.profiler.record_function("paged_attention"):
+                q = cpu_kernel.rope_and_cache(qkv, cos, sin, kc, vc, slots, self.num_heads)
+                a = torch_backend.attend(meta.plan, q, kc, vc, self.scale)
+            x = binary(a.view(a.shape[0], -1), x, layer.o, b_o, "add")
+            h = cpu_kernel.rms_norm(x, layer.post_norm, layer.eps)
+            g = pointwise(h, layer.gate, b_gate, "swish", [], "")
+            x = binary(binary(h, g, layer.up, b_up, "mul"), x, layer.down, b_down, "add")
+        return x[:n]
