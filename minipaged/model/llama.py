@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -447,7 +447,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config))
-        self._program: StepProgram | bool | None = None  # None: not built yet; False: failed, not tried again
+        self._program: StepProgram | Literal[False] | None = None  # None: not built yet; False: cannot run
 
     def forward(
         self,
@@ -463,7 +463,7 @@ class LlamaModel(nn.Module):
         meta = self.attention.build_metadata(meta, kv_caches[0][0], kv_caches[0][1], self.num_heads, x.dtype)
         cos, sin = self.rotary_emb(positions, x.dtype)
         program = self.step_program() if isinstance(meta, TorchAttentionMetadata) and meta.fused else None
-        if program is not None:
+        if program is not None and isinstance(meta, TorchAttentionMetadata):
             try:
                 return self.norm(program.run(x, cos, sin, kv_caches, meta))
             except RuntimeError as e:  # a oneDNN op refused something the probe did not try: the modules' path
@@ -482,7 +482,7 @@ class LlamaModel(nn.Module):
             return None
         if self._program is None or self._program.key != StepProgram.weights_key(self):
             self._program = StepProgram.build(self) or False  # a piece missing now is missing for good
-        return self._program or None
+        return self._program if self._program is not False else None
 
 
 class LlamaForCausalLM(nn.Module):

@@ -27,7 +27,7 @@ learner's attention kernel plugged in: ``PagedAttention.build_metadata`` says, i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -36,7 +36,7 @@ from .llama import Linear, OneDNNOps, onednn_ops, pad_rows
 
 if TYPE_CHECKING:
     from .attention import TorchAttentionMetadata
-    from .llama import LlamaModel
+    from .llama import LlamaDecoderLayer, LlamaModel
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,14 @@ class StepProgram:
     def build(cls, model: LlamaModel) -> StepProgram | None:
         """The program for ``model``'s current weights, or None where a piece is missing (its path runs instead)."""
         ops = onednn_ops()
-        first = model.layers[0].self_attn
+        decoder_layers = cast("list[LlamaDecoderLayer]", list(model.layers))
+        first = decoder_layers[0].self_attn
         dtype = first.q_proj.weight.dtype
         if ops is None or model.embed_tokens.tp is not None or cpu_kernel.library() is None:
             return None
         probe = torch.zeros(1, model.embed_tokens.embedding_dim, dtype=dtype)
         layers = []
-        for layer in model.layers:
+        for layer in decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj(probe)  # makes the merged weight
             linears: list[Linear] = [attn.qkv_proj.merged, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
@@ -88,13 +89,11 @@ class StepProgram:
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
             if not cpu_kernel.fits_layer_ops(probe, norm1.weight, norm2.weight) or norm1.eps != norm2.eps:
                 return None
+            qkv, o, gate, up, down = packed
+            biases = tuple(lin.bias for lin in linears)
             layers.append(
                 LayerProgram(
-                    norm1.weight.contiguous(),
-                    norm2.weight.contiguous(),
-                    norm1.eps,
-                    *packed,
-                    biases=tuple(lin.bias for lin in linears),
+                    norm1.weight.contiguous(), norm2.weight.contiguous(), norm1.eps, qkv, o, gate, up, down, biases
                 )
             )
         return cls(ops, layers, first.num_heads, first.scale, cls.weights_key(model))
