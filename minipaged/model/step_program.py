@@ -26,6 +26,7 @@ learner's attention kernel plugged in: ``PagedAttention.build_metadata`` says, i
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -111,15 +112,35 @@ class StepProgram:
         x = pad_rows(x)
         pointwise, binary = self.ops.pointwise, self.ops.binary
         slots = meta.slot_mapping.to(torch.int64).contiguous()
+        plan = meta.plan
+        kc0 = kv_caches[0][0]
+        bound = None
+        if plan.in_place is not None and not plan.prefills:  # every sequence on the kernel: bind the step once
+            bound = cpu_kernel.BoundStep(
+                x.shape[0], x.shape[1], x.dtype, cos, sin, slots, plan.in_place, self.num_heads, kc0.shape[2],
+                kc0.shape[3], kc0.shape[1], self.scale,
+            )  # fmt: skip
+        profiling = torch.autograd.profiler._is_profiler_enabled  # the attention span costs µs: only when asked
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
             b_qkv, b_o, b_gate, b_up, b_down = layer.biases
-            h = cpu_kernel.rms_norm(x, layer.input_norm, layer.eps)
+            h = (
+                bound.rms_norm(x, layer.input_norm, layer.eps)
+                if bound
+                else cpu_kernel.rms_norm(x, layer.input_norm, layer.eps)
+            )
             qkv = pointwise(h, layer.qkv, b_qkv, "none", [], "")
-            with torch.profiler.record_function("paged_attention"):
-                q = cpu_kernel.rope_and_cache(qkv, cos, sin, kc, vc, slots, self.num_heads)
-                a = torch_backend.attend(meta.plan, q, kc, vc, self.scale)
-            x = binary(a.view(a.shape[0], -1), x, layer.o, b_o, "add")
-            h = cpu_kernel.rms_norm(x, layer.post_norm, layer.eps)
+            with torch.profiler.record_function("paged_attention") if profiling else nullcontext():
+                if bound is not None:
+                    a = bound.rope_write_attend(qkv, kc, vc)
+                else:
+                    q = cpu_kernel.rope_and_cache(qkv, cos, sin, kc, vc, slots, self.num_heads)
+                    a = torch_backend.attend(plan, q, kc, vc, self.scale).view(q.shape[0], -1)
+            x = binary(a, x, layer.o, b_o, "add")
+            h = (
+                bound.rms_norm(x, layer.post_norm, layer.eps)
+                if bound
+                else cpu_kernel.rms_norm(x, layer.post_norm, layer.eps)
+            )
             g = pointwise(h, layer.gate, b_gate, "swish", [], "")
             x = binary(binary(h, g, layer.up, b_up, "mul"), x, layer.down, b_down, "add")
         return x[:n]

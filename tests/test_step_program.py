@@ -1,0 +1,230 @@
+"""The CPU step without PyTorch glue (issue 30): the compiled layer ops round as PyTorch's ops round, the merged
+QKV projection is the three projections, and the step program (``model/step_program.py``) gives the modules' own
+numbers bit for bit — padded to a row bucket or not, with long prefills on SDPA or not, after a weight changes —
+and stands aside when a learner's attention kernel is plugged in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minipaged import hooks
+from minipaged.kernels import cpu_kernel
+from minipaged.kernels import torch_backend as TB
+from minipaged.model import AttentionMetadata, LlamaForCausalLM
+from minipaged.model.llama import Linear, MergedLinear, RMSNorm, RotaryEmbedding, onednn_ops, packed_rows
+from minipaged.model.step_program import StepProgram
+
+needs_kernel = pytest.mark.skipif(
+    cpu_kernel.unavailable_reason() is not None,
+    reason=f"the CPU kernel cannot be built here: {cpu_kernel.unavailable_reason()}",
+)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_is_pytorchs_rmsnorm(dtype):
+    """bf16: bit for bit (every rounding where PyTorch's ops round). fp32: the sum of squares is added in another
+    order, so the last bit may differ; nothing more."""
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g))
+        x = (torch.randn(37, 700, generator=g) * 3).to(dtype)[:, 50:626]  # rows 700 apart: a slice is fine
+        ours = cpu_kernel.rms_norm(x, norm.weight, norm.eps)
+        dtype_ = x.float()
+        want = norm.weight * (dtype_ * torch.rsqrt(dtype_.pow(2).mean(-1, keepdim=True) + norm.eps)).to(dtype)
+    assert ours.dtype == dtype and ours.shape == (37, 576)
+    if dtype == torch.bfloat16:
+        assert torch.equal(ours, want)
+    else:
+        torch.testing.assert_close(ours, want, rtol=2e-7, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(norm(x), ours)  # the module takes the compiled path under no_grad on a CPU
+    assert norm(x).requires_grad  # with autograd on it stays PyTorch's ops, which autograd can follow
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_and_cache_is_rotary_embedding_then_the_write(dtype):
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, n = 9, 3, 64, 21
+    cos, sin = RotaryEmbedding(d, 100000.0)(torch.randint(0, 3000, (n,), generator=g), dtype)
+    qkv = torch.randn(n + 3, (hq + 2 * hkv) * d, generator=g).to(dtype)  # 3 padding rows after the step's 21
+    kc = torch.full((8, 16, hkv, d), float("nan"), dtype=dtype)
+    vc = kc.clone()
+    slots = torch.randperm(128, generator=g)[:n]
+    slots[4] = -1  # padding: nothing written
+    q = cpu_kernel.rope_and_cache(qkv, cos, sin, kc, vc, slots, hq)
+    q_want = RotaryEmbedding.apply(qkv[:n, : hq * d].reshape(n, hq, d), cos, sin)
+    k_want = RotaryEmbedding.apply(qkv[:n, hq * d : (hq + hkv) * d].reshape(n, hkv, d), cos, sin)
+    v_want = qkv[:n, (hq + hkv) * d :].reshape(n, hkv, d)
+    assert torch.equal(q[:n], q_want) and not q[n:].any()  # padding rows: zeros
+    written = slots >= 0
+    assert torch.equal(kc.view(-1, hkv, d)[slots[written]], k_want[written])
+    assert torch.equal(vc.view(-1, hkv, d)[slots[written]], v_want[written])
+    assert int((~kc.view(-1, hkv * d).isnan().all(-1)).sum()) == n - 1  # no other slot touched
+
+
+def test_merged_linear_is_the_separate_projections_and_follows_their_weights():
+    torch.manual_seed(2)
+    parts = [torch.nn.Linear(32, m, bias=True) for m in (48, 16, 16)]
+    lins = []
+    for p in parts:
+        lin = Linear(32, p.out_features, bias=True)
+        lin.load_state_dict(p.state_dict())
+        lins.append(lin)
+    merged = MergedLinear(*lins)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), torch.cat([lin(x) for lin in lins], dim=1))
+        lins[1].weight.mul_(2)  # a weight changes in place: the stacked copy is made again
+        torch.testing.assert_close(merged(x), torch.cat([lin(x) for lin in lins], dim=1))
+    holder = torch.nn.Module()
+    holder.merged = merged  # a plain object: no parameters, nothing in a state dict
+    assert not list(holder.parameters()) and not holder.state_dict()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A small Llama with SmolLM2's head_dim (64, so the kernel's AVX-512 tile runs where there is one) and GQA."""
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=192,
+        intermediate_size=320,
+        num_hidden_layers=3,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=64,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    )
+    path = tmp_path_factory.mktemp("step-program-llama")
+    HFLlama(config).eval().save_pretrained(path)
+    return path
+
+
+def mixed_step(block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A 40-row prefill chunk (after 8 cached tokens), a 3-row chunk and decodes: 45 rows, padded to 48."""
+    q_lens, seq_lens = [40, 3, 1, 1], [48, 3, 70, 17]
+    tables, next_block = [], 1
+    for n in seq_lens:
+        k = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + k)) + [0] * (5 - k))
+        next_block += k
+    slots, positions = [], []
+    for table, q, n in zip(tables, q_lens, seq_lens):
+        for p in range(n - q, n):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        max_query_len=max(q_lens),
+    )
+    ids = torch.randint(0, 256, (len(slots),), generator=torch.Generator().manual_seed(5))
+    return ids, torch.tensor(positions), meta
+
+
+def run_step(model: LlamaForCausalLM, program: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mixed step on fresh caches whose context was filled by the same path: (hidden states, the K cache)."""
+    caches = [(torch.zeros(20, 16, 1, 64, dtype=dtype), torch.zeros(20, 16, 1, 64, dtype=dtype)) for _ in range(3)]
+    model.model._program = None if program else False
+    ids, positions, meta = mixed_step()
+    with torch.inference_mode():
+        # First the context: every token before the step's, through the same path.
+        ctx_ids, ctx_pos, ctx_meta = context_of(meta)
+        model(ctx_ids, ctx_pos, caches, ctx_meta)
+        hidden = model(ids, positions, caches, meta)
+    return hidden, torch.stack([k for k, _ in caches])
+
+
+def context_of(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A prefill of every token the step's sequences hold before the step (their cached context)."""
+    cu = meta.cu_seqlens_q.tolist()
+    starts = [int(n) - (cu[i + 1] - cu[i]) for i, n in enumerate(meta.seq_lens.tolist())]
+    slots, positions, new_cu = [], [], [0]
+    for table, start in zip(meta.block_tables.tolist(), starts):
+        for p in range(start):
+            positions.append(p)
+            slots.append(table[p // 16] * 16 + p % 16)
+        new_cu.append(new_cu[-1] + start)
+    lens = list(starts)
+    keep = [i for i, s in enumerate(lens) if s > 0]
+    ctx = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=meta.block_tables[keep],
+        seq_lens=torch.tensor([lens[i] for i in keep], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0] + [new_cu[i + 1] for i in keep], dtype=torch.int32),
+        max_query_len=max(lens),
+    )
+    ids = torch.randint(0, 256, (len(slots),), generator=torch.Generator().manual_seed(6))
+    return ids, torch.tensor(positions), ctx
+
+
+@needs_kernel
+@pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("long_prefill_on_sdpa", [False, True])
+def test_the_program_gives_the_modules_numbers_bit_for_bit(model_dir, dtype, long_prefill_on_sdpa, monkeypatch):
+    """A mixed step of 45 rows (a GEMM bucket of 48: three padding rows) through the program and through the
+    modules: the same hidden states and the same cache, to the bit. With a low KERNEL_MAX_Q_LEN the 40-row chunk
+    goes to SDPA, and the program takes its unbound path (``attend``)."""
+    assert packed_rows(45) == 48
+    if long_prefill_on_sdpa:
+        monkeypatch.setattr(TB, "KERNEL_MAX_Q_LEN", 8)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    runs = []
+    spy = []
+    real_run = StepProgram.run
+    monkeypatch.setattr(StepProgram, "run", lambda self, *a: spy.append(1) or real_run(self, *a))
+    for program in (True, False):
+        spy.clear()
+        runs.append(run_step(model, program, dtype))
+        assert bool(spy) == program  # the program really ran (twice: context, step), and only when asked
+    (h1, k1), (h2, k2) = runs
+    assert h1.shape == (45, 192) and not h1.isnan().any()
+    assert torch.equal(h1, h2) and torch.equal(k1, k2)
+
+
+@needs_kernel
+@pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
+def test_the_program_follows_a_weight_change_and_stands_aside_for_a_learners_kernel(model_dir, monkeypatch):
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    before, _ = run_step(model, True, torch.float32)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(-1)  # in place: same address, a new version
+    after, _ = run_step(model, True, torch.float32)
+    modules, _ = run_step(model, False, torch.float32)
+    assert not torch.equal(before, after) and torch.equal(after, modules)
+
+    from minipaged.kernels import reference
+
+    calls = []
+
+    def learners_write(*args):  # a learner's scatter-write (exercise 05): the modules' path must run it
+        calls.append(1)
+        return reference.reshape_and_cache(*args)
+
+    ran = []
+    real_run = StepProgram.run
+    monkeypatch.setattr(StepProgram, "run", lambda self, *a: ran.append(1) or real_run(self, *a))
+    hooks.push({"reshape_and_cache": learners_write})
+    try:
+        plugged, _ = run_step(model, True, torch.float32)
+    finally:
+        hooks.pop()
+    assert calls and not ran
+    torch.testing.assert_close(plugged, modules, rtol=1e-5, atol=1e-5)  # the reference kernels: not bit for bit
