@@ -370,10 +370,11 @@ class ModelRunner:
         self.cache.copy(out.copy_blocks)
         input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
-        logits = self.model.compute_logits(hidden[sample_rows])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        with torch.profiler.record_function("model"):  # the span a profile splits into kernels and glue
+            hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
+            logits = self.model.compute_logits(hidden[sample_rows])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
         self.timers["prepare inputs"] += t1 - t0
         self.timers["model"] += time.perf_counter() - t1
         return logits

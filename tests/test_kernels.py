@@ -409,6 +409,15 @@ DECODE_ERRORS = [
     (dict(seq_lens=torch.tensor([33, 3], dtype=torch.int32)), "exceeds the block table's capacity"),
     (dict(seq_lens=torch.tensor([20, 0], dtype=torch.int32)), "at least 1"),
     (dict(block_tables=torch.tensor([[0, 4], [2, 3]], dtype=torch.int32)), r"block_tables\[0, 1\] = 4"),
+    (dict(block_tables=torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32)), r"block_tables\[1, 0\] = -1"),
+    # The first bad sequence is the one reported, whatever is wrong with the later ones.
+    (
+        dict(
+            block_tables=torch.tensor([[0, 4], [2, 3]], dtype=torch.int32),
+            seq_lens=torch.tensor([20, 40], dtype=torch.int32),
+        ),
+        r"block_tables\[0, 1\] = 4",
+    ),
     (dict(scale=torch.tensor(0.1)), "scale must be a Python float"),
 ]
 
@@ -418,6 +427,13 @@ DECODE_ERRORS = [
 def test_decode_errors(backend, change, match):
     with pytest.raises(ValueError, match=match):
         backend.paged_decode_attention(**_decode_args(**change))
+
+
+def test_block_table_columns_past_a_sequence_are_not_read():
+    """A table row's columns past the sequence's last block are padding: any value there is fine."""
+    args = _decode_args(block_tables=torch.tensor([[0, 1], [2, 99]], dtype=torch.int32))  # seq 1 reads block 2 only
+    out = TORCH.paged_decode_attention(**args)
+    assert out.shape == (2, 6, 32) and not out.isnan().any()
 
 
 PREFILL_ERRORS = [

@@ -31,8 +31,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from ..utils import cdiv
-
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -157,25 +155,34 @@ def _check_attention_common(
 
 
 def _check_table_values(block_tables, seq_lens, block_size: int, num_blocks: int, min_len: int) -> None:
+    """Every sequence's length and the blocks it reads, checked in a few whole-table passes (the engine checks
+    each step: a loop over 128 sequences cost a millisecond a step). The first bad sequence is reported, and
+    for it the first of: too short, longer than its table, a block id outside the pool."""
     lens = seq_lens.cpu().long()
     tables = block_tables.cpu().long()
+    if lens.numel() == 0:
+        return
     capacity = tables.shape[1] * block_size
-    for i, n in enumerate(lens.tolist()):
-        if n < min_len:
-            _fail(f"seq_lens[{i}] = {n}: a sequence needs at least {min_len} token(s)")
-        if n > capacity:
-            _fail(
-                f"seq_lens[{i}] = {n} exceeds the block table's capacity: {tables.shape[1]} blocks x "
-                f"block_size {block_size} = {capacity} tokens"
-            )
-        used = tables[i, : cdiv(n, block_size)]
-        bad = (used < 0) | (used >= num_blocks)
-        if bool(bad.any()):
-            j = int(bad.nonzero()[0, 0])
-            _fail(
-                f"block_tables[{i}, {j}] = {int(used[j])} is not a block of the pool (0..{num_blocks - 1}) "
-                f"but sequence {i} ({n} tokens) reads logical block {j}"
-            )
+    used = torch.arange(tables.shape[1])[None, :] < (lens[:, None] + block_size - 1) // block_size
+    outside = used & ((tables < 0) | (tables >= num_blocks))
+    short, long_, bad_block = lens < min_len, lens > capacity, outside.any(1)
+    bad = short | long_ | bad_block
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0, 0])
+    n = int(lens[i])
+    if short[i]:
+        _fail(f"seq_lens[{i}] = {n}: a sequence needs at least {min_len} token(s)")
+    if long_[i]:
+        _fail(
+            f"seq_lens[{i}] = {n} exceeds the block table's capacity: {tables.shape[1]} blocks x "
+            f"block_size {block_size} = {capacity} tokens"
+        )
+    j = int(outside[i].nonzero()[0, 0])
+    _fail(
+        f"block_tables[{i}, {j}] = {int(tables[i, j])} is not a block of the pool (0..{num_blocks - 1}) "
+        f"but sequence {i} ({n} tokens) reads logical block {j}"
+    )
 
 
 def check_paged_decode(
