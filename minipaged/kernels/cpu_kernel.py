@@ -63,6 +63,8 @@ BF16_DOT_OFF = "-DMINIPAGED_NO_BF16_DOT"
 def flags() -> list[str]:
     """The compiler flags of the library this process builds: ``FLAGS``, plus the ablation's when asked for."""
     return FLAGS + ([BF16_DOT_OFF] if os.environ.get("MINIPAGED_CPU_BF16_DOT", "1") == "0" else [])
+
+
 log = logging.getLogger("minipaged")
 
 VERSION_TIMEOUT_S = 10.0  # `$CXX --version`
