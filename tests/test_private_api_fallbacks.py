@@ -6,6 +6,8 @@ disappears").
     minipaged.kernels.report               create_function_from_signature, JITFunction._pack_args; bundled ptxas
     minipaged.kernels.validation           triton.knobs, triton.runtime.interpreter.InterpretedFunction
     minipaged.grading.ex05                 InterpretedFunction.run / JITFunction.run (launch counting)
+    minipaged.profiling.span               torch._C._profiler._RecordFunctionFast (tests/test_step_program.py
+                                           profiles the engine with it and with record_function in its place)
 
 Compiling for a GPU needs TRITON_INTERPRET=0 before triton is imported, and this process has the interpreter on
 (conftest), so the report's tests run their Triton side in a fresh Python, as compile_report() does.

@@ -209,6 +209,12 @@ def test_the_program_follows_a_weight_change_and_stands_aside_for_a_learners_ker
     after, _ = run_step(model, True, torch.float32)
     modules, _ = run_step(model, False, torch.float32)
     assert not torch.equal(before, after) and torch.equal(after, modules)
+    up = model.model.layers[2].mlp.up_proj
+    with torch.no_grad():  # a new parameter in its place (same version 0, a new address): the program sees it too
+        up.weight = torch.nn.Parameter(up.weight * 0.5, requires_grad=False)
+    replaced, _ = run_step(model, True, torch.float32)
+    modules, _ = run_step(model, False, torch.float32)
+    assert not torch.equal(replaced, after) and torch.equal(replaced, modules)
 
     from minipaged.kernels import reference
 
@@ -228,3 +234,64 @@ def test_the_program_follows_a_weight_change_and_stands_aside_for_a_learners_ker
         hooks.pop()
     assert calls and not ran
     torch.testing.assert_close(plugged, modules, rtol=1e-5, atol=1e-5)  # the reference kernels: not bit for bit
+
+
+@needs_kernel
+@pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
+def test_a_built_program_knows_when_its_weights_changed(model_dir):
+    """The engine asks ``is_current`` every step instead of rebuilding: an in-place change (a new version), a
+    swapped storage (a new address) and a replaced parameter each make it stale, and nothing else does."""
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    with torch.inference_mode():
+        first = model.model.step_program()
+        assert first is not None and first.is_current() and model.model.step_program() is first
+        mlp = model.model.layers[0].mlp
+        with torch.no_grad():
+            mlp.gate_proj.weight.add_(0)  # in place: a new version
+        assert not first.is_current()
+        second = model.model.step_program()
+        assert second is not first and second.is_current()
+        mlp.up_proj.weight.data = mlp.up_proj.weight.data.clone()  # a new address
+        assert not second.is_current()
+        third = model.model.step_program()
+        mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.detach(), requires_grad=False)  # same storage
+        assert not third.is_current()
+        fourth = model.model.step_program()
+        torch.nn.Linear(4, 4)  # another module's parameters: the program is conservative and builds again
+        assert fourth.is_current() is False and model.model.step_program().is_current()
+
+
+@needs_kernel
+@pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
+@pytest.mark.parametrize("fast", [True, False], ids=["fast span", "record_function"])
+def test_a_profile_names_the_model_its_attention_and_its_norms(model_dir, fast, monkeypatch):
+    """What ``benchmarks/bench_engine.py`` splits the model's time with: every step a ``model`` span, and inside
+    it 2 ``rms_norm`` and 1 ``paged_attention`` span per layer (the compiled calls, invisible to the profiler
+    otherwise) next to the GEMMs; with the fast span or, where PyTorch lacks it, the public one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minipaged import LLM, SamplingParams, profiling
+
+    if not fast:
+        monkeypatch.setattr(profiling, "_FAST", None)
+    elif profiling._FAST is None:
+        pytest.skip("this PyTorch has no _RecordFunctionFast")
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
+    prompts = [[5, 9, 2, 7, 1, 3] * 3, [4, 4, 8]]
+    llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    events = prof.events()
+    steps = [e for e in events if e.name == "model"]
+    assert len(steps) == 3  # one prefill step, two decode steps
+
+    def inside_model(e) -> bool:
+        p = e.cpu_parent
+        while p is not None and p.name != "model":
+            p = p.cpu_parent
+        return p is not None
+
+    for name, per_layer in (("rms_norm", 2), ("paged_attention", 1)):
+        found = [e for e in events if e.name == name]
+        assert len(found) == 3 * 3 * per_layer and all(inside_model(e) for e in found), name
+    assert any("linear" in e.name and inside_model(e) for e in events)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .. import hooks
+from ..profiling import span
 
 
 @dataclass
@@ -141,7 +142,7 @@ class PagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        with torch.profiler.record_function("paged_attention"):  # a named span in a profile, nothing else
+        with span("paged_attention"):  # a named span in a profile, nothing else
             return self._call(q, k, v, key_cache, value_cache, meta, scale)
 
     def _call(
@@ -212,7 +213,7 @@ class PagedAttention:
         same numbers as RoPE in PyTorch, then ``__call__``, in two calls instead of about twenty."""
         from ..kernels import cpu_kernel, torch_backend
 
-        with torch.profiler.record_function("paged_attention"):
+        with span("paged_attention"):
             slots = meta.slot_mapping.to(torch.int64).contiguous()
             q = cpu_kernel.rope_and_cache(qkv, cos, sin, key_cache, value_cache, slots, num_q_heads)
             return torch_backend.attend(meta.plan, q, key_cache, value_cache, scale)

@@ -480,7 +480,7 @@ class LlamaModel(nn.Module):
 
         if self._program is False:
             return None
-        if self._program is None or self._program.key != StepProgram.weights_key(self):
+        if self._program is None or not self._program.is_current():
             self._program = StepProgram.build(self) or False  # a piece missing now is missing for good
         return self._program if self._program is not False else None
 

@@ -26,6 +26,7 @@ learner's attention kernel plugged in: ``PagedAttention.build_metadata`` says, i
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..kernels import cpu_kernel, torch_backend
+from ..profiling import profiling as profiler_on
+from ..profiling import span
 from .llama import Linear, OneDNNOps, onednn_ops, pad_rows
 
 if TYPE_CHECKING:
@@ -59,13 +62,23 @@ class LayerProgram:
 class StepProgram:
     """``LlamaModel``'s layers as a program of compiled calls (see the module docstring); ``build`` says if it can."""
 
-    def __init__(self, ops: OneDNNOps, layers: list[LayerProgram], num_heads: int, scale: float, key: tuple) -> None:
-        self.ops, self.layers, self.num_heads, self.scale, self.key = ops, layers, num_heads, scale, key
+    def __init__(
+        self, ops: OneDNNOps, layers: list[LayerProgram], num_heads: int, scale: float, params: list[torch.Tensor]
+    ) -> None:
+        self.ops, self.layers, self.num_heads, self.scale = ops, layers, num_heads, scale
+        self.params, self.key = params, self.weights_key(params)
 
     @staticmethod
-    def weights_key(model: LlamaModel) -> tuple[int, ...]:
-        """Every parameter's version and address: a program is good while this is unchanged."""
-        return tuple(v for p in model.layers.parameters() for v in (p._version, p.data_ptr()))
+    def weights_key(params: list[torch.Tensor]) -> tuple[int, list[int], list[int]]:
+        """How many parameters the process has assigned so far, and the parameters' versions and addresses."""
+        return _ASSIGNED[0], list(map(_VERSION, params)), list(map(torch.Tensor.data_ptr, params))
+
+    def is_current(self) -> bool:
+        """True while the model's weights are the ones the program was built from: none changed in place (its
+        version), had its storage swapped (its address) or was replaced by a new parameter (a module's weight
+        assigned, ``load_state_dict(assign=True)``: counted process-wide). Asked every step: a walk over the
+        model's modules for its parameters took half a millisecond, this one a few dozen microseconds."""
+        return self.key == self.weights_key(self.params)
 
     @classmethod
     def build(cls, model: LlamaModel) -> StepProgram | None:
@@ -98,7 +111,7 @@ class StepProgram:
                     norm1.weight.contiguous(), norm2.weight.contiguous(), norm1.eps, qkv, o, gate, up, down, biases
                 )
             )
-        return cls(ops, layers, first.num_heads, first.scale, cls.weights_key(model))
+        return cls(ops, layers, first.num_heads, first.scale, list(model.layers.parameters()))
 
     def run(
         self,
@@ -123,14 +136,14 @@ class StepProgram:
             )  # fmt: skip
         norm = bound.rms_norm if bound is not None else cpu_kernel.rms_norm
         # Named spans cost µs each: only under a profiler, which then tells the compiled calls from the glue.
-        profiling = torch.autograd.profiler._is_profiler_enabled
+        profiling = profiler_on()
         if profiling:
             norm = _spanned("rms_norm", norm)
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
             b_qkv, b_o, b_gate, b_up, b_down = layer.biases
             h = norm(x, layer.input_norm, layer.eps)
             qkv = pointwise(h, layer.qkv, b_qkv, "none", [], "")
-            with torch.profiler.record_function("paged_attention") if profiling else nullcontext():
+            with span("paged_attention") if profiling else nullcontext():
                 if bound is not None:
                     a = bound.rope_write_attend(qkv, kc, vc)
                 else:
@@ -143,11 +156,24 @@ class StepProgram:
         return x[:n]
 
 
+# Parameters registered on any module of this process, counted by a global hook: a program built before the
+# last registration may hold a replaced weight, so it is built again (packing is cached per weight: cheap).
+_ASSIGNED = [0]
+_VERSION = operator.attrgetter("_version")
+
+
+def _count_assigned(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+    _ASSIGNED[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_assigned)
+
+
 def _spanned(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``fn`` inside a profiler span called ``name`` (a ctypes call is invisible to the profiler otherwise)."""
 
     def call(*args: Any) -> torch.Tensor:
-        with torch.profiler.record_function(name):
+        with span(name):
             return fn(*args)
 
     return call
