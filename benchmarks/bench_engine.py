@@ -17,6 +17,10 @@ An ablation row runs minipaged again on PyTorch's default CPU GEMM
 (``MINIPAGED_ONEDNN=0``, what transformers uses): it separates what the faster matrix
 products give from what continuous batching on the paged cache gives.
 
+``--levers`` runs minipaged again with one of its CPU levers switched off at a time (``LEVERS``: the step
+program, the AVX512-BF16 attention tile, the compiled kernels as a whole), every round: what each gives is a
+ratio in the same run (``levers`` in the JSON, each with its own rounds).
+
 ``OMP_WAIT_POLICY`` is set to ``ACTIVE`` for every worker unless it is already set (minipaged
 sets ``PASSIVE`` on import otherwise, which is kinder to a shared machine but slower alone).
 
@@ -61,6 +65,15 @@ from common import machine
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets" / "benchmarks"
 KV_CACHE_GIB = 2  # the same KV budget for minipaged and vLLM
+
+
+# Each of the engine's CPU levers (issue 30), switched off alone by an environment variable: ``--levers`` runs
+# minipaged once more per lever and round, so what each one gives is a ratio measured in the same run.
+LEVERS = {
+    "step_program": ({"MINIPAGED_STEP_PROGRAM": "0"}, "the layers as the modules' calls, not the step program"),
+    "bf16_dot": ({"MINIPAGED_CPU_BF16_DOT": "0"}, "attention widens bf16 to fp32 instead of AVX512-BF16 dots"),
+    "cpu_kernel": ({"MINIPAGED_CPU_KERNEL": "0"}, "no compiled kernels: PyTorch ops, gather + SDPA attention"),
+}
 
 
 # ---- workers: each runs in its own interpreter and prints one JSON line ------------------------------
@@ -468,6 +481,13 @@ def main() -> int:
         default=True,
         help="also run minipaged on PyTorch's default GEMM (MINIPAGED_ONEDNN=0)",
     )
+    ap.add_argument(
+        "--levers",
+        nargs="*",
+        choices=sorted(LEVERS),
+        default=[],
+        help="also run minipaged with each of these switched off (see LEVERS), every round",
+    )
     ap.add_argument("--out", type=Path, default=ASSETS)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument(
@@ -544,6 +564,10 @@ def main() -> int:
                 runs.setdefault("minipaged_default_gemm", []).append(
                     run_worker(sys.executable, "minipaged", work_file, args, env={"MINIPAGED_ONEDNN": "0"})
                 )
+            for lever in args.levers:
+                runs.setdefault(f"lever_{lever}", []).append(
+                    run_worker(sys.executable, "minipaged", work_file, args, env=LEVERS[lever][0])
+                )
             if have_vllm:
                 runs.setdefault("vllm", []).append(run_worker(args.vllm_python, "vllm", work_file, args))
             for b in args.static_batch_sizes if r < (args.static_rounds or args.rounds) else []:
@@ -606,6 +630,17 @@ def main() -> int:
         vllm=theirs,
         static=static,
         minipaged_default_gemm=ablation,
+        levers={
+            lever: dict(
+                off=LEVERS[lever][1],
+                env=LEVERS[lever][0],
+                tok_per_s=round(run["tok_per_s"], 1),
+                rounds_tok_per_s=run["rounds_tok_per_s"],
+                gain=round(ours["tok_per_s"] / run["tok_per_s"], 3),
+            )
+            for lever in args.levers
+            if (run := best(f"lever_{lever}")) is not None
+        },
         gemm_floor=floor,
         ratios=dict(
             of_gemm_floor=round(ours["tok_per_s"] / floor["tok_per_s"], 3),
@@ -624,6 +659,8 @@ def main() -> int:
         print(f"{'vLLM CPU ' + theirs['vllm']:<22}{theirs['tok_per_s']:>9.1f}{result['ratios']['vs_vllm']:>17.2f}×")
     if ablation:
         print(f"{'minipaged, torch GEMM':<22}{ablation['tok_per_s']:>9.1f}{result['ratios']['onednn_gain']:>17.2f}×")
+    for lever, row in result["levers"].items():
+        print(f"{'without ' + lever:<22}{row['tok_per_s']:>9.1f}{row['gain']:>17.2f}×   ({row['off']})")
     for s in static:
         print(
             f"{'static B=' + str(s['batch_size']):<22}{s['tok_per_s']:>9.1f}"

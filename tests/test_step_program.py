@@ -295,3 +295,19 @@ def test_a_profile_names_the_model_its_attention_and_its_norms(model_dir, fast, 
         found = [e for e in events if e.name == name]
         assert len(found) == 3 * 3 * per_layer and all(inside_model(e) for e in found), name
     assert any("linear" in e.name and inside_model(e) for e in events)
+
+
+@needs_kernel
+@pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
+def test_minipaged_step_program_0_runs_the_modules(model_dir, monkeypatch):
+    """The benchmark's lever switch: with MINIPAGED_STEP_PROGRAM=0 the program is not used, and the numbers stay."""
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    with_program, _ = run_step(model, True, torch.float32)
+    monkeypatch.setenv("MINIPAGED_STEP_PROGRAM", "0")
+    ran = []
+    real_run = StepProgram.run
+    monkeypatch.setattr(StepProgram, "run", lambda self, *a: ran.append(1) or real_run(self, *a))
+    with torch.inference_mode():
+        assert model.model.step_program() is None
+    without, _ = run_step(model, True, torch.float32)
+    assert not ran and torch.equal(with_program, without)

@@ -478,10 +478,11 @@ class LlamaModel(nn.Module):
         weight changes; None where it cannot run (the modules then run the step)."""
         from .step_program import StepProgram
 
-        if self._program is False:
+        if self._program is False or os.environ.get("MINIPAGED_STEP_PROGRAM", "1") == "0":  # 0: the ablation
             return None
         if self._program is None or not self._program.is_current():
-            self._program = StepProgram.build(self) or False  # a piece missing now is missing for good
+            # a piece missing now is missing for good
+            self._program = StepProgram.build(self, onednn_ops(), pad_rows) or False
         return self._program if self._program is not False else None
 
 

@@ -37,11 +37,10 @@ import torch
 from ..kernels import cpu_kernel, torch_backend
 from ..profiling import profiling as profiler_on
 from ..profiling import span
-from .llama import Linear, OneDNNOps, onednn_ops, pad_rows
 
 if TYPE_CHECKING:
     from .attention import TorchAttentionMetadata
-    from .llama import LlamaDecoderLayer, LlamaModel
+    from .llama import Linear, LlamaDecoderLayer, LlamaModel, OneDNNOps
 
 
 @dataclass(frozen=True)
@@ -63,9 +62,15 @@ class StepProgram:
     """``LlamaModel``'s layers as a program of compiled calls (see the module docstring); ``build`` says if it can."""
 
     def __init__(
-        self, ops: OneDNNOps, layers: list[LayerProgram], num_heads: int, scale: float, params: list[torch.Tensor]
+        self,
+        ops: OneDNNOps,
+        pad: Callable[[torch.Tensor], torch.Tensor],
+        layers: list[LayerProgram],
+        num_heads: int,
+        scale: float,
+        params: list[torch.Tensor],
     ) -> None:
-        self.ops, self.layers, self.num_heads, self.scale = ops, layers, num_heads, scale
+        self.ops, self.pad, self.layers, self.num_heads, self.scale = ops, pad, layers, num_heads, scale
         self.params, self.key = params, self.weights_key(params)
 
     @staticmethod
@@ -81,9 +86,12 @@ class StepProgram:
         return self.key == self.weights_key(self.params)
 
     @classmethod
-    def build(cls, model: LlamaModel) -> StepProgram | None:
-        """The program for ``model``'s current weights, or None where a piece is missing (its path runs instead)."""
-        ops = onednn_ops()
+    def build(
+        cls, model: LlamaModel, ops: OneDNNOps | None, pad: Callable[[torch.Tensor], torch.Tensor]
+    ) -> StepProgram | None:
+        """The program for ``model``'s current weights, or None where a piece is missing (its path runs instead).
+        The model hands over its oneDNN operators (None: off) and its row padding (``llama.pad_rows``), so that
+        this module needs nothing of ``llama`` but its types."""
         decoder_layers = cast("list[LlamaDecoderLayer]", list(model.layers))
         first = decoder_layers[0].self_attn
         dtype = first.q_proj.weight.dtype
@@ -111,7 +119,7 @@ class StepProgram:
                     norm1.weight.contiguous(), norm2.weight.contiguous(), norm1.eps, qkv, o, gate, up, down, biases
                 )
             )
-        return cls(ops, layers, first.num_heads, first.scale, list(model.layers.parameters()))
+        return cls(ops, pad, layers, first.num_heads, first.scale, list(model.layers.parameters()))
 
     def run(
         self,
@@ -123,7 +131,7 @@ class StepProgram:
     ) -> torch.Tensor:
         """The layers on ``x`` [num_tokens, hidden] (before the final norm): hidden states [num_tokens, hidden]."""
         n = x.shape[0]
-        x = pad_rows(x)
+        x = self.pad(x)
         pointwise, binary = self.ops.pointwise, self.ops.binary
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         plan = meta.plan
