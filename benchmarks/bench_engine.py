@@ -18,7 +18,7 @@ An ablation row runs minipaged again on PyTorch's default CPU GEMM
 products give from what continuous batching on the paged cache gives.
 
 ``--levers`` runs minipaged again with one of its CPU levers switched off at a time (``LEVERS``: the step
-program, the AVX512-BF16 attention tile, the compiled kernels as a whole), every round: what each gives is a
+program, the compiled kernels as a whole, long prefills on the kernel; CUDA graphs on a GPU), every round: what each gives is a
 ratio in the same run (``levers`` in the JSON, each with its own rounds).
 
 ``OMP_WAIT_POLICY`` is set to ``ACTIVE`` for every worker unless it is already set (minipaged
@@ -71,8 +71,9 @@ KV_CACHE_GIB = 2  # the same KV budget for minipaged and vLLM
 # minipaged once more per lever and round, so what each one gives is a ratio measured in the same run.
 LEVERS = {
     "step_program": ({"MINIPAGED_STEP_PROGRAM": "0"}, "the layers as the modules' calls, not the step program"),
-    "bf16_dot": ({"MINIPAGED_CPU_BF16_DOT": "0"}, "attention widens bf16 to fp32 instead of AVX512-BF16 dots"),
     "cpu_kernel": ({"MINIPAGED_CPU_KERNEL": "0"}, "no compiled kernels: PyTorch ops, gather + SDPA attention"),
+    "long_prefills_on_sdpa": ({"MINIPAGED_KERNEL_MAX_Q_LEN": "96"}, "prefill chunks over 96 rows on gather + SDPA"),
+    "cuda_graphs": ({"BENCH_ENFORCE_EAGER": "1"}, "on a GPU, every step eager: no CUDA graphs (enforce_eager)"),
 }
 
 
@@ -90,6 +91,7 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         device=args.device,
         dtype=args.dtype,
+        enforce_eager=os.environ.get("BENCH_ENFORCE_EAGER") == "1",  # the cuda_graphs lever
     )
     llm.generate(
         [work["prompts"][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0), use_tqdm=False
@@ -214,7 +216,9 @@ def model_split(llm: object, work: dict, num_requests: int = 32) -> dict:
     ``profiler_overhead`` above the timed run's). So the shares are of the timed run's model time (the
     runner's own clock, no profiler), and ``python_and_glue`` is that time less the profiled kernels;
     ``python_and_glue_in_profile`` is the same share taken inside the profile, profiler overhead included
-    (an upper bound). ``outside_model``: the share of the timed run's wall time outside the model
+    (an upper bound). On a GPU these are CPU times: a kernel's share is the time to launch it, ``gpu_wait`` the
+    CPU waiting for the GPU at the step's end (``torch.cuda.synchronize``), and a step replayed from a CUDA graph
+    is one launch and a wait. ``outside_model``: the share of the timed run's wall time outside the model
     (scheduling, inputs, sampling, bookkeeping).
     """
     from torch.profiler import ProfilerActivity, profile
@@ -231,7 +235,7 @@ def model_split(llm: object, work: dict, num_requests: int = 32) -> dict:
     llm.reset()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(work["prompts"][:num_requests], params, use_tqdm=False)
-    seconds = dict(matrix_products=0.0, attention=0.0, other_kernels=0.0)
+    seconds = dict(matrix_products=0.0, attention=0.0, other_kernels=0.0, gpu_wait=0.0)
     profiled_model = 0.0
     for e in prof.events():  # self times: each microsecond counted once, in the innermost op
         if e.name == "model":
@@ -243,7 +247,9 @@ def model_split(llm: object, work: dict, num_requests: int = 32) -> dict:
             parent = parent.cpu_parent
         if "model" not in names[1:]:
             continue
-        if "paged_attention" in names:
+        if "gpu_wait" in names:  # on a GPU: the CPU waiting at the step's end for the kernels it launched
+            kind = "gpu_wait"
+        elif "paged_attention" in names:
             kind = "attention"
         elif any(k in e.name for k in ("linear", "addmm", "aten::mm", "matmul", "aten::bmm")):
             kind = "matrix_products"
@@ -253,6 +259,8 @@ def model_split(llm: object, work: dict, num_requests: int = 32) -> dict:
             continue
         seconds[kind] += e.self_cpu_time_total / 1e6
     kernels = sum(seconds.values())
+    if llm.runner.device.type != "cuda":
+        del seconds["gpu_wait"]  # a CPU step does not wait for anything
     return dict(
         wall_s=round(wall, 2),
         model_s=round(timed_model, 2),
@@ -513,6 +521,7 @@ def main() -> int:
         return 0
 
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # the workers inherit it (see the docstring)
+    args.out = args.out.resolve()  # the workers run in benchmarks/: a relative --out must not move with them
     sys.path.insert(0, str(REPO))
     from minipaged.model_loader import chat_prompt_ids, ensure_converted, load_tokenizer
     from minipaged.workloads import generation_workload

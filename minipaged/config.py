@@ -71,6 +71,7 @@ _RULES: dict[str, Callable[[str, Any], Any]] = {
     "master_addr": lambda n, v: _text(n, v),
     "master_port": lambda n, v: check_int(n, v, 1, 65535),
     "distributed_timeout_s": lambda n, v: _positive_number(n, v),
+    "enforce_eager": _boolean,
 }
 
 
@@ -128,6 +129,8 @@ class Config:
             process); default ``$MASTER_ADDR`` / ``$MASTER_PORT``, else 127.0.0.1 and a free port.
         distributed_timeout_s: how long a rank may keep the others waiting inside a step (or to join at start)
             before the engine calls it hung and ends every rank.
+        enforce_eager: on a GPU, run every step eagerly instead of replaying decode steps from CUDA graphs
+            (``model/cuda_graphs.py``); vLLM's name. Nothing changes on a CPU.
     """
 
     model: str | os.PathLike | None = None
@@ -152,6 +155,7 @@ class Config:
     master_addr: str | None = None
     master_port: int | None = None
     distributed_timeout_s: float = 60.0
+    enforce_eager: bool = False
     # resolved by __post_init__
     torch_device: torch.device = field(init=False, repr=False)
     swap_space_bytes: int = field(init=False, repr=False)

@@ -40,6 +40,7 @@ from .cache_engine import CacheEngine
 from .config import Config, model_config_dtype, resolve_dtype
 from .kv_math import GiB, KVSpec, format_bytes, num_blocks_at_startup
 from .model import AttentionMetadata, LlamaForCausalLM
+from .model.cuda_graphs import CUDAGraphRunner
 from .model.llama import config_from_dict
 from .profiling import span
 from .sampler import Sampler
@@ -231,6 +232,15 @@ class ModelRunner:
             cdiv(self.max_model_len, self.block_size),
             self.device,
         )
+        self.graph_runner: CUDAGraphRunner | None = None  # decode steps replayed from CUDA graphs (a GPU only)
+        if self.device.type == "cuda" and tp is None and not config.enforce_eager:
+            self.graph_runner = CUDAGraphRunner(
+                self.model,
+                self.cache.gpu_cache,
+                config.max_num_seqs,
+                cdiv(self.max_model_len, self.block_size),
+                self.device,
+            )
         self.reset()
 
     def reset(self) -> None:
@@ -372,10 +382,15 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
         t1 = time.perf_counter()
         with span("model"):  # the span a profile splits into kernels and glue
-            hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
+            graphs = self.graph_runner
+            if graphs is not None and graphs.why_not(input_ids, meta) is None:
+                hidden = graphs.run(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
             logits = self.model.compute_logits(hidden[sample_rows])
             if self.device.type == "cuda":
-                torch.cuda.synchronize()
+                with span("gpu_wait"):  # the CPU waits for the GPU's kernels: neither glue nor a launch
+                    torch.cuda.synchronize()
         self.timers["prepare inputs"] += t1 - t0
         self.timers["model"] += time.perf_counter() - t1
         return logits

@@ -45,7 +45,7 @@ def test_the_kernel_builds_on_this_machine():
         Case(torch.float32, 16, 3, 3, 64),  # SmolLM2: 9 query heads over 3 KV heads
         Case(torch.float32, 1, 1, 2, 32),  # MHA, one token per block
         Case(torch.float32, 8, 8, 1, 128),  # MQA
-        Case(torch.bfloat16, 16, 4, 2, 64),  # a bf16 cache (and bf16 queries: the AVX512-BF16 tile where there is one)
+        Case(torch.bfloat16, 16, 4, 2, 64),  # a bf16 cache, widened on load
         Case(torch.bfloat16, 16, 9, 3, 64),  # SmolLM2 in bf16
         Case(torch.bfloat16, 16, 8, 2, 128),  # head_dim 128 in bf16
         Case(torch.float32, 32, 2, 2, 80),  # a head_dim that is no power of two
@@ -85,38 +85,6 @@ def test_kernel_matches_reference_decode_and_prefill(case):
         R.paged_decode_attention(qd, kc, vc, tables, lens, scale),
         case.dtype,
     )
-
-
-def _has_cpu_flag(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
-
-
-@needs_kernel
-def test_the_bf16_dot_tile_is_built_where_the_cpu_has_it_and_agrees_with_the_widening_tile(monkeypatch):
-    """Where the CPU has AVX512-BF16, the library has the dot-product tile (``-march=native`` turns it on); built
-    without it (``MINIPAGED_CPU_BF16_DOT=0``), the widening tile gives the same outputs up to the order of the
-    fp32 additions: a bf16 rounding at most, on a NaN-filled pool, decodes and causal chunks."""
-    has_bf16 = _has_cpu_flag("avx512_bf16") and _has_cpu_flag("avx512f")
-    assert cpu_kernel.features()["bf16_dot"] == has_bf16
-    case = Case(torch.bfloat16, 16, 9, 3, 64)
-    seq_lens, q_lens = [1, 17, 33, 250, 40, 90], [1, 1, 1, 1, 40, 13]
-    kc, vc, tables, lens = paged_cache(case, seq_lens, seed=8)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), 9, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
-    dot = cpu_kernel.paged_attention(q, kc, vc, tables, cu, lens, 0.125)
-    monkeypatch.setenv("MINIPAGED_CPU_BF16_DOT", "0")
-    monkeypatch.setattr(cpu_kernel, "_state", {})  # build (or load) the library without the tile
-    assert not cpu_kernel.features()["bf16_dot"] and cpu_kernel.features()["avx512"] == _has_cpu_flag("avx512f")
-    widening = cpu_kernel.paged_attention(q, kc, vc, tables, cu, lens, 0.125)
-    assert not dot.isnan().any()
-    want = R.paged_prefill_attention(q, kc, vc, tables, cu, lens, 0.125)
-    close(dot, want, torch.bfloat16)
-    close(widening, want, torch.bfloat16)
-    assert ((dot.float() - widening.float()).abs() <= widening.float().abs() * 2**-7 + 1e-6).all()
 
 
 @needs_kernel

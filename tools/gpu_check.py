@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     actions: dict[str, Callable[[], None]] = {
         "kernels": lambda: run("kernel tests, compiled", [py, *PYTEST, "tests/test_kernels.py"]),
         "engine": lambda: run(
-            "engine equality tests, Triton backend",
-            [py, *PYTEST, "tests/test_engine_triton.py", "tests/test_engine.py"],
+            "engine equality tests, Triton backend, CUDA graphs",
+            [py, *PYTEST, "tests/test_engine_triton.py", "tests/test_engine.py", "tests/test_cuda_graphs.py"],
             env={"MINIPAGED_TEST_BACKEND": "triton"},
         ),
         "monitor": lambda: run(
@@ -101,7 +101,19 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "bench": lambda: run(
             "engine vs transformers static batching",
-            [py, "bench_engine.py", "--device", "cuda", "--dtype", "bfloat16", "--rounds", "1", "--out", str(OUT)],
+            [
+                py,
+                "bench_engine.py",
+                "--device",
+                "cuda",
+                "--dtype",
+                "bfloat16",
+                "--rounds",
+                "1",
+                "--levers",
+                "cuda_graphs",
+            ]
+            + ["--out", str(OUT)],
             cwd=REPO / "benchmarks",
         ),
     }

@@ -55,16 +55,6 @@ FLAGS = [
     "-std=c++17",
 ]
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# MINIPAGED_CPU_BF16_DOT=0 builds the library without its AVX512-BF16 tile (the benchmark's ablation; the tests
-# compare the two builds). The flag is part of the library's cache key, so each build is kept apart.
-BF16_DOT_OFF = "-DMINIPAGED_NO_BF16_DOT"
-
-
-def flags() -> list[str]:
-    """The compiler flags of the library this process builds: ``FLAGS``, plus the ablation's when asked for."""
-    return FLAGS + ([BF16_DOT_OFF] if os.environ.get("MINIPAGED_CPU_BF16_DOT", "1") == "0" else [])
-
-
 log = logging.getLogger("minipaged")
 
 VERSION_TIMEOUT_S = 10.0  # `$CXX --version`
@@ -158,7 +148,7 @@ def library_path(compiler_version: str) -> Path:
     """Where the library built by this compiler, from this source, for this CPU is kept."""
     from ..model_loader import cache_dir
 
-    parts = [SOURCE.read_text(), compiler_version, *flags(), _cpu_signature()]
+    parts = [SOURCE.read_text(), compiler_version, *FLAGS, _cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     return cache_dir() / "kernels" / f"cpu_paged_attention-{key[:16]}.so"
 
@@ -171,7 +161,7 @@ def _compile(compiler: str, lib_path: Path) -> str:
     try:
         try:
             proc = subprocess.run(
-                [compiler, *flags(), str(SOURCE), "-o", tmp],
+                [compiler, *FLAGS, str(SOURCE), "-o", tmp],
                 capture_output=True,
                 text=True,
                 timeout=COMPILE_TIMEOUT_S,
@@ -208,21 +198,12 @@ def unavailable_reason() -> str | None:
     return None if library() is not None else str(_state["reason"])
 
 
-def features() -> dict[str, bool]:
-    """Which tiles the built library has: ``avx512`` (head_dim 64 and 128) and ``bf16_dot`` (AVX512-BF16 dot
-    products for a bf16 model on a bf16 cache); both False where the library is not built."""
-    lib = library()
-    bits = 0 if lib is None else int(lib.minipaged_features())
-    return {"avx512": bool(bits & 1), "bf16_dot": bool(bits & 2)}
-
-
 def describe() -> str:
     """One line for logs and benchmarks: the attention path this process runs."""
-    if library() is None:
+    lib = library()
+    if lib is None:
         return f"gather + SDPA ({unavailable_reason()})"
-    found = features()
-    tiles = "AVX512-BF16 dot products for bf16, " if found["bf16_dot"] else ""
-    tiles += "AVX-512 tiles" if found["avx512"] else "portable C++ tiles"
+    tiles = "AVX-512 tiles" if lib.minipaged_features() & 1 else "portable C++ tiles"
     return f"in place: compiled CPU kernel (kernels/cpu_paged_attention.cpp; {tiles})"
 
 

@@ -330,109 +330,6 @@ void attend_tile_avx512(const TQ* query_in, TQ* out, const T* key_cache, const T
 }
 #endif  // __AVX512F__
 
-#if defined(__AVX512BF16__) && !defined(MINIPAGED_NO_BF16_DOT)
-#define MINIPAGED_BF16_DOT 1
-// ---- bf16 queries on a bf16 cache: AVX512-BF16 dot products ------------------------------------------------
-// vdpbf16ps (_mm512_dpbf16_ps) takes 32 bf16 numbers from each of two registers, multiplies them in pairs and
-// adds both products of a pair to one fp32 lane: acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1]. A product of two
-// bf16 numbers is exact in fp32, so only the additions round, as in the fp32 tile. It lets the tile above skip
-// its widening: q and K rows are used as they are in memory, 32 numbers an instruction instead of 16.
-//
-//     scores:  part[t] = dp(dp(0, q[0:32], k_t[0:32]), q[32:64], k_t[32:64])      (head_dim 64: 2 instructions)
-//              s = reduce16(part) * scale                                         (lane t: token t's score)
-//     P.V:     the chunk's V rows staged once as token pairs, lane i of pair k = (v_2k[i], v_2k+1[i]);
-//              acc[i] = dp(acc[i], (p_2k, p_2k+1) in every lane, pair k)          (2 tokens an instruction)
-//
-// P is rounded to bf16 before P.V, as in the fp32-widening tile (and PyTorch's bf16 attention); l keeps the
-// fp32 values. vdpbf16ps treats subnormal inputs and results as zero; a probability is never below e^-87, and
-// products under 1e-38 change no output. MINIPAGED_NO_BF16_DOT builds the library without this tile (the
-// engine benchmark's ablation, and the tests, which compare the two).
-inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
-
-template <int64_t D>
-void attend_tile_bf16dot(const uint16_t* query, uint16_t* out, const uint16_t* key_cache, const uint16_t* value_cache,
-                         const int32_t* table, int64_t row0, int64_t rows, int64_t first_pos, const Shape& sh) {
-  constexpr int64_t V = D / 16, W = D / 32;  // fp32 vectors per head; bf16 vectors (32 numbers) per head
-  const int64_t hq = sh.num_q_heads, hkv = sh.num_kv_heads, G = hq / hkv, bs = sh.block_size;
-  const int64_t slot_stride = hkv * D, nq = rows * hq;
-  std::vector<float> m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f), acc(nq * D, 0.f);
-  alignas(64) uint32_t vpair[8 * D];  // 8 token pairs of the chunk, D lanes each
-  alignas(64) uint32_t ppair[8];      // the pairs' probabilities, (p_2k, p_2k+1) as bf16
-  const __m512 scale = _mm512_set1_ps(sh.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512i zero = _mm512_setzero_si512();
-  const int64_t last = first_pos + rows - 1;
-  for (int64_t pos0 = 0; pos0 <= last; pos0 += bs) {
-    const int64_t physical = table[pos0 / bs];
-    const uint16_t* k_block = key_cache + physical * bs * slot_stride;
-    const uint16_t* v_block = value_cache + physical * bs * slot_stride;
-    if (pos0 + bs <= last) {  // the next block is elsewhere in the pool: ask for it now
-      const int64_t next = table[pos0 / bs + 1] * bs * slot_stride;
-      for (int64_t i = 0; i < bs * slot_stride; i += 32) {
-        __builtin_prefetch(key_cache + next + i);
-        __builtin_prefetch(value_cache + next + i);
-      }
-    }
-    const int64_t tokens = std::min(bs, last - pos0 + 1);
-    for (int64_t kh = 0; kh < hkv; ++kh) {
-      for (int64_t c0 = 0; c0 < tokens; c0 += 16) {
-        const int64_t nt = std::min<int64_t>(16, tokens - c0);
-        const uint16_t* k_rows = k_block + c0 * slot_stride + kh * D;
-        const uint16_t* v_rows = v_block + c0 * slot_stride + kh * D;
-        for (int64_t k = 0; k < (nt + 1) / 2; ++k)  // a token past the chunk's end is a zero row (never NaN)
-          for (int64_t v = 0; v < V; ++v) {
-            const auto row = [&](int64_t t) {
-              return t < nt ? _mm512_cvtepu16_epi32(
-                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows + t * slot_stride + v * 16)))
-                            : zero;
-            };
-            _mm512_store_si512(vpair + k * D + v * 16, _mm512_or_si512(row(2 * k), _mm512_slli_epi32(row(2 * k + 1), 16)));
-          }
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t used = std::min(nt, first_pos + r - (pos0 + c0) + 1);
-          if (used <= 0) continue;
-          const __mmask16 valid = used >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << used) - 1u);
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t j = r * hq + kh * G + g;
-            __m512bh q[W];
-            for (int64_t w = 0; w < W; ++w) q[w] = as_bh(_mm512_loadu_si512(query + (row0 * hq + j) * D + w * 32));
-            __m512 part[16];
-            for (int64_t t = 0; t < 16; ++t) {
-              part[t] = _mm512_setzero_ps();
-              if (t >= nt) continue;
-              for (int64_t w = 0; w < W; ++w)
-                part[t] = _mm512_dpbf16_ps(part[t], q[w], as_bh(_mm512_loadu_si512(k_rows + t * slot_stride + w * 32)));
-            }
-            const __m512 s = _mm512_mask_mov_ps(minus_inf, valid, _mm512_mul_ps(reduce16(part), scale));
-            const float m_new = std::max(m[j], _mm512_reduce_max_ps(s));
-            const float alpha = exp_nonpositive(m[j] - m_new);
-            const __m512 e = exp_nonpositive16(_mm512_sub_ps(s, _mm512_set1_ps(m_new)));
-            m[j] = m_new;
-            l[j] = l[j] * alpha + _mm512_reduce_add_ps(e);
-            // round_bf16 leaves each lane's bf16 in its high half: pack the 16 high halves into 8 pairs
-            const __m512i pb = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(e)), 16);
-            _mm256_store_si256(reinterpret_cast<__m256i*>(ppair), _mm512_cvtepi32_epi16(pb));
-            float* aj = acc.data() + j * D;
-            __m512 a[V];
-            for (int64_t v = 0; v < V; ++v) a[v] = _mm512_mul_ps(_mm512_loadu_ps(aj + v * 16), _mm512_set1_ps(alpha));
-            for (int64_t k = 0; k < (used + 1) / 2; ++k) {
-              const __m512bh pk = as_bh(_mm512_set1_epi32(static_cast<int>(ppair[k])));
-              for (int64_t v = 0; v < V; ++v)
-                a[v] = _mm512_dpbf16_ps(a[v], pk, as_bh(_mm512_load_si512(vpair + k * D + v * 16)));
-            }
-            for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(aj + v * 16, a[v]);
-          }
-        }
-      }
-    }
-  }
-  for (int64_t j = 0; j < nq; ++j) {
-    uint16_t* o = out + (row0 * hq + j) * D;
-    const float inv = 1.f / l[j];
-    for (int64_t i = 0; i < D; ++i) o[i] = narrow<uint16_t>(acc[j * D + i] * inv);
-  }
-}
-#endif  // __AVX512BF16__
-
 template <typename TQ, typename T>
 void paged_attention(const TQ* query, TQ* out, const T* key_cache, const T* value_cache,
                      const int32_t* block_tables, const int32_t* cu_seqlens_q, const int32_t* seq_lens,
@@ -454,18 +351,6 @@ void paged_attention(const TQ* query, TQ* out, const T* key_cache, const T* valu
     const int64_t rows = std::min(kRowsPerTile, cu_seqlens_q[i + 1] - row0);
     const int64_t first_pos = seq_lens[i] - q_len + (row0 - cu_seqlens_q[i]);
     const int32_t* table = block_tables + i * sh.table_stride;
-#if defined(MINIPAGED_BF16_DOT)
-    if constexpr (std::is_same_v<TQ, uint16_t> && std::is_same_v<T, uint16_t>) {
-      if (sh.head_dim == 64) {
-        attend_tile_bf16dot<64>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
-        continue;
-      }
-      if (sh.head_dim == 128) {
-        attend_tile_bf16dot<128>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
-        continue;
-      }
-    }
-#endif
 #if defined(__AVX512F__)
     if (sh.head_dim == 64) {
       attend_tile_avx512<TQ, T, 64>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
@@ -572,16 +457,13 @@ void minipaged_paged_attention(const void* query, void* out, const void* key_cac
     paged_attention(qf, of, kf, vf, block_tables, cu_seqlens_q, seq_lens, num_seqs, max_q_len, sh);
 }
 
-// What this build has: bit 0 the AVX-512 tiles, bit 1 the AVX512-BF16 dot-product tile.
+// What this build has: bit 0 the AVX-512 tiles.
 int minipaged_features() {
-  int f = 0;
 #if defined(__AVX512F__)
-  f |= 1;
+  return 1;
+#else
+  return 0;
 #endif
-#if defined(MINIPAGED_BF16_DOT)
-  f |= 2;
-#endif
-  return f;
 }
 
 void minipaged_rms_norm(const void* x, int64_t x_stride, const void* weight, void* out, int64_t rows, int64_t dim,

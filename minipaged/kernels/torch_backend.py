@@ -13,6 +13,7 @@ built once per step and reused by every layer. ``tests/test_kernels.py`` and
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -82,8 +83,10 @@ class AttentionPlan:
 MAX_DECODE_GROUPS = 16
 MIN_DECODE_GROUP = 4
 # Longer prefills are GEMM-shaped (every query row meets every context row): SDPA on the gathered
-# context beats a row-at-a-time kernel there, and the gather is small beside the arithmetic.
-KERNEL_MAX_Q_LEN = 2048
+# context beats a row-at-a-time kernel there, and the gather is small beside the arithmetic. At 2048 (the
+# engine's default token budget) every chunk goes to the kernel, and the step program binds the whole step
+# once; MINIPAGED_KERNEL_MAX_Q_LEN=96 is the earlier choice, the benchmark's lever "long_prefills_on_sdpa".
+KERNEL_MAX_Q_LEN = int(os.environ.get("MINIPAGED_KERNEL_MAX_Q_LEN", "2048"))
 
 
 def plan_attention(

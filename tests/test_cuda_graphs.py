@@ -1,0 +1,126 @@
+"""Decode steps replayed from CUDA graphs (``model/cuda_graphs.py``): the buckets, the padding of the static
+inputs and when a step runs eagerly, checked everywhere; the replayed steps themselves on a CUDA machine only
+(``make gpu-check`` runs this file there), against the same engine with ``enforce_eager=True``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import small_engine
+
+from minipaged import LLM, SamplingParams, hooks
+from minipaged.config import Config
+from minipaged.model import AttentionMetadata
+from minipaged.model.cuda_graphs import CUDAGraphRunner, StaticInputs, capture_sizes
+from minipaged.model.llama import packed_rows
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def test_the_buckets_are_the_step_programs_row_counts():
+    sizes = capture_sizes(256)
+    assert sizes[:16] == list(range(1, 17)) and sizes[16:20] == [18, 20, 22, 24] and sizes[-1] == 256
+    assert len(sizes) == 48 and all(packed_rows(s) == s for s in sizes)
+    assert all(packed_rows(n) in sizes for n in range(1, 257))  # every batch size has its graph
+    assert capture_sizes(5) == [1, 2, 3, 4, 5] and capture_sizes(20)[-2:] == [18, 20]
+
+
+def decode_meta(tables: list[list[int]], lens: list[int], block_size: int = 4) -> AttentionMetadata:
+    slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lens)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32),
+        max_query_len=1,
+    )
+
+
+def test_static_inputs_hold_the_step_then_padding_that_writes_nothing():
+    inputs = StaticInputs(8, 5, torch.device("cpu"))
+    wide = decode_meta([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [17, 20])
+    inputs.fill(torch.tensor([11, 12]), torch.tensor([16, 19]), wide, rows=2)
+    narrow = decode_meta([[3, 4], [5, 0], [9, 2]], [6, 2, 8])
+    inputs.fill(torch.tensor([7, 8, 9]), torch.tensor([5, 1, 7]), narrow, rows=4)
+    meta = inputs.metadata(4)
+    assert inputs.input_ids[:4].tolist() == [7, 8, 9, 0] and inputs.positions[:4].tolist() == [5, 1, 7, 0]
+    assert meta.slot_mapping.tolist() == [*narrow.slot_mapping.tolist(), -1]  # padding: no K/V written
+    assert meta.seq_lens.tolist() == [6, 2, 8, 1] and meta.max_query_len == 1
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
+    # The first step's wider tables are gone: rows hold this step's blocks, then zeros (the null block).
+    assert meta.block_tables.tolist() == [[3, 4, 0, 0, 0], [5, 0, 0, 0, 0], [9, 2, 0, 0, 0], [0, 0, 0, 0, 0]]
+
+
+def test_when_a_step_runs_eagerly():
+    runner = CUDAGraphRunner(None, [], max_num_seqs=20, max_blocks_per_seq=3, device=torch.device("cpu"))  # type: ignore[arg-type]
+    ids = torch.zeros(3, dtype=torch.long)
+    assert runner.why_not(ids, decode_meta([[1], [2], [3]], [2, 3, 4])) is None
+    assert runner.bucket(17) == 18 and runner.bucket(20) == 20 and runner.bucket(21) is None
+    assert "more than the largest" in runner.why_not(
+        torch.zeros(21, dtype=torch.long), decode_meta([[1]] * 21, [2] * 21)
+    )
+    prefill = decode_meta([[1], [2], [3]], [2, 3, 4])
+    prefill.max_query_len = 2
+    assert runner.why_not(ids, prefill) == "not a decode-only step"
+    assert "wider" in runner.why_not(ids, decode_meta([[1, 2, 3, 4]] * 3, [2, 3, 4]))
+    hooks.push({"paged_decode_attention": lambda *a, **k: None})
+    try:
+        assert "learner" in runner.why_not(ids, decode_meta([[1], [2], [3]], [2, 3, 4]))
+    finally:
+        hooks.pop()
+    runner.off_reason = "capture failed (test)"
+    assert runner.why_not(ids, decode_meta([[1], [2], [3]], [2, 3, 4])) == "capture failed (test)"
+
+
+def test_enforce_eager_is_a_checked_knob_and_a_cpu_engine_has_no_graphs(tiny_model):
+    with pytest.raises(ValueError, match="enforce_eager must be True or False"):
+        Config(enforce_eager="yes")  # type: ignore[arg-type]
+    llm = small_engine(tiny_model)
+    assert llm.runner.graph_runner is None
+
+
+@needs_cuda
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_replayed_decode_steps_give_the_eager_tokens(tiny_model, enable_prefix_caching):
+    """Batch sizes that cross buckets (requests finish at different steps), chunked prefills between decodes
+    (eager), and a pool small enough to preempt: the same greedy tokens with and without graphs."""
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(5 + 3 * i)] for i in range(19)]
+    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0, ignore_eos=True) for i in range(19)]
+
+    def run(enforce_eager: bool) -> tuple[list[list[int]], LLM]:
+        llm = LLM(
+            str(tiny_model),
+            device="cuda",
+            dtype="float32",
+            max_num_seqs=19,
+            max_num_batched_tokens=32,
+            num_gpu_blocks_override=40,
+            block_size=16,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
+        )
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    eager, eager_llm = run(True)
+    graphed, llm = run(False)
+    assert eager_llm.runner.graph_runner is None
+    runner = llm.runner.graph_runner
+    assert runner is not None and runner.off_reason is None, runner and runner.off_reason
+    assert graphed == eager
+    assert runner.replays > 0 and len(runner.graphs) >= 3  # several buckets captured and replayed
+    assert set(runner.graphs) <= set(runner.sizes)
+
+
+@needs_cuda
+def test_a_failed_capture_turns_graphs_off_and_the_step_still_runs(tiny_model, monkeypatch, caplog):
+    def refuse(self, rows):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(CUDAGraphRunner, "_capture", refuse)
+    llm = LLM(str(tiny_model), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
+    prompts = [[5, 9, 2, 7], [4, 4, 8]]
+    out = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 5 and o.error is None for o in out)
+    assert "capture failed" in (llm.runner.graph_runner.off_reason or "")
+    assert sum("CUDA graphs off" in r.getMessage() for r in caplog.records) == 1
