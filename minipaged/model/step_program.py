@@ -81,8 +81,9 @@ class StepProgram:
     def is_current(self) -> bool:
         """True while the model's weights are the ones the program was built from: none changed in place (its
         version), had its storage swapped (its address) or was replaced by a new parameter (a module's weight
-        assigned, ``load_state_dict(assign=True)``: counted process-wide). Asked every step: a walk over the
-        model's modules for its parameters took half a millisecond, this one a few dozen microseconds."""
+        assigned, ``load_state_dict(assign=True)``: counted process-wide). Asked every step, so it reads a kept
+        list instead of walking the model's modules: about 0.3 ms a step on SmolLM2 (271 parameters, read
+        cache-cold after the GEMMs; a 2-core Xeon)."""
         return self.key == self.weights_key(self.params)
 
     @classmethod
