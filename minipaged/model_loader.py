@@ -312,6 +312,7 @@ def save_tiny_llama(
     intermediate_size: int = 96,
     seed: int = 0,
     vocab_size: int = 96,
+    num_hidden_layers: int = 2,
 ) -> Path:
     """A tiny random Llama (seeded: the same weights everywhere) saved as a model folder without a tokenizer,
     whose prompts are token ids: for tests, and for the capstone's second model shape."""
@@ -323,7 +324,7 @@ def save_tiny_llama(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=128,

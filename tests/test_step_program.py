@@ -14,6 +14,7 @@ from minipaged.kernels import torch_backend as TB
 from minipaged.model import AttentionMetadata, LlamaForCausalLM
 from minipaged.model.llama import Linear, MergedLinear, RMSNorm, RotaryEmbedding, onednn_ops, packed_rows
 from minipaged.model.step_program import StepProgram
+from minipaged.model_loader import save_tiny_llama
 
 needs_kernel = pytest.mark.skipif(
     cpu_kernel.unavailable_reason() is not None,
@@ -89,26 +90,15 @@ def test_merged_linear_is_the_separate_projections_and_follows_their_weights():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A small Llama with SmolLM2's head_dim (64, so the kernel's AVX-512 tile runs where there is one) and GQA."""
-    from transformers import LlamaConfig
-    from transformers import LlamaForCausalLM as HFLlama
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=192,
-        intermediate_size=320,
-        num_hidden_layers=3,
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("step-program-llama"),
         num_attention_heads=3,
         num_key_value_heads=1,
-        head_dim=64,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
+        hidden_size=192,
+        intermediate_size=320,
+        vocab_size=256,
+        num_hidden_layers=3,
     )
-    path = tmp_path_factory.mktemp("step-program-llama")
-    HFLlama(config).eval().save_pretrained(path)
-    return path
 
 
 def mixed_step(block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
