@@ -1,10 +1,10 @@
 """The engine's CPU attention: the reference's computation, batched and planned once per step.
 
 ``reference.py`` says what paged attention computes, one sequence at a time. On a CPU
-the engine needs the same numbers faster. Decodes and short prefill chunks go to the
-compiled kernel (``cpu_kernel``), which reads K/V in place through the block tables;
-prefills longer than ``KERNEL_MAX_Q_LEN`` rows are GEMM-shaped work, and SDPA on their
-gathered context does them faster. Where the kernel cannot run (no compiler), one-token
+the engine needs the same numbers faster. Decodes and prefill chunks go to the compiled
+kernel (``cpu_kernel``), which reads K/V in place through the block tables; prefills longer
+than ``KERNEL_MAX_Q_LEN`` rows (2048 by default, so none under the default token budget) go
+to SDPA on their gathered context. Where the kernel cannot run (no compiler), one-token
 sequences of similar length are attended together instead, their K/V gathered with
 ``index_select`` (whole rows, memcpy speed). Either way the plan (``plan_attention``) is
 built once per step and reused by every layer. ``tests/test_kernels.py`` and
