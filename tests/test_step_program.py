@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minipaged import hooks
+from minipaged import hooks, profiling
 from minipaged.kernels import cpu_kernel
 from minipaged.kernels import torch_backend as TB
 from minipaged.model import AttentionMetadata, LlamaForCausalLM
@@ -253,19 +253,27 @@ def test_a_built_program_knows_when_its_weights_changed(model_dir):
 
 @needs_kernel
 @pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
-@pytest.mark.parametrize("fast", [True, False], ids=["fast span", "record_function"])
+@pytest.mark.parametrize(
+    "fast",
+    [
+        pytest.param(
+            True,
+            id="fast span",
+            marks=pytest.mark.skipif(profiling._FAST is None, reason="this PyTorch has no _RecordFunctionFast"),
+        ),
+        pytest.param(False, id="record_function"),
+    ],
+)
 def test_a_profile_names_the_model_its_attention_and_its_norms(model_dir, fast, monkeypatch):
     """What ``benchmarks/bench_engine.py`` splits the model's time with: every step a ``model`` span, and inside
     it 2 ``rms_norm`` and 1 ``paged_attention`` span per layer (the compiled calls, invisible to the profiler
     otherwise) next to the GEMMs; with the fast span or, where PyTorch lacks it, the public one."""
     from torch.profiler import ProfilerActivity, profile
 
-    from minipaged import LLM, SamplingParams, profiling
+    from minipaged import LLM, SamplingParams
 
     if not fast:
         monkeypatch.setattr(profiling, "_FAST", None)
-    elif profiling._FAST is None:
-        pytest.skip("this PyTorch has no _RecordFunctionFast")
     llm = LLM(str(model_dir), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
     prompts = [[5, 9, 2, 7, 1, 3] * 3, [4, 4, 8]]
     llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
