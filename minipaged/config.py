@@ -72,6 +72,7 @@ _RULES: dict[str, Callable[[str, Any], Any]] = {
     "master_port": lambda n, v: check_int(n, v, 1, 65535),
     "distributed_timeout_s": lambda n, v: _positive_number(n, v),
     "enforce_eager": _boolean,
+    "speculative_config": lambda n, v: SpeculativeConfig.parse(v),
 }
 
 
@@ -86,18 +87,77 @@ def check_knobs(config: object) -> None:
             rule(f.name, value)
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (vLLM's ``SpeculativeConfig`` with ``method="ngram"``).
+
+    Each step, a decoding request whose last ``n`` tokens (``prompt_lookup_min <= n <= prompt_lookup_max``, the
+    longest that matches) occurred earlier in its own context proposes the up to ``num_speculative_tokens``
+    tokens that followed them there; one forward pass checks them all (``spec_decode.py``). Left unset, both
+    lookup lengths are 5, or each is the other when only one is given: vLLM's defaults
+    (``vllm/config/speculative.py``).
+    """
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(
+                f"speculative_config method must be 'ngram' (prompt lookup: no draft model), got {self.method!r}"
+            )
+        check_int("speculative_config num_speculative_tokens", self.num_speculative_tokens, 1)
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+        check_int("speculative_config prompt_lookup_min", lo, 1)
+        check_int("speculative_config prompt_lookup_max", hi, 1)
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min={lo} is larger than prompt_lookup_max={hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig | None:
+        """None, a ``SpeculativeConfig``, a dict of its fields, or that dict as JSON text (the command line's
+        ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'``)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                "speculative_config must be a dict such as {'method': 'ngram', 'num_speculative_tokens': 4} "
+                f"(or its JSON text), got {value!r}"
+            )
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; it takes {sorted(known)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens (drafts per step, e.g. 4)")
+        return cls(**value)
+
+
 @dataclass
 class SchedulerConfig:
-    """The scheduler's four knobs, derived from a ``Config`` by ``Config.scheduler_config`` (the engine, the
+    """The scheduler's knobs, derived from a ``Config`` by ``Config.scheduler_config`` (the engine, the
     simulator), or written directly by a test; either way checked by the same rules."""
 
     max_num_seqs: int = 256  # requests in one step
     max_num_batched_tokens: int = 2048  # tokens in one step: the token budget
     max_model_len: int = 8192  # prompt + output, per request
     preemption_mode: str = "recompute"  # "swap" needs swap space: KVCacheManager(num_cpu_blocks=...)
+    speculative_config: SpeculativeConfig | dict | str | None = None  # draft tokens by prompt lookup
 
     def __post_init__(self) -> None:
         check_knobs(self)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
 
 @dataclass
@@ -131,6 +191,9 @@ class Config:
             before the engine calls it hung and ends every rank.
         enforce_eager: on a GPU, run every step eagerly instead of replaying decode steps from CUDA graphs
             (``model/cuda_graphs.py``); vLLM's name. Nothing changes on a CPU.
+        speculative_config: speculative decoding by prompt lookup, as vLLM takes it: a ``SpeculativeConfig``, a
+            dict or its JSON text, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
+            "prompt_lookup_max": 3, "prompt_lookup_min": 2}`` (``spec_decode.py``). None: no speculation.
     """
 
     model: str | os.PathLike | None = None
@@ -156,6 +219,7 @@ class Config:
     master_port: int | None = None
     distributed_timeout_s: float = 60.0
     enforce_eager: bool = False
+    speculative_config: SpeculativeConfig | dict | str | None = None
     # resolved by __post_init__
     torch_device: torch.device = field(init=False, repr=False)
     swap_space_bytes: int = field(init=False, repr=False)
@@ -163,6 +227,7 @@ class Config:
 
     def __post_init__(self) -> None:
         check_knobs(self)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.swap_space_bytes = parse_memory(self.swap_space, "swap_space")
         if self.preemption_mode == "swap" and not (self.swap_space_bytes or self.num_cpu_blocks_override):
             raise ValueError(
@@ -195,6 +260,7 @@ class Config:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=8192 if length is None else length,
             preemption_mode=self.preemption_mode,
+            speculative_config=self.speculative_config,
         )
 
     @classmethod

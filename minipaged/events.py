@@ -66,6 +66,8 @@ class StepEvent:
     finished: tuple[str, ...]
     prefix_queries: int  # prompt tokens looked up in the prefix cache this step ...
     prefix_hits: int  # ... and how many it held
+    drafts: int = 0  # speculative decoding: draft tokens checked this step ...
+    accepted: int = 0  # ... and how many the model accepted
     num_null_blocks: int = 1  # block 0: never handed out (padding in block tables)
 
     @property
@@ -124,6 +126,8 @@ def step_event(scheduler: Scheduler, result: StepResult, step: int, now: float, 
         finished=tuple(r.request_id for r in result.finished),
         prefix_queries=result.prefix_queries,
         prefix_hits=result.prefix_hits,
+        drafts=result.drafts,
+        accepted=result.accepted,
     )
 
 

@@ -317,6 +317,26 @@ class KVCacheManager:
             self._attach_hasher(child)
             self.num_cached_block[child.request_id] = self.num_cached_block.get(parent.request_id, 0)
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's blocks past the first ``cdiv(num_tokens, block_size)``, tail first; returns
+        how many. Speculative decoding allocates slots for drafts; when the model rejects some, the blocks that
+        held only rejected drafts go back to the free queue at once (block_size 4, 6 tokens, 5 drafts)::
+
+            before the step   [b3: t0-t3][b8: t4 x . .]             6 tokens; x, the last, has no K/V yet
+            the step          [b3][b8: t4 x d0 d1][b5: d2 d3 d4 .]   writes x and five drafts' K/V
+            d0 accepted       t0 ... t4 x d0 y                       8 tokens (y: the model's, not d1)
+            trim(req, 8)      [b3][b8]                               b5 held only rejected drafts: freed
+
+        None of those blocks is in the prefix cache: only blocks full of real tokens are hashed."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        keep = cdiv(num_tokens, self.block_size)
+        if len(blocks) <= keep:
+            return 0
+        spare = blocks[keep:]
+        self.block_pool.free_blocks(reversed(spare))  # checks first: raises with nothing changed
+        del blocks[keep:]
+        return len(spare)
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write block copies (source, destination) decided since the last call."""
         copies, self.pending_copies = self.pending_copies, []

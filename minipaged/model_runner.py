@@ -45,6 +45,7 @@ from .model.llama import config_from_dict
 from .profiling import span
 from .sampler import Sampler
 from .scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from .spec_decode import verify
 from .utils import cdiv
 
 if TYPE_CHECKING:
@@ -64,6 +65,9 @@ def step_inputs(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int]
         sample_rows [3, 4, 7, 7]                            (the row of each sampled token: a request's last
                                                              row, once per sample, none mid-prompt)
 
+    A decode with drafts (speculative decoding) is sampled at its last real token's row and at every draft's
+    row: B decoding at 7 with drafts d0 d1 feeds ``[b7 d0 d1]`` at positions 7..9 and adds rows ``[4, 5, 6]``.
+
     Returns ``(input_ids, positions, cu_seqlens_q, seq_lens, sample_rows)`` as lists; ``prepare_inputs``
     copies them into the runner's reused buffers. vLLM's ``GPUModelRunner._prepare_inputs`` builds the same
     arrays (its ``query_start_loc`` is our ``cu_seqlens_q``).
@@ -79,7 +83,10 @@ def step_inputs(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int]
         positions += range(s.start, end)
         cu.append(cu[-1] + s.num_new_tokens)
         seq_lens.append(end)
-        sample_rows += [cu[-1] - 1] * s.num_samples
+        if s.spec_token_ids:  # verification: one row per draft and one for the last real token
+            sample_rows += range(cu[-1] - 1 - len(s.spec_token_ids), cu[-1])
+        else:
+            sample_rows += [cu[-1] - 1] * s.num_samples
     return ids, positions, cu, seq_lens, sample_rows
 
 
@@ -351,15 +358,35 @@ class ModelRunner:
         logits = self.forward_step(out) if self.executor is None else self.executor.step(self.forward_step, out)
         assert logits is not None  # rank 0 gathers every rank's slice of the vocabulary
         t2 = time.perf_counter()
-        keys, params, offsets, owners = [], [], [], []
+        keys, params, offsets, owners, rows = [], [], [], [], []
+        verifying: list[tuple[ScheduledRequest, int]] = []  # requests with drafts, and their first logit row
+        row = 0
         for s in out.scheduled:
+            if s.spec_token_ids:
+                verifying.append((s, row))
+                row += len(s.spec_token_ids) + 1
+                continue
             root, first = s.sample_key
             for j in range(s.num_samples):  # the j-th sample of a request draws from seed + j
                 keys.append((root, first + j))
                 offsets.append(first + j)
                 params.append(s.sampling_params)
                 owners.append(s.request_id)
-        tokens, errors = self.sampler.sample(logits, keys, params, offsets)
+                rows.append(row)
+                row += 1
+        if row != logits.shape[0]:
+            raise RuntimeError(f"the step has {logits.shape[0]} sampling rows but its requests need {row}")
+        plain = logits if not verifying else logits[rows]
+        tokens, errors = self.sampler.sample(plain, keys, params, offsets)
+        for s, first_row in verifying:
+            verified, why = verify(
+                self.sampler, logits[first_row : first_row + len(s.spec_token_ids) + 1], s.spec_token_ids,
+                s.sample_key, s.sampling_params, s.sample_key[1],
+            )  # fmt: skip
+            if why is not None:
+                result.errors[s.request_id] = why
+            else:
+                result.sampled[s.request_id] = verified
         for row, (rid, token) in enumerate(zip(owners, tokens)):
             if row in errors:
                 result.errors.setdefault(rid, errors[row])

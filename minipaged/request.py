@@ -75,6 +75,8 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list, repr=False)  # one per output token
     finish_time: float | None = None
+    # ---- speculative decoding (spec_decode.py) ----
+    spec_token_ids: list[int] = field(default_factory=list, repr=False)  # drafts for the next step, not yet checked
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = self._check_tokens("prompt_token_ids", self.prompt_token_ids)
@@ -103,6 +105,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Its tokens and the drafts proposed for them (vLLM's name): what the next step may compute."""
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -54,6 +54,7 @@ from .config import Config, SchedulerConfig
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
+from .spec_decode import NgramProposer, SpecDecodingStats
 from .utils import cdiv
 
 
@@ -105,9 +106,9 @@ _POLICY = Policy()  # no policy plugged: the package's rules
 
 
 def prefill_chunk(req: Request, computed: int, token_budget: int, policy: Policy = _POLICY) -> int:
-    """New tokens for ``req`` (``computed`` of its tokens in the cache) this step: all it still needs, capped by
-    the budget, and by the policy's cap for it if there is one."""
-    return min(req.num_tokens - computed, token_budget, policy.caps.get(req.request_id, token_budget))
+    """New tokens for ``req`` (``computed`` of its tokens in the cache) this step: all it still needs (with
+    speculative decoding, its drafts too), capped by the budget, and by the policy's cap for it if there is one."""
+    return min(req.num_tokens_with_spec - computed, token_budget, policy.caps.get(req.request_id, token_budget))
 
 
 def take_victim(running: list[Request], first: int, policy: Policy = _POLICY) -> Request:
@@ -223,6 +224,11 @@ class Scheduler:
         # Requests that left since the last step, and their random streams: sent with the next step, for the
         # runner to drop what it keeps for them (bounded by the requests that finish between two steps).
         self.finished_req_ids: dict[str, tuple[str, int]] = {}
+        # Speculative decoding (spec_decode.py): drafts by prompt lookup, proposed at the start of each step.
+        spec = config.speculative_config
+        assert spec is None or not isinstance(spec, (dict, str))  # SchedulerConfig parsed it
+        self.proposer = None if spec is None else NgramProposer(spec)
+        self.spec_decoding_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
 
     @classmethod
     def from_config(
@@ -295,6 +301,7 @@ class Scheduler:
         free_seats = self.config.max_num_seqs - sum(num_seqs_when_running(r) for r in self.running)
         policy, order = ask_policy(self.running, self.waiting, free_seats)  # before anything changes
         self.kv.commit_step()
+        self.propose_drafts()
         out = SchedulerOutput(block_size=self.block_size)
         budget = self.config.max_num_batched_tokens
         if order is not None:
@@ -338,6 +345,19 @@ class Scheduler:
         out.finished_req_ids, out.finished_sample_keys = self.take_finished()
         return out
 
+    def propose_drafts(self) -> None:
+        """Speculative decoding: each running request past its prompt gets drafts for this step (vLLM proposes
+        them at the end of the step before; the tokens are the same). Capped so that all of them and the token
+        after them stay within ``max_tokens`` and ``max_model_len``."""
+        if self.proposer is None:
+            return
+        for req in self.running:
+            decoding = req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
+            room = min(
+                req.sampling_params.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens
+            )
+            req.spec_token_ids = self.proposer.propose(req.all_token_ids, room - 1) if decoding else []
+
     def take_finished(self) -> tuple[list[str], list[tuple[str, int]]]:
         """The requests that left since the last call, and their random streams; forgets them. ``schedule`` sends
         them with the next step; an engine with nothing left to schedule hands them to its runner itself."""
@@ -354,9 +374,15 @@ class Scheduler:
                     f"request {rid!r} scheduled with {num_new} new tokens ({req.num_computed_tokens} "
                     f"of {req.num_tokens} computed): scheduler state is broken"
                 )
-            samples = req.num_computed_tokens + num_new == req.num_tokens  # every known token computed
+            start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
+            if end > req.num_tokens_with_spec:
+                raise RuntimeError(
+                    f"request {rid!r} scheduled with {num_new} new tokens ({start} of {req.num_tokens} computed, "
+                    f"{len(req.spec_token_ids)} drafts): scheduler state is broken"
+                )
+            samples = end >= req.num_tokens  # every known token computed (drafts too, if any)
             first = req.num_output_tokens == 0 and req.parent_id is None
-            start = req.num_computed_tokens
+            spec = req.spec_token_ids[: end - req.num_tokens] if end > req.num_tokens else []
             out.scheduled.append(
                 ScheduledRequest(
                     request_id=rid,
@@ -364,10 +390,11 @@ class Scheduler:
                     start=start,
                     block_ids=self.kv.get_block_ids(rid),
                     num_samples=(req.sampling_params.n if first else 1) if samples else 0,
-                    token_ids=req.all_token_ids[start : start + num_new],
+                    token_ids=req.all_token_ids[start:end] + spec,
                     sampling_params=req.sampling_params,
                     sample_key=req.sample_key,
                     num_prompt_tokens=req.num_prompt_tokens,
+                    spec_token_ids=spec,
                 )
             )
         return sum(n for _, n in scheduled)
@@ -377,6 +404,7 @@ class Scheduler:
         """Take ``req`` off the device: swap its blocks to CPU if there is room, else recompute later."""
         self.num_preemptions += 1
         out.preempted.append(req.request_id)
+        req.spec_token_ids = []  # drafts are proposed again once it decodes again
         copies = self.kv.swap_out(req) if self.config.preemption_mode == "swap" else None
         if copies is not None:
             out.swap_out.extend(copies)
@@ -402,7 +430,9 @@ class Scheduler:
 
         A request that samples gets exactly one token, except the first sample of
         an ``n > 1`` request, which gets ``n``: one for itself and one for each
-        sibling forked from it here. Returns the requests that finished this step.
+        sibling forked from it here, and a request with drafts, which gets the drafts
+        the model accepted and one token of the model's own (``spec_decode.verify``).
+        Returns the requests that finished this step.
         """
         # Check everything first, change nothing until it all holds: a step happens or it does not.
         # A request that finished with an error mid-step is gone from ``requests``: skip it.
@@ -412,10 +442,20 @@ class Scheduler:
             if not s.samples:
                 if tokens is not None:
                     raise ValueError(f"request {req.request_id!r} got a token in a step that does not sample")
+            elif s.spec_token_ids:
+                spec = s.spec_token_ids
+                if tokens is None or not 1 <= len(tokens) <= len(spec) + 1 or tokens[:-1] != spec[: len(tokens) - 1]:
+                    raise ValueError(
+                        f"request {req.request_id!r} verified drafts {spec}: it needs the accepted drafts and one "
+                        f"token of the model's own, got {tokens!r}"
+                    )
             elif tokens is None or len(tokens) != s.num_samples:
                 raise ValueError(f"request {req.request_id!r} needs {s.num_samples} sampled token(s), got {tokens!r}")
         finished: list[Request] = []
         for s, req in live:
+            if s.spec_token_ids:
+                finished += self._accept(s.spec_token_ids, req, sampled[req.request_id], s.num_new_tokens, now)
+                continue
             req.num_computed_tokens += s.num_new_tokens
             if not s.samples:
                 continue
@@ -425,6 +465,22 @@ class Scheduler:
                     finished += self._fork(req, j, token, now)
             finished += self._append_token(req, tokens[0], now)
         return finished
+
+    def _accept(self, spec: list[int], req: Request, tokens: list[int], num_new: int, now: float) -> list[Request]:
+        """A verification step's result: the accepted drafts and the model's token, appended one at a time (a
+        stop token or ``max_tokens`` among them ends the request there); the K/V of the real tokens and the
+        accepted drafts count as computed, and the blocks that held only rejected drafts go back to the pool."""
+        assert self.spec_decoding_stats is not None  # drafts come from the proposer
+        self.spec_decoding_stats.observe(len(spec), len(tokens) - 1)
+        req.num_computed_tokens += num_new - len(spec)  # the real tokens fed this step
+        req.spec_token_ids = []  # checked: the next step proposes again
+        for j, token in enumerate(tokens):
+            if j:  # the draft before this token was accepted: its K/V, written this step, is the right one
+                req.num_computed_tokens += 1
+            if done := self._append_token(req, token, now):
+                return done
+        self.kv.trim(req, req.num_tokens)
+        return []
 
     def _fork(self, parent: Request, index: int, token: int, now: float) -> list[Request]:
         child = Request(

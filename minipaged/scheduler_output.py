@@ -6,7 +6,9 @@ needs nothing else to build the step's tensors::
 
     SchedulerOutput
       scheduled = [ScheduledRequest("a", start=32, num_new_tokens=16, token_ids=[...16 ids], block_ids=[7, 2, 9]),
-                   ScheduledRequest("b", start=40, num_new_tokens=1,  token_ids=[last id],    block_ids=[4, 5, 6])]
+                   ScheduledRequest("b", start=40, num_new_tokens=1,  token_ids=[last id],    block_ids=[4, 5, 6]),
+                   ScheduledRequest("c", start=9,  num_new_tokens=3,  token_ids=[last id, d0, d1],
+                                    spec_token_ids=[d0, d1], block_ids=[3])]    # c: a decode with two drafts
       swap_out / swap_in / copy_blocks      block copies to do before the forward
       preempted                             ids taken off the device this step
       finished_req_ids, finished_sample_keys   ids that left since the last step, and their random streams:
@@ -32,10 +34,14 @@ class ScheduledRequest:
     start: int  # position of its first new token (= tokens already computed)
     block_ids: list[int]  # its block table after this step's allocation
     num_samples: int  # tokens to sample after this step: 0 mid-prompt, n on an n > 1 request's first, else 1
+    #                   (with drafts: 1 verification, which emits 1 to len(spec_token_ids) + 1 tokens)
     token_ids: list[int] = field(default_factory=list)  # the tokens at positions start .. start + num_new_tokens - 1
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     sample_key: tuple[str, int] = ("", 0)  # its random stream: (the request it samples for, which sample)
     num_prompt_tokens: int = 0
+    # Speculative decoding: the drafts among token_ids (its last len(spec_token_ids) tokens). The runner then
+    # samples every row from the last real token on and keeps the drafts the model agrees with.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:

@@ -327,6 +327,8 @@ class SimConfig(Config):
         for name in ("num_gpu_blocks_override", "max_model_len"):
             if getattr(self, name) is None:
                 raise ValueError(f"the simulator needs {name}: it has no model to derive it from")
+        if self.speculative_config is not None:
+            raise ValueError("the simulator cannot speculate: it has no model to check drafts with")
 
     @property
     def num_blocks(self) -> int:

@@ -47,8 +47,8 @@ class Executor(Protocol):
 @dataclass
 class StepResult:
     """What one step did: the scheduler's output, the requests that finished in it (failed ones included),
-    the seconds spent in each of the three calls, and the prompt tokens its admissions looked up in the prefix
-    cache and found there."""
+    the seconds spent in each of the three calls, the prompt tokens its admissions looked up in the prefix
+    cache and found there, and (speculative decoding) the drafts it checked and accepted."""
 
     output: SchedulerOutput
     finished: list[Request]
@@ -57,6 +57,8 @@ class StepResult:
     update_s: float
     prefix_queries: int = 0
     prefix_hits: int = 0
+    drafts: int = 0
+    accepted: int = 0
 
     def stats(self, scheduler: Scheduler, now: float) -> dict[str, Any]:
         """The step as one row of ``LLM.step_stats`` (what the widgets and benchmarks plot)."""
@@ -68,6 +70,8 @@ class StepResult:
             blocks_used=kv.num_blocks - 1 - kv.get_num_free_blocks(),
             tokens=self.output.total_num_scheduled_tokens,
             preempted=len(self.output.preempted),
+            drafts=self.drafts,
+            accepted=self.accepted,
         )
 
 
@@ -110,8 +114,9 @@ def _forget_prefix_cache(kv: KVCacheManager) -> Callable[[], None]:
 def schedule_execute_update(scheduler: Scheduler, executor: Executor, now: Callable[[], float]) -> StepResult:
     """The three calls, each timed. Rows the executor could not sample finish their requests with an error
     before the update, which then skips them; the update applies everything else at once."""
-    kv = scheduler.kv
+    kv, spec = scheduler.kv, scheduler.spec_decoding_stats
     queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+    drafts, accepted = (0, 0) if spec is None else (spec.num_draft_tokens, spec.num_accepted_tokens)
     t0 = time.perf_counter()
     out = scheduler.schedule()
     t1 = time.perf_counter()
@@ -121,9 +126,12 @@ def schedule_execute_update(scheduler: Scheduler, executor: Executor, now: Calla
     finished = [r for r in failed if r is not None] + scheduler.update_from_output(out, result.sampled, now=now())
     release_if_idle(scheduler, executor)
     t3 = time.perf_counter()
+    if spec is not None:
+        drafts, accepted = spec.num_draft_tokens - drafts, spec.num_accepted_tokens - accepted
     return StepResult(
-        out, finished, t1 - t0, t2 - t1, t3 - t2, kv.prefix_cache_queries - queries, kv.prefix_cache_hits - hits
-    )
+        out, finished, t1 - t0, t2 - t1, t3 - t2, kv.prefix_cache_queries - queries, kv.prefix_cache_hits - hits,
+        drafts, accepted,
+    )  # fmt: skip
 
 
 def release_if_idle(scheduler: Scheduler, executor: Executor) -> None:

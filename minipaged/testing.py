@@ -12,6 +12,14 @@ through its block table and checks it. A wrong swap, a missed copy-on-write, a
 prefix hit on the wrong block or a block reused while still owned would all
 show up there.
 
+Its tokens depend only on the request and the position (``sample_at``), so a run
+with speculative decoding must give every request the very tokens of a run
+without. With ``period`` the tokens repeat every ``period`` positions, so prompt
+lookup finds drafts the fake model accepts; drafts are checked as the runner
+checks them (``spec_decode.verify``), and their K/V are written and read back
+like any token's: a rejected draft's value left where a later token should be
+would show up.
+
 The checks are ``assert`` statements: do not run this module under ``python -O``.
 """
 
@@ -65,6 +73,8 @@ class Driver:
         max_num_seqs=8,
         max_model_len=256,
         seed=0,
+        spec_k=0,
+        period=None,
     ):
         self.kv = KVCacheManager(
             block_size,
@@ -79,12 +89,16 @@ class Driver:
                 max_num_batched_tokens=budget,
                 max_model_len=max_model_len,
                 preemption_mode=mode,
+                speculative_config=(
+                    dict(num_speculative_tokens=spec_k, prompt_lookup_min=1, prompt_lookup_max=3) if spec_k else None
+                ),
             ),
             self.kv,
         )
         self.cache = CacheEngine(1, num_blocks, block_size, 1, 1, num_cpu_blocks=num_cpu_blocks)
-        self.rng = random.Random(seed)
+        self.seed = seed
         self.block_size = block_size
+        self.period = period
         self.steps = 0
         # The scheduler forgets a request when it finishes: the driver keeps every request it saw
         # (forks included) and every finish it was told of, to check each finishes exactly once.
@@ -101,7 +115,13 @@ class Driver:
         return req
 
     def sample(self, req: Request) -> int:
-        return random.Random(f"{req.request_id}/{req.num_tokens}").randrange(0, 40)
+        return self.sample_at(req.request_id, req.num_tokens)
+
+    def sample_at(self, request_id: str, position: int) -> int:
+        """The fake model's token at ``position`` of a request: the same whatever the batch, the drafts, or the
+        preemptions (every ``period`` positions the same again, when set)."""
+        step = position if self.period is None else position % self.period
+        return random.Random(f"{self.seed}/{request_id}/{step}").randrange(0, 40)
 
     def step(self):
         """One step through ``step.run_step``, the engine's own driver, with this fake model as the executor."""
@@ -129,8 +149,12 @@ class Driver:
         assert len(set(slots.tolist())) == slots.numel()  # no two tokens written to one slot
         requests = {s.request_id: self.sched.requests[s.request_id] for s in out.scheduled}  # the step's, by id
         self._step_requests = requests
+        # The tokens each scheduled request feeds: its own, then this step's drafts (speculative decoding).
+        fed = {s.request_id: requests[s.request_id].all_token_ids + s.spec_token_ids for s in out.scheduled}
+        for s in out.scheduled:
+            assert s.token_ids == fed[s.request_id][s.start : s.start + s.num_new_tokens]
         values = [
-            prefix_value(requests[s.request_id].all_token_ids[: p + 1])
+            prefix_value(fed[s.request_id][: p + 1])
             for s in out.scheduled
             for p in range(s.start, s.start + s.num_new_tokens)
         ]
@@ -138,14 +162,20 @@ class Driver:
         # Like a model layer, a step writes its new K/V first, then attends: every position up to the
         # last new one must now hold its own prefix's value (prefix hits may read blocks written this step).
         for s in out.scheduled:
-            tokens = requests[s.request_id].all_token_ids
+            tokens = fed[s.request_id]
             for p in range(s.start + s.num_new_tokens):
                 slot = s.block_ids[p // bs] * bs + p % bs
                 assert kcache[slot] == prefix_value(tokens[: p + 1]), (s.request_id, p, self.steps)
-        # The first sample of each request comes from ``sample``; the extra samples of an n > 1 fork are random.
         sampled = fake_samples(out, lambda s: self.sample(requests[s.request_id]))
-        for tokens in sampled.values():
-            tokens[1:] = [self.rng.randrange(0, 40) for _ in tokens[1:]]
+        for rid, tokens in sampled.items():  # an n > 1 request's siblings: each its own token
+            tokens[1:] = [self.sample_at(f"{rid}#{j}", requests[rid].num_tokens) for j in range(1, len(tokens))]
+        for s in out.scheduled:  # verification: the accepted drafts, then the model's own token
+            if s.spec_token_ids:
+                tokens = sampled[s.request_id] = []
+                for i in range(len(s.spec_token_ids) + 1):
+                    tokens.append(self.sample_at(s.request_id, s.start + i + 1))
+                    if i == len(s.spec_token_ids) or tokens[-1] != s.spec_token_ids[i]:
+                        break
         return RunnerOutput(sampled)
 
     def release(self, sample_keys: list[tuple[str, int]]) -> None:
@@ -173,6 +203,8 @@ def random_config(rng: random.Random) -> dict:
         budget=rng.choice([1, 3, 8, 32, 128]),
         max_num_seqs=rng.randint(1, 8),
         max_model_len=rng.choice([16, 48, 200]),
+        spec_k=rng.choice([0, 0, 1, 3, 5]),
+        period=rng.choice([None, None, 2, 5]),
     )
 
 
@@ -183,7 +215,7 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
     blocks, budgets down to 1 token, both preemption modes, swap space down to one
     block, caching on or off), then up to 12 requests, half of them sharing a
     prefix, some with n = 2 or 3, some stopping at EOS, and runs them to the end
-    with the data-checking ``Driver``. In the end every request must have finished
+    with the data-checking ``Driver``, speculating in some rounds (1 to 5 drafts). In the end every request must have finished
     exactly once with the right number of tokens, and every block must be free.
     """
     rng = random.Random(seed)
@@ -197,6 +229,8 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
         prefix_hit_tokens=0,
         rejected=0,
         forks=0,
+        drafts=0,
+        accepted_drafts=0,
     )
     while seen["steps"] < total_steps:
         cfg = random_config(rng)
@@ -236,4 +270,7 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
         seen["preemptions"] += d.sched.num_preemptions
         seen["rejected"] += sum(r.finish_reason == "rejected" for r in d.requests.values())
         seen["forks"] += sum(r.parent_id is not None for r in d.requests.values())
+        if (spec := d.sched.spec_decoding_stats) is not None:
+            seen["drafts"] += spec.num_draft_tokens
+            seen["accepted_drafts"] += spec.num_accepted_tokens
     return seen

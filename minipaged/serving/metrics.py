@@ -51,6 +51,9 @@ SNAPSHOT_COUNTERS = {
     "num_preemptions_total": "Preemptions so far (recompute or swap).",
     "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits_total": "Prompt tokens the prefix cache held.",
+    "spec_decode_num_drafts_total": "Verification passes of speculative decoding (a request with drafts, a step).",
+    "spec_decode_num_draft_tokens_total": "Draft tokens checked by speculative decoding.",
+    "spec_decode_num_accepted_tokens_total": "Draft tokens the model accepted.",
 }
 
 
@@ -176,6 +179,7 @@ def engine_snapshot(llm: LLM) -> dict[str, float]:
         sched, kv = llm.scheduler, llm.kv_cache_manager
         total, free = kv.num_blocks - 1, kv.get_num_free_blocks()
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        spec = sched.spec_decoding_stats
         return {
             "num_requests_running": len(sched.running),
             "num_requests_waiting": len(sched.waiting) + len(sched.swapped),
@@ -187,6 +191,9 @@ def engine_snapshot(llm: LLM) -> dict[str, float]:
             "num_preemptions_total": sched.num_preemptions,
             "prefix_cache_queries_total": queries,
             "prefix_cache_hits_total": hits,
+            "spec_decode_num_drafts_total": 0 if spec is None else spec.num_drafts,
+            "spec_decode_num_draft_tokens_total": 0 if spec is None else spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": 0 if spec is None else spec.num_accepted_tokens,
         }
 
 
