@@ -190,3 +190,63 @@ def test_inputs_rejections_and_streaming(prompt_ids):
         assert LLM(num_gpu_blocks_override=10).max_model_len == 9 * 16  # (null block aside)
     with pytest.raises(ValueError, match="too small for one KV block"):
         LLM(kv_cache_memory="100KiB")
+
+
+# ---- speculative decoding by prompt lookup (spec_decode.py) ---------------------------------------------
+# prompt_lookup_min=1: drafts at almost every step, most of them wrong: the accept, reject and trim paths all run.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+TEXT_TO_REPEAT = (
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+    "All that glitters is not gold."
+)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(num_gpu_blocks_override=14, max_model_len=160, watermark=0.0),
+        dict(num_gpu_blocks_override=14, max_model_len=160, watermark=0.0, preemption_mode="swap", swap_space="32MiB"),
+        dict(max_num_batched_tokens=24, max_num_seqs=4),
+    ],
+    ids=["plain", "recompute", "swap", "chunked-prefix-cached"],
+)
+def test_speculative_decoding_matches_transformers(hf, prompt_ids, reference, kw):
+    llm = engine(speculative_config=SPEC, **kw)
+    check_all(llm, hf, prompt_ids, reference)
+    stats = llm.scheduler.spec_decoding_stats
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert sum(s["drafts"] for s in llm.step_stats) == stats.num_draft_tokens
+    if "num_gpu_blocks_override" in kw:
+        assert llm.scheduler.num_preemptions > 0
+    if "max_num_batched_tokens" in kw:
+        assert max(s["tokens"] for s in llm.step_stats) <= 24
+        again = llm.generate(prompt_ids[:2], GREEDY)  # served from the prefix cache, drafts and all
+        for ids, out, ref in zip(prompt_ids, again, reference):
+            assert_same_greedy(hf, ids, out.outputs[0].token_ids, ref)
+    assert llm.kv_cache_manager.get_num_free_blocks() == llm.num_blocks - 1
+
+
+def test_speculation_pays_on_a_text_to_repeat(hf):
+    from minipaged.model_loader import load_tokenizer
+
+    ids = chat_prompt_ids(load_tokenizer(), f"Repeat the following text exactly, word for word:\n\n{TEXT_TO_REPEAT}")
+    (ref,) = hf_greedy_token_ids(hf, [ids], 40)
+    llm = engine(speculative_config={**SPEC, "prompt_lookup_min": 2})
+    out = llm.generate([ids], SamplingParams(max_tokens=40, temperature=0))[0].outputs[0]
+    assert_same_greedy(hf, ids, out.token_ids, ref)
+    assert "thousand miles" in out.text
+    stats = llm.scheduler.spec_decoding_stats
+    assert stats.acceptance_rate > 0.3 and stats.mean_acceptance_length > 1.5
+    assert llm.num_steps < len(out.token_ids)  # one prefill step, then fewer decode steps than tokens
+
+
+def test_speculation_keeps_seeded_samples(prompt_ids):
+    """Each emitted token costs one draw from its request's stream, as without speculation: same seed, same
+    tokens (n = 3 samples included)."""
+    p = SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=5, n=3)
+    plain = engine().generate([prompt_ids[2], prompt_ids[7]], p)
+    spec = engine(speculative_config=SPEC)
+    ours = spec.generate([prompt_ids[2], prompt_ids[7]], p)
+    assert [[o.token_ids for o in r.outputs] for r in ours] == [[o.token_ids for o in r.outputs] for r in plain]
+    assert spec.scheduler.spec_decoding_stats.num_drafts > 0
