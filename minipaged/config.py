@@ -109,10 +109,11 @@ class SpeculativeConfig:
                 f"speculative_config method must be 'ngram' (prompt lookup: no draft model), got {self.method!r}"
             )
         check_int("speculative_config num_speculative_tokens", self.num_speculative_tokens, 1)
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
-        check_int("speculative_config prompt_lookup_min", lo, 1)
-        check_int("speculative_config prompt_lookup_max", hi, 1)
+        given_lo, given_hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if given_lo is None and given_hi is None:
+            given_lo = given_hi = 5
+        lo = check_int("speculative_config prompt_lookup_min", given_hi if given_lo is None else given_lo, 1)
+        hi = check_int("speculative_config prompt_lookup_max", given_lo if given_hi is None else given_hi, 1)
         if lo > hi:
             raise ValueError(f"speculative_config prompt_lookup_min={lo} is larger than prompt_lookup_max={hi}")
         object.__setattr__(self, "prompt_lookup_min", lo)

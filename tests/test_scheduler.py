@@ -176,7 +176,15 @@ def test_fuzz_ten_thousand_steps():
     seen = fuzz(10_000, seed=1)
     print(f"fuzz: {seen}, {time.perf_counter() - t0:.1f} s")
     assert seen["steps"] >= 10_000
-    for what in ("preemptions", "swapped_blocks", "cow_copies", "prefix_hit_tokens", "rejected", "forks", "accepted_drafts"):
+    for what in (
+        "preemptions",
+        "swapped_blocks",
+        "cow_copies",
+        "prefix_hit_tokens",
+        "rejected",
+        "forks",
+        "accepted_drafts",
+    ):
         assert seen[what] > 0, f"the fuzz never exercised {what}"
 
 

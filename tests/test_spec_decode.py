@@ -33,7 +33,12 @@ def test_config_defaults_follow_vllm():
     from_json = Config(speculative_config='{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}')
     assert from_json.speculative_config == SpeculativeConfig(2, prompt_lookup_min=3, prompt_lookup_max=3)
     assert Config().scheduler_config().speculative_config is None
-    assert Config(speculative_config={"num_speculative_tokens": 2}).scheduler_config().speculative_config.num_speculative_tokens == 2
+    assert (
+        Config(speculative_config={"num_speculative_tokens": 2})
+        .scheduler_config()
+        .speculative_config.num_speculative_tokens
+        == 2
+    )
 
 
 @pytest.mark.parametrize(
