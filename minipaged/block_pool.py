@@ -301,6 +301,9 @@ class BlockPool:
         # Block 0 leaves the queue for good: never handed out, freed or cached.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        # (block id, hash) of each cached block evicted to hold new tokens, while someone listens (a KV
+        # offloading connector copies them to CPU memory before the step overwrites them; None: nobody).
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_gpu_blocks(self) -> int:  # vLLM's name for the same number
@@ -322,12 +325,19 @@ class BlockPool:
         return (part or get_new_blocks)(self, num_blocks)
 
     def evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """Drop ``block``'s hash from the cache map: it is about to hold new tokens, or its contents
-        were never written (a failed step). Returns whether it had a hash."""
+        """Drop ``block``'s hash from the cache map: it is about to hold new tokens. Returns whether it had a
+        hash (recorded in ``evicted`` when someone listens)."""
         return self._maybe_evict_cached_block(block)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drop ``block``'s hash from the cache map (it is about to hold new tokens)."""
+        if self.evicted is not None and block.block_hash is not None:
+            self.evicted.append((block.block_id, block.block_hash))
+        return self.drop_hash(block)
+
+    def drop_hash(self, block: KVCacheBlock) -> bool:
+        """Forget ``block``'s hash without calling it an eviction: its contents were never written (a failed
+        step), so nobody may keep them. Returns whether it had a hash."""
         block_hash = block.block_hash
         if block_hash is None:
             return False

@@ -8,13 +8,17 @@ the device, and a smaller pair in CPU memory for swapping::
                         value_cache [num_blocks,     block_size, num_kv_heads, head_dim]
     CPU,    per layer:  key_cache   [num_cpu_blocks, block_size, num_kv_heads, head_dim]   (swap space)
                         value_cache [num_cpu_blocks, block_size, num_kv_heads, head_dim]
+    CPU,    per layer:  the same again with num_offload_blocks                          (KV offloading store)
 
 Three kinds of copy, each a list of (source block, destination block) pairs
 that the scheduler hands over with a step:
 
 * ``swap_out``: device → CPU, when a preempted request keeps its KV instead of recomputing it;
 * ``swap_in``:  CPU → device, when it comes back;
-* ``copy``:     device → device, copy-on-write of a shared, partly filled block.
+* ``copy``:     device → device, copy-on-write of a shared, partly filled block;
+
+and two for a KV connector's CPU store (``kv_connector.OffloadingConnector``): ``offload`` (device → store, a
+cached block about to be evicted) and ``onload`` (store → device, an external prefix hit).
 
 Every copy moves all layers' K and V of a block. Over PCIe that is the price of
 swapping: ``bytes_per_block`` per block each way, and a fixed cost for each
@@ -43,6 +47,7 @@ class CacheEngine:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         num_cpu_blocks: int = 0,
+        num_offload_blocks: int = 0,
     ) -> None:
         for name, v in (
             ("num_layers", num_layers),
@@ -53,8 +58,9 @@ class CacheEngine:
         ):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {num_cpu_blocks!r}")
+        for name, v in (("num_cpu_blocks", num_cpu_blocks), ("num_offload_blocks", num_offload_blocks)):
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"KV cache dtype must be float32, float16 or bfloat16, got {dtype}")
         self.spec = KVSpec(num_layers, num_kv_heads, head_dim, dtype_bytes(dtype))
@@ -66,18 +72,20 @@ class CacheEngine:
             for _ in range(num_layers)
         ]
         pin = self.device.type == "cuda"  # pinned host memory makes device↔host copies asynchronous
-        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
-        self.cpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = (
-            [
+
+        def host_cache(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            cpu_shape = (n, block_size, num_kv_heads, head_dim)
+            return [
                 (
                     torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
                     torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
                 )
-                for _ in range(num_layers)
+                for _ in range(num_layers if n else 0)
             ]
-            if num_cpu_blocks
-            else []
-        )
+
+        self.cpu_cache = host_cache(num_cpu_blocks)
+        self.offload_cache = host_cache(num_offload_blocks)
+        self.num_offload_blocks = num_offload_blocks
 
     @property
     def bytes_per_block(self) -> int:
@@ -127,6 +135,18 @@ class CacheEngine:
         if pairs and not self.cpu_cache:
             raise ValueError("swap_in needs swap space: this cache engine has num_cpu_blocks=0")
         self._copy(self.cpu_cache, self.gpu_cache, pairs, "swap_in")
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks into the KV offloading store: pairs of (device block, store slot)."""
+        if pairs and not self.offload_cache:
+            raise ValueError("offload needs a KV offloading store: this cache engine has num_offload_blocks=0")
+        self._copy(self.gpu_cache, self.offload_cache, pairs, "offload")
+
+    def onload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy store slots back into device blocks: pairs of (store slot, device block)."""
+        if pairs and not self.offload_cache:
+            raise ValueError("onload needs a KV offloading store: this cache engine has num_offload_blocks=0")
+        self._copy(self.offload_cache, self.gpu_cache, pairs, "onload")
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Device-to-device block copies (copy-on-write): pairs of (source block, destination block)."""

@@ -192,6 +192,9 @@ class Config:
             before the engine calls it hung and ends every rank.
         enforce_eager: on a GPU, run every step eagerly instead of replaying decode steps from CUDA graphs
             (``model/cuda_graphs.py``); vLLM's name. Nothing changes on a CPU.
+        kv_offloading_size: CPU bytes (or "1GiB") for a KV offloading store: prefix blocks evicted from the pool
+            are copied there and loaded back when a later prompt starts with them (``kv_connector.py``; vLLM's
+            knob, in GiB there). Needs prefix caching. 0: none.
         speculative_config: speculative decoding by prompt lookup, as vLLM takes it: a ``SpeculativeConfig``, a
             dict or its JSON text, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
             "prompt_lookup_max": 3, "prompt_lookup_min": 2}`` (``spec_decode.py``). None: no speculation.
@@ -220,16 +223,23 @@ class Config:
     master_port: int | None = None
     distributed_timeout_s: float = 60.0
     enforce_eager: bool = False
+    kv_offloading_size: int | float | str = 0
     speculative_config: SpeculativeConfig | dict | str | None = None
     # resolved by __post_init__
     torch_device: torch.device = field(init=False, repr=False)
     swap_space_bytes: int = field(init=False, repr=False)
+    kv_offloading_bytes: int = field(init=False, repr=False)
     kv_cache_bytes: int | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_knobs(self)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.swap_space_bytes = parse_memory(self.swap_space, "swap_space")
+        self.kv_offloading_bytes = parse_memory(self.kv_offloading_size, "kv_offloading_size")
+        if self.kv_offloading_bytes and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offloading_size keeps evicted prefix-cache blocks: it needs enable_prefix_caching=True"
+            )
         if self.preemption_mode == "swap" and not (self.swap_space_bytes or self.num_cpu_blocks_override):
             raise ValueError(
                 "preemption_mode='swap' needs swap space on the CPU: pass swap_space, e.g. swap_space='1GiB' "

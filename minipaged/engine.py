@@ -78,7 +78,7 @@ class LLM:
         """A fresh engine around the same weights and cache tensors: every request dropped, an empty pool and
         prefix cache, a new scheduler (a second ``LLM`` would load the model again)."""
         self.scheduler = Scheduler.from_config(
-            self.config, self.num_blocks, self.max_model_len, self.runner.num_cpu_blocks
+            self.config, self.num_blocks, self.max_model_len, self.runner.num_cpu_blocks, self.runner.num_offload_blocks
         )
         self.kv_cache_manager = self.scheduler.kv
         self.runner.reset()

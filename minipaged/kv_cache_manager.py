@@ -15,16 +15,25 @@ attention type (no coordinator, no hybrid models).
 
 The token layout ``allocate_slots`` reasons about (vLLM draws the same)::
 
-    |<- comp ->|<- new_comp ->|<--- new --->|<- lookahead ->|
-    |  already |  prefix-cache|  computed   |  speculative  |
-    | computed |  hits, free  |  this step  |  draft slots  |
-                              |<------ to be computed ------>|
-               |<--------------- to be allocated ----------->|
+    |<- comp ->|<- new_comp ->|<- ext_comp ->|<--- new --->|<- lookahead ->|
+    |  already |  prefix-cache|   external   |  computed   |  speculative  |
+    | computed |  hits, free  |  hits, free  |  this step  |  draft slots  |
+                              |<------------ to be computed (or loaded) -------->|
+               |<---------------------- to be allocated ----------------------->|
 
-    comp      = request.num_computed_tokens (blocks already in req_to_blocks)
-    new_comp  = num_new_computed_tokens     (blocks in new_computed_blocks: touched, not allocated)
+    comp      = request.num_computed_tokens   (blocks already in req_to_blocks)
+    new_comp  = num_new_computed_tokens       (blocks in new_computed_blocks: touched, not allocated)
+    ext_comp  = num_external_computed_tokens  (a KV connector holds them: blocks allocated, then loaded)
     new       = num_new_tokens
-    lookahead = num_lookahead_tokens
+    lookahead = num_lookahead_tokens          (slots for drafts a drafter proposes during the step; prompt
+                                               lookup's drafts are known before it, so they are part of new)
+
+Every allocation, whatever the mix, answers one inequality (``_need``)::
+
+    blocks to allocate + evictable hits + watermark (new requests only)  <=  free blocks - reserved blocks
+
+``reserved_blocks`` holds capacity back for K/V in flight: blocks another engine is about to send, which must
+find room when they arrive (vLLM keeps such a reserve for asynchronous KV transfers).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from typing import Any
 
 from . import hooks
 from .block_pool import BlockHash, BlockPool, KVCacheBlock, get_request_block_hasher
+from .kv_connector import KVConnector, KVConnectorMetadata
 from .request import Request
 from .utils import cdiv, check_int
 
@@ -60,7 +70,8 @@ class _Need:
     cow: bool  # the block the first new token goes to is shared: copy it first
     write_idx: int  # which of the request's blocks that is
     is_new_admission: bool
-    num_computed_tokens: int  # computed + prefix-hit tokens
+    num_computed_tokens: int  # computed + prefix-hit + external-hit tokens
+    num_external_blocks: int  # of the fresh blocks, those the connector fills
 
 
 class KVCacheManager:
@@ -75,6 +86,8 @@ class KVCacheManager:
         watermark_blocks: the same reserve as a block count; overrides ``watermark``.
         reserved_blocks: blocks held back from every allocation (vLLM keeps such a
             reserve for KV transfers in flight); 0 here unless asked for.
+        num_cpu_blocks: the CPU swap space, in blocks (block 0 unused, as on the device).
+        connector: a KV connector (``kv_connector.py``): K/V outside the pool, loaded back as external hits.
 
     Why the watermark only applies to new admissions: a running request that
     cannot get its next block must be preempted, throwing away work. Letting a
@@ -92,6 +105,7 @@ class KVCacheManager:
         watermark_blocks: int | None = None,
         reserved_blocks: int = 0,
         num_cpu_blocks: int = 0,
+        connector: KVConnector | None = None,
     ) -> None:
         check_int("block_size", block_size, 1)
         check_int("num_blocks (block 0 is the null block)", num_blocks, 2)
@@ -128,6 +142,10 @@ class KVCacheManager:
         self.num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, 0)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False) if num_cpu_blocks >= 2 else None
         self.swapped_blocks: dict[str, list[int]] = {}  # request id -> its CPU blocks, in logical order
+        self.connector = connector
+        if connector is not None and enable_caching:  # it hears of every eviction, to save the block first
+            self.block_pool.evicted = []
+        self.external_hits = 0  # tokens loaded from the connector instead of computed
 
     # ---- prefix cache lookup -----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -154,6 +172,13 @@ class KVCacheManager:
         hits = [self.block_pool.blocks[i] for i in hit_ids]
         return hits, len(hits) * self.block_size
 
+    def get_num_external_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens after the first ``num_computed_tokens`` that the connector can load (0 without one)."""
+        if self.connector is None or not self.enable_caching:
+            return 0
+        self._attach_hasher(request)
+        return self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+
     # ---- allocation --------------------------------------------------------------------
     def allocate_slots(
         self,
@@ -162,6 +187,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Sequence[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``; return the new blocks.
 
@@ -180,7 +206,10 @@ class KVCacheManager:
         its later ``scheduler_reserve_full_isl`` option (``vllm/config/scheduler.py``)
         passes ``full_sequence_must_fit`` to require room for the whole input.
         """
-        need = self._need(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens)
+        need = self._need(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+            num_external_computed_tokens,
+        )  # fmt: skip
         fits = need.fits
         would = hooks.plugged("would_allocate")  # a learner's own admission rule (exercise 04)
         if would is not None and not need.new_computed and not need.cow and not num_lookahead_tokens:
@@ -208,6 +237,16 @@ class KVCacheManager:
             num_new_blocks -= 1
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
+        if self.connector is not None:
+            if need.num_external_blocks:  # the first fresh blocks receive the external hits (their slots pinned
+                # first: no save of this step may take them)
+                local = need.num_computed_tokens - num_external_computed_tokens
+                self.connector.update_state_after_alloc(request, new_blocks[: need.num_external_blocks], local)
+                self.external_hits += num_external_computed_tokens
+            evicted = self.block_pool.evicted or []
+            for block_id, block_hash in evicted:  # the connector may copy them out before the step writes
+                self.connector.on_evict(block_id, block_hash)
+            evicted.clear()
 
         if self.enable_caching:
             if is_new_admission:  # vLLM's prefix-cache stats: tokens asked for, tokens found
@@ -234,7 +273,7 @@ class KVCacheManager:
     ) -> bool:
         """Would ``allocate_slots`` with these arguments give blocks now? Changes nothing."""
         return self._need(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens, 0
         ).fits
 
     def _need(
@@ -244,12 +283,14 @@ class KVCacheManager:
         num_new_computed_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] | None,
         num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
     ) -> _Need:
         """The arguments of ``allocate_slots`` checked, and what it would take from the pool."""
         for name, v in (
             ("num_new_tokens", num_new_tokens),
             ("num_new_computed_tokens", num_new_computed_tokens),
             ("num_lookahead_tokens", num_lookahead_tokens),
+            ("num_external_computed_tokens", num_external_computed_tokens),
         ):
             check_int(name, v, 0)
         new_computed = list(new_computed_blocks or [])
@@ -264,9 +305,19 @@ class KVCacheManager:
                 "new_computed_blocks are prefix-cache hits: only for a request that holds no "
                 "blocks yet, and only with enable_caching=True"
             )
+        if num_external_computed_tokens and (
+            self.connector is None
+            or req_blocks
+            or request.num_computed_tokens
+            or num_external_computed_tokens % self.block_size
+        ):
+            raise ValueError(
+                f"num_external_computed_tokens={num_external_computed_tokens}: external hits come from a KV "
+                "connector, in whole blocks, for a request that holds no blocks yet"
+            )
         if self.enable_caching:
             self._attach_hasher(request)  # before any change: it refuses a hasher of another block size
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_required = cdiv(num_tokens_need_slot, self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed))
@@ -295,7 +346,10 @@ class KVCacheManager:
             )
         available = self.block_pool.get_num_free_blocks() - self.reserved_blocks
         fits = num_new_blocks + num_evictable_computed + watermark <= available
-        return _Need(fits, new_computed, num_new_blocks, cow, write_idx, is_new_admission, num_computed_tokens)
+        return _Need(
+            fits, new_computed, num_new_blocks, cow, write_idx, is_new_admission, num_computed_tokens,
+            num_external_computed_tokens // self.block_size,
+        )  # fmt: skip
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block of ``parent`` (parallel sampling, n > 1).
@@ -398,15 +452,25 @@ class KVCacheManager:
 
     # ---- a step's hashes: kept once the step ran, dropped if it failed ----------------------
     def commit_step(self) -> None:
-        """The step ran: the blocks hashed while scheduling it now hold what their hashes say."""
+        """The step ran: the blocks hashed while scheduling it now hold what their hashes say, and what the
+        connector saved is in its store."""
         self.uncommitted_blocks.clear()
+        if self.connector is not None:
+            self.connector.commit_step()
 
     def rollback_step(self) -> None:
         """The step failed before its K/V were written: no block hashed for it may be found by a
-        prefix lookup (it would hand garbage to the next request with that prefix)."""
+        prefix lookup (it would hand garbage to the next request with that prefix), nor any block its
+        connector saved."""
         for block in self.uncommitted_blocks:
-            self.block_pool.evict_cached_block(block)
+            self.block_pool.drop_hash(block)
         self.uncommitted_blocks.clear()
+        if self.connector is not None:
+            self.connector.rollback_step()
+
+    def take_connector_meta(self) -> KVConnectorMetadata | None:
+        """This step's copies between the pool and the connector's store (None without a connector)."""
+        return None if self.connector is None else self.connector.build_connector_meta()
 
     def bookkeeping(self) -> Iterator[Any]:
         """Every object whose state allocation changes: the manager and its pools (see ``snapshot``)."""
@@ -414,6 +478,8 @@ class KVCacheManager:
         yield from self.block_pool.bookkeeping()
         if self.cpu_pool is not None:
             yield from self.cpu_pool.bookkeeping()
+        if self.connector is not None:
+            yield self.connector
 
     # ---- queries -----------------------------------------------------------------------
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
@@ -439,13 +505,20 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        """Forget every hash, and the connector's store, when no block is in use (returns whether it did)."""
+        done = self.block_pool.reset_prefix_cache()
+        if done and self.connector is not None:
+            self.connector.reset()
+        return done
 
     def forget_prefix_cache(self) -> None:
-        """Forget every cached hash now, in use or not (see ``BlockPool.forget_cached_blocks``). The running
-        requests keep their blocks; ``uncommitted_blocks`` have nothing left to roll back."""
+        """Forget every cached hash now, in use or not (see ``BlockPool.forget_cached_blocks``), and what the
+        connector stored. The running requests keep their blocks; ``uncommitted_blocks`` have nothing left to
+        roll back."""
         self.uncommitted_blocks.clear()
         self.block_pool.forget_cached_blocks()
+        if self.connector is not None:
+            self.connector.reset()
 
     def _attach_hasher(self, request: Request) -> None:
         if request.block_hasher is None or getattr(request.block_hasher, "block_size", None) != self.block_size:

@@ -207,9 +207,16 @@ class ModelRunner:
         self.spec = spec if tp is None else spec.per_rank(tp.size)  # this rank's KV heads: what its pool holds
         self.block_size = config.block_size
         own_blocks, own_cpu_blocks = self._size_pool(config), self._num_cpu_blocks(config)
+        own_offload_blocks = config.kv_offloading_bytes // self.spec.bytes_per_block(self.block_size)
+        if config.kv_offloading_bytes and not own_offload_blocks:
+            raise ValueError(
+                f"kv_offloading_size={config.kv_offloading_size!r} holds no block of "
+                f"{self.spec.bytes_per_block(self.block_size):,} bytes"
+            )
         # Every rank sizes its pool from its own memory; the block tables are shared, so all take the smallest.
         self.num_blocks = own_blocks if tp is None else tp.min_int(own_blocks)
         self.num_cpu_blocks = own_cpu_blocks if tp is None else tp.min_int(own_cpu_blocks)
+        self.num_offload_blocks = own_offload_blocks if tp is None else tp.min_int(own_offload_blocks)
         self.max_model_len = resolve_max_model_len(
             config, getattr(hf, "max_position_embeddings", None), self.num_blocks
         )
@@ -232,6 +239,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             num_cpu_blocks=self.num_cpu_blocks,
+            num_offload_blocks=self.num_offload_blocks,
         )
         self.buffers = InputBuffers(
             config.max_num_batched_tokens,
@@ -403,9 +411,14 @@ class ModelRunner:
         """What every rank does with a step: its block copies, then the forward pass on its shard. Returns the
         logits of the sampling rows (None on a worker: rank 0 gathers them)."""
         t0 = time.perf_counter()
+        kv_meta = out.kv_connector_metadata
+        if kv_meta:  # first: an evicted block's K/V leaves before anything this step writes over it
+            self.cache.offload(kv_meta.saves)
         self.cache.swap_out(out.swap_out)
         self.cache.swap_in(out.swap_in)
         self.cache.copy(out.copy_blocks)
+        if kv_meta:  # external hits, into blocks allocated this step
+            self.cache.onload(kv_meta.loads)
         input_ids, positions, meta, sample_rows = self.prepare_inputs(out)
         t1 = time.perf_counter()
         with span("model"):  # the span a profile splits into kernels and glue

@@ -52,6 +52,7 @@ from typing import Any
 from . import hooks
 from .config import Config, SchedulerConfig
 from .kv_cache_manager import KVCacheManager
+from .kv_connector import OffloadingConnector
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 from .spec_decode import NgramProposer, SpecDecodingStats
@@ -178,8 +179,8 @@ def admit_waiting(
 ) -> list[tuple[str, int]]:
     """Step 2: admit waiting requests in arrival order while the budget, the seats and the pool allow.
 
-    A request first looks for its prompt in the prefix cache; only the rest is computed, chunked
-    by the budget. First come, first served: when the head of the queue does not fit, nobody
+    A request first looks for its prompt in the prefix cache, then (with a KV connector) for the
+    blocks after those outside the pool; only the rest is computed, chunked by the budget. First come, first served: when the head of the queue does not fit, nobody
     behind it is admitted, not even a small request that would (no starvation of long prompts).
     Returns ``[(request_id, num_new_tokens)]`` in admission order.
     """
@@ -190,10 +191,11 @@ def admit_waiting(
         if seats > free_seats:
             break
         hits, num_hit_tokens = kv.get_computed_blocks(req)
-        num_new = prefill_chunk(req, num_hit_tokens, token_budget, policy)
-        if kv.allocate_slots(req, num_new, num_hit_tokens, hits) is None:
+        num_external = kv.get_num_external_tokens(req, num_hit_tokens)  # 0 without a KV connector
+        num_new = prefill_chunk(req, num_hit_tokens + num_external, token_budget, policy)
+        if kv.allocate_slots(req, num_new, num_hit_tokens, hits, num_external_computed_tokens=num_external) is None:
             break
-        req.num_computed_tokens = num_hit_tokens
+        req.num_computed_tokens = num_hit_tokens + num_external
         req.status = RequestStatus.RUNNING
         waiting.popleft()
         admitted.append((req.request_id, num_new))
@@ -232,15 +234,24 @@ class Scheduler:
 
     @classmethod
     def from_config(
-        cls, config: Config, num_blocks: int, max_model_len: int | None = None, num_cpu_blocks: int = 0
+        cls,
+        config: Config,
+        num_blocks: int,
+        max_model_len: int | None = None,
+        num_cpu_blocks: int = 0,
+        num_offload_blocks: int = 0,
     ) -> Scheduler:
-        """A scheduler and its KV cache manager, as a ``Config`` describes them (the engine and the simulator)."""
+        """A scheduler and its KV cache manager, as a ``Config`` describes them (the engine and the simulator);
+        with ``num_offload_blocks``, an ``OffloadingConnector`` keeps evicted prefix blocks in that many CPU
+        blocks."""
+        connector = OffloadingConnector(num_offload_blocks, config.block_size) if num_offload_blocks else None
         kv = KVCacheManager(
             config.block_size,
             num_blocks,
             enable_caching=config.enable_prefix_caching,
             watermark=config.watermark,
             num_cpu_blocks=num_cpu_blocks,
+            connector=connector,
         )
         return cls(config.scheduler_config(max_model_len), kv)
 
@@ -342,6 +353,7 @@ class Scheduler:
                 budget -= self._add_all(out, admitted)
 
         out.copy_blocks = self.kv.take_pending_copies()
+        out.kv_connector_metadata = self.kv.take_connector_meta()
         out.finished_req_ids, out.finished_sample_keys = self.take_finished()
         return out
 

@@ -10,6 +10,7 @@ needs nothing else to build the step's tensors::
                    ScheduledRequest("c", start=9,  num_new_tokens=3,  token_ids=[last id, d0, d1],
                                     spec_token_ids=[d0, d1], block_ids=[3])]    # c: a decode with two drafts
       swap_out / swap_in / copy_blocks      block copies to do before the forward
+      kv_connector_metadata                 saves to and loads from a KV connector's store (kv_connector.py)
       preempted                             ids taken off the device this step
       finished_req_ids, finished_sample_keys   ids that left since the last step, and their random streams:
                                             the runner drops what it keeps for them
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .kv_connector import KVConnectorMetadata
 from .sampling_params import SamplingParams
 
 
@@ -60,6 +62,7 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     finished_sample_keys: list[tuple[str, int]] = field(default_factory=list)  # their random streams, to drop
     block_size: int = 16
+    kv_connector_metadata: KVConnectorMetadata | None = None  # copies to and from a KV connector's store
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -32,6 +32,7 @@ import torch
 from .block_table import slot_mapping
 from .cache_engine import CacheEngine
 from .kv_cache_manager import KVCacheManager
+from .kv_connector import OffloadingConnector
 from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, check_invariants
@@ -75,13 +76,16 @@ class Driver:
         seed=0,
         spec_k=0,
         period=None,
+        num_offload_blocks=0,
     ):
+        connector = OffloadingConnector(num_offload_blocks, block_size) if num_offload_blocks and caching else None
         self.kv = KVCacheManager(
             block_size,
             num_blocks,
             enable_caching=caching,
             watermark_blocks=watermark_blocks,
             num_cpu_blocks=num_cpu_blocks,
+            connector=connector,
         )
         self.sched = Scheduler(
             SchedulerConfig(
@@ -95,7 +99,9 @@ class Driver:
             ),
             self.kv,
         )
-        self.cache = CacheEngine(1, num_blocks, block_size, 1, 1, num_cpu_blocks=num_cpu_blocks)
+        self.cache = CacheEngine(
+            1, num_blocks, block_size, 1, 1, num_cpu_blocks=num_cpu_blocks, num_offload_blocks=num_offload_blocks
+        )
         self.seed = seed
         self.block_size = block_size
         self.period = period
@@ -139,9 +145,14 @@ class Driver:
         """The fake model: block copies, a K/V write per new token, a read-back of every scheduled context."""
         self.steps += 1
         check_step_limits(self.sched, out)
+        kv_meta = out.kv_connector_metadata
+        if kv_meta:  # in the runner's order: offload first, load external hits last
+            self.cache.offload(kv_meta.saves)
         self.cache.swap_out(out.swap_out)
         self.cache.swap_in(out.swap_in)
         self.cache.copy(out.copy_blocks)
+        if kv_meta:
+            self.cache.onload(kv_meta.loads)
         kcache = self.cache.gpu_cache[0][0].view(-1)
         bs = self.block_size
         slots = slot_mapping([s.block_ids for s in out.scheduled], out.positions(), bs)
@@ -205,6 +216,7 @@ def random_config(rng: random.Random) -> dict:
         max_model_len=rng.choice([16, 48, 200]),
         spec_k=rng.choice([0, 0, 1, 3, 5]),
         period=rng.choice([None, None, 2, 5]),
+        num_offload_blocks=rng.choice([0, 0, 2, 16]),
     )
 
 
@@ -215,7 +227,8 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
     blocks, budgets down to 1 token, both preemption modes, swap space down to one
     block, caching on or off), then up to 12 requests, half of them sharing a
     prefix, some with n = 2 or 3, some stopping at EOS, and runs them to the end
-    with the data-checking ``Driver``, speculating in some rounds (1 to 5 drafts). In the end every request must have finished
+    with the data-checking ``Driver``, speculating in some rounds (1 to 5 drafts) and keeping evicted prefix
+    blocks in a KV offloading store in others. In the end every request must have finished
     exactly once with the right number of tokens, and every block must be free.
     """
     rng = random.Random(seed)
@@ -231,6 +244,7 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
         forks=0,
         drafts=0,
         accepted_drafts=0,
+        external_hit_tokens=0,
     )
     while seen["steps"] < total_steps:
         cfg = random_config(rng)
@@ -270,6 +284,7 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
         seen["preemptions"] += d.sched.num_preemptions
         seen["rejected"] += sum(r.finish_reason == "rejected" for r in d.requests.values())
         seen["forks"] += sum(r.parent_id is not None for r in d.requests.values())
+        seen["external_hit_tokens"] += d.kv.external_hits
         if (spec := d.sched.spec_decoding_stats) is not None:
             seen["drafts"] += spec.num_draft_tokens
             seen["accepted_drafts"] += spec.num_accepted_tokens

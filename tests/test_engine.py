@@ -250,3 +250,15 @@ def test_speculation_keeps_seeded_samples(prompt_ids):
     ours = spec.generate([prompt_ids[2], prompt_ids[7]], p)
     assert [[o.token_ids for o in r.outputs] for r in ours] == [[o.token_ids for o in r.outputs] for r in plain]
     assert spec.scheduler.spec_decoding_stats.num_drafts > 0
+
+
+# ---- KV offloading: evicted prefix blocks kept in CPU memory, loaded back as external hits (kv_connector.py) ---
+def test_an_offloaded_prefix_is_loaded_back(hf, prompt_ids, reference):
+    llm = engine(kv_offloading_size="16MiB", num_gpu_blocks_override=20, max_model_len=160, watermark=0.0)
+    kv = llm.kv_cache_manager
+    check_all(llm, hf, prompt_ids[-1:], reference[-1:])  # the longest prompt: its own blocks get cached
+    check_all(llm, hf, prompt_ids[:-1], reference[:-1])  # seven others push them out of the 19-block pool
+    assert kv.connector.num_saved > 0 and kv.external_hits == 0
+    check_all(llm, hf, prompt_ids[-1:], reference[-1:])  # back: its evicted blocks come from the CPU store
+    assert kv.external_hits >= 16 and kv.connector.num_loaded >= 1
+    assert kv.get_num_free_blocks() == llm.num_blocks - 1

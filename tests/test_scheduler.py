@@ -184,6 +184,7 @@ def test_fuzz_ten_thousand_steps():
         "rejected",
         "forks",
         "accepted_drafts",
+        "external_hit_tokens",
     ):
         assert seen[what] > 0, f"the fuzz never exercised {what}"
 
