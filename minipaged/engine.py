@@ -27,6 +27,7 @@ from .config import Config
 from .events import Observers, step_event
 from .executor import make_runner
 from .inputs import InputProcessor, ParamsLike, Prompt, Prompts, check_params, has_tokenizer
+from .kv_connector import KVConnector
 from .outputs import RequestOutput, is_done, num_output_tokens, request_output, samples
 from .request import Request
 from .sampling_params import SamplingParams
@@ -71,15 +72,18 @@ class LLM:
         self._t0 = time.perf_counter()
         self._lock = threading.RLock()
         self.observers = Observers()  # watchers of every step (events.py); they outlive reset()
+        self._connector_factory: Callable[[], KVConnector] | None = None  # a KV connector's, if set (disagg.py)
         self.reset()
 
     @_serialised
     def reset(self) -> None:
         """A fresh engine around the same weights and cache tensors: every request dropped, an empty pool and
         prefix cache, a new scheduler (a second ``LLM`` would load the model again)."""
+        connector = None if self._connector_factory is None else self._connector_factory()
         self.scheduler = Scheduler.from_config(
-            self.config, self.num_blocks, self.max_model_len, self.runner.num_cpu_blocks, self.runner.num_offload_blocks
-        )
+            self.config, self.num_blocks, self.max_model_len, self.runner.num_cpu_blocks,
+            self.runner.num_offload_blocks, connector,
+        )  # fmt: skip
         self.kv_cache_manager = self.scheduler.kv
         self.runner.reset()
         self.sampler = self.runner.sampler
@@ -92,32 +96,50 @@ class LLM:
     def describe(self) -> str:
         return self.runner.describe()
 
+    def use_kv_connector(self, factory: Callable[[], KVConnector] | None) -> None:
+        """Give the engine a KV connector (a new one from ``factory`` at every ``reset``; None: the one the
+        config asks for, if any) and reset it: every request is dropped."""
+        self._connector_factory = factory
+        self.reset()
+
     def shutdown(self) -> None:
         """End the tensor-parallel workers now (else at garbage collection or exit); nothing to do without them."""
         self.runner.shutdown()
 
     # ---- requests -------------------------------------------------------------------------------
     @_serialised
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue one request (checked first: a bad one raises and queues nothing); returns its id."""
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue one request (checked first: a bad one raises and queues nothing); returns its id.
+        ``arrival_time``: when it arrived, on the engine's clock (``LLM.now()``), if before now (its TTFT counts
+        from there: a disaggregated engine's decode side passes the time its prefill was asked for)."""
         params = check_params(params or SamplingParams())
         if request_id is None:
             (request_id,) = self._take_ids(1)
         elif not isinstance(request_id, str) or not request_id or "#" in request_id:
             raise ValueError(f"request_id must be a non-empty string without '#', got {request_id!r}")
-        return self._queue(request_id, self.processor.token_ids(prompt, request_id), params)
+        return self._queue(request_id, self.processor.token_ids(prompt, request_id), params, arrival_time)
 
     def _take_ids(self, n: int) -> list[str]:
         """The next ``n`` automatic request ids ("0", "1", ...)."""
         self._counter += n
         return [str(i) for i in range(self._counter - n, self._counter)]
 
-    def _queue(self, request_id: str, token_ids: list[int], params: SamplingParams) -> str:
+    def _queue(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> str:
         """Hand a checked prompt to the scheduler (which rejects, on that request alone, one that can never run)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        now = self._now()
+        arrival = now if arrival_time is None else min(float(arrival_time), now)
         req = Request(request_id, token_ids, sampling_params=params, eos_token_id=self.eos_token_id,
-                      arrival_time=self._now())  # fmt: skip
+                      arrival_time=arrival)  # fmt: skip
         self.scheduler.add_request(req)
         self._requests[request_id] = req
         return request_id
@@ -136,6 +158,10 @@ class LLM:
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
+
+    def now(self) -> float:
+        """The engine's clock: seconds since it was built (what ``RequestMetrics`` times are measured on)."""
+        return self._now()
 
     # ---- the loop -------------------------------------------------------------------------------
     @_serialised

@@ -470,7 +470,7 @@ class KVCacheManager:
 
     def take_connector_meta(self) -> KVConnectorMetadata | None:
         """This step's copies between the pool and the connector's store (None without a connector)."""
-        return None if self.connector is None else self.connector.build_connector_meta()
+        return None if self.connector is None else self.connector.build_connector_meta(self.uncommitted_blocks)
 
     def bookkeeping(self) -> Iterator[Any]:
         """Every object whose state allocation changes: the manager and its pools (see ``snapshot``)."""

@@ -50,9 +50,10 @@ class KVConnectorMetadata:
 
     saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, store slot): before any write
     loads: list[tuple[int, int]] = field(default_factory=list)  # (store slot, device block): before the forward
+    sends: list[tuple[int, BlockHash]] = field(default_factory=list)  # (device block, hash): after the forward
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.loads)
+        return bool(self.saves or self.loads or self.sends)
 
 
 class KVConnector:
@@ -72,8 +73,9 @@ class KVConnector:
     def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
         """A cached block is about to hold other tokens; this step may copy it out first."""
 
-    def build_connector_meta(self) -> KVConnectorMetadata:
-        """This step's copies, handed to the runner with the ``SchedulerOutput``."""
+    def build_connector_meta(self, hashed: Sequence[KVCacheBlock] = ()) -> KVConnectorMetadata:
+        """This step's copies, handed to the runner with the ``SchedulerOutput``; ``hashed``: the blocks this
+        step fills with their last tokens (full blocks of real tokens, their hashes set)."""
         return KVConnectorMetadata()
 
     def commit_step(self) -> None:
@@ -147,7 +149,7 @@ class OffloadingConnector(KVConnector):
         return None
 
     # ---- the step -----------------------------------------------------------------------------------------
-    def build_connector_meta(self) -> KVConnectorMetadata:
+    def build_connector_meta(self, hashed: Sequence[KVCacheBlock] = ()) -> KVConnectorMetadata:
         return KVConnectorMetadata(saves=list(self.pending.values()), loads=list(self.loads))
 
     def commit_step(self) -> None:

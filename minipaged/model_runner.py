@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import hooks
+from .block_pool import BlockHash
 from .block_table import make_block_table_tensor, slot_mapping
 from .cache_engine import CacheEngine
 from .config import Config, model_config_dtype, resolve_dtype
@@ -247,6 +248,9 @@ class ModelRunner:
             cdiv(self.max_model_len, self.block_size),
             self.device,
         )
+        # A KV producer's sender (disaggregated prefill, ``disagg.py``): after the forward, it ships the blocks the
+        # step filled (``kv_connector_metadata.sends``) to the engine that decodes.
+        self.kv_sender: Callable[[CacheEngine, list[tuple[int, BlockHash]]], None] | None = None
         self.graph_runner: CUDAGraphRunner | None = None  # decode steps replayed from CUDA graphs (a GPU only)
         if self.device.type == "cuda" and tp is None and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(
@@ -431,6 +435,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 with span("gpu_wait"):  # the CPU waits for the GPU's kernels: neither glue nor a launch
                     torch.cuda.synchronize()
+        if kv_meta and kv_meta.sends and self.kv_sender is not None:  # the K/V exist now: ship them
+            self.kv_sender(self.cache, kv_meta.sends)
         self.timers["prepare inputs"] += t1 - t0
         self.timers["model"] += time.perf_counter() - t1
         return logits

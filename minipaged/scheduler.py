@@ -52,7 +52,7 @@ from typing import Any
 from . import hooks
 from .config import Config, SchedulerConfig
 from .kv_cache_manager import KVCacheManager
-from .kv_connector import OffloadingConnector
+from .kv_connector import KVConnector, OffloadingConnector
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 from .spec_decode import NgramProposer, SpecDecodingStats
@@ -240,11 +240,13 @@ class Scheduler:
         max_model_len: int | None = None,
         num_cpu_blocks: int = 0,
         num_offload_blocks: int = 0,
+        connector: KVConnector | None = None,
     ) -> Scheduler:
         """A scheduler and its KV cache manager, as a ``Config`` describes them (the engine and the simulator);
         with ``num_offload_blocks``, an ``OffloadingConnector`` keeps evicted prefix blocks in that many CPU
-        blocks."""
-        connector = OffloadingConnector(num_offload_blocks, config.block_size) if num_offload_blocks else None
+        blocks, unless another ``connector`` is given."""
+        if connector is None and num_offload_blocks:
+            connector = OffloadingConnector(num_offload_blocks, config.block_size)
         kv = KVCacheManager(
             config.block_size,
             num_blocks,
