@@ -95,7 +95,7 @@ def _prefill_main(model: Any, kwargs: dict[str, Any], port: int, inbox: Any, tim
     """The prefill engine's process: join the group, load the model, then prefill what arrives until told to
     stop (None), sending each step's blocks and each finished prefill to rank 0."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the caller, which then ends this process
-    group = None
+    group: Any = None
     try:
         store = open_store("127.0.0.1", port, 2, False, timeout_s)
         group = dist.ProcessGroupGloo(dist.PrefixStore("disagg", store), 1, 2, datetime.timedelta(seconds=timeout_s))
