@@ -322,34 +322,43 @@ class DisaggregatedLLM:
             raise RuntimeError(f"the prefill engine's process is gone ({why}); shut this engine down")
 
     # ---- requests --------------------------------------------------------------------------------------------
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Send the prompt to the prefill engine; it joins the decode engine once its K/V has arrived."""
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Send the prompt to the prefill engine; it joins the decode engine once its K/V has arrived. Its TTFT
+        counts from ``arrival_time`` (the decode engine's clock, ``self.llm.now()``), by default now."""
         self._check_alive()
         params = params or SamplingParams()
         rid = request_id if request_id is not None else self.llm._take_ids(1)[0]
         if rid in self._waiting or rid in self.llm._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         token_ids = self.llm.processor.token_ids(prompt, rid)
-        self._waiting[rid] = (token_ids, params, self.llm.now())
+        now = self.llm.now()
+        self._waiting[rid] = (token_ids, params, now if arrival_time is None else min(float(arrival_time), now))
         self._inbox_q.put((rid, token_ids))
         return rid
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting) or self.llm.scheduler.has_unfinished()
 
-    def step(self) -> list[str]:
-        """Admit the requests whose prefill is done, then run one decode-engine step (or, with nothing to decode,
-        wait for a prefill to finish). Returns the ids that finished."""
+    def step(self, wait_s: float | None = None) -> list[str]:
+        """Admit the requests whose prefill is done, then run one decode-engine step; with nothing to decode,
+        wait for a prefill to finish first (at most ``wait_s`` seconds, by default ``timeout_s``, after which
+        a wait that ``timeout_s`` did not end is an error). Returns the ids that finished."""
         self._check_alive()
         with self._cond:
             if not self.llm.scheduler.has_unfinished() and self._waiting and not self._prefilled:
-                self._cond.wait(timeout=self.timeout_s)
+                self._cond.wait(timeout=self.timeout_s if wait_s is None else wait_s)
             ready, self._prefilled = self._prefilled & set(self._waiting), self._prefilled - set(self._waiting)
         for rid in sorted(ready, key=lambda r: self._waiting[r][2]):
             token_ids, params, arrival = self._waiting.pop(rid)
             self.llm.add_request(token_ids, params, request_id=rid, arrival_time=arrival)
         if not self.llm.scheduler.has_unfinished():
-            if self._waiting and not ready:
+            if self._waiting and not ready and wait_s is None:
                 self._check_alive()
                 raise TimeoutError(f"no prefill finished in {self.timeout_s} s")
             return []
