@@ -101,7 +101,8 @@ def _prefill_main(model: Any, kwargs: dict[str, Any], port: int, inbox: Any, tim
         group = dist.ProcessGroupGloo(dist.PrefixStore("disagg", store), 1, 2, datetime.timedelta(seconds=timeout_s))
         llm = LLM(model, **kwargs)
         sender = KVSender(group)
-        llm.use_kv_connector(SendingConnector)
+        llm.kv_connector_factory = SendingConnector
+        llm.reset()
         llm.runner.kv_sender = sender
         spec = llm.cache.spec
         shape = [spec.num_layers, llm.block_size, spec.num_kv_heads, spec.head_dim, llm.dtype.itemsize]
@@ -243,9 +244,10 @@ class DisaggregatedLLM:
             raise
         self._block_shape = (mine[0], 2, mine[1], mine[2], mine[3])
         self.inbox = Inbox()
-        self.llm.use_kv_connector(
-            lambda: ReceivingConnector(self.llm.runner.num_offload_blocks, self.llm.block_size, self.inbox, self._write)
+        self.llm.kv_connector_factory = lambda: ReceivingConnector(
+            self.llm.runner.num_offload_blocks, self.llm.block_size, self.inbox, self._write
         )
+        self.llm.reset()
         self._cond = threading.Condition()
         self._prefilled: set[str] = set()
         self._receiver_error: str | None = None

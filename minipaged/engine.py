@@ -72,18 +72,16 @@ class LLM:
         self._t0 = time.perf_counter()
         self._lock = threading.RLock()
         self.observers = Observers()  # watchers of every step (events.py); they outlive reset()
-        self._connector_factory: Callable[[], KVConnector] | None = None  # a KV connector's, if set (disagg.py)
+        self.kv_connector_factory: Callable[[], KVConnector] | None = None  # makes one per reset() (disagg.py)
         self.reset()
 
     @_serialised
     def reset(self) -> None:
         """A fresh engine around the same weights and cache tensors: every request dropped, an empty pool and
         prefix cache, a new scheduler (a second ``LLM`` would load the model again)."""
-        connector = None if self._connector_factory is None else self._connector_factory()
-        self.scheduler = Scheduler.from_config(
-            self.config, self.num_blocks, self.max_model_len, self.runner.num_cpu_blocks,
-            self.runner.num_offload_blocks, connector,
-        )  # fmt: skip
+        connector, r = None if self.kv_connector_factory is None else self.kv_connector_factory(), self.runner
+        self.scheduler = Scheduler.from_config(self.config, self.num_blocks, self.max_model_len, r.num_cpu_blocks,
+                                               r.num_offload_blocks, connector)  # fmt: skip
         self.kv_cache_manager = self.scheduler.kv
         self.runner.reset()
         self.sampler = self.runner.sampler
@@ -96,28 +94,16 @@ class LLM:
     def describe(self) -> str:
         return self.runner.describe()
 
-    def use_kv_connector(self, factory: Callable[[], KVConnector] | None) -> None:
-        """Give the engine a KV connector (a new one from ``factory`` at every ``reset``; None: the one the
-        config asks for, if any) and reset it: every request is dropped."""
-        self._connector_factory = factory
-        self.reset()
-
     def shutdown(self) -> None:
         """End the tensor-parallel workers now (else at garbage collection or exit); nothing to do without them."""
         self.runner.shutdown()
 
     # ---- requests -------------------------------------------------------------------------------
     @_serialised
-    def add_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-    ) -> str:
-        """Queue one request (checked first: a bad one raises and queues nothing); returns its id.
-        ``arrival_time``: when it arrived, on the engine's clock (``LLM.now()``), if before now (its TTFT counts
-        from there: a disaggregated engine's decode side passes the time its prefill was asked for)."""
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:  # fmt: skip
+        """Queue one request (checked first: a bad one raises and queues nothing); returns its id. Its TTFT counts
+        from ``arrival_time`` on the engine's clock (``now()``; a disaggregated decode side passes an earlier one)."""
         params = check_params(params or SamplingParams())
         if request_id is None:
             (request_id,) = self._take_ids(1)
@@ -130,16 +116,13 @@ class LLM:
         self._counter += n
         return [str(i) for i in range(self._counter - n, self._counter)]
 
-    def _queue(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
-    ) -> str:
+    def _queue(self, request_id: str, token_ids: list[int], params: SamplingParams,
+               arrival: float | None = None) -> str:  # fmt: skip
         """Hand a checked prompt to the scheduler (which rejects, on that request alone, one that can never run)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        now = self._now()
-        arrival = now if arrival_time is None else min(float(arrival_time), now)
         req = Request(request_id, token_ids, sampling_params=params, eos_token_id=self.eos_token_id,
-                      arrival_time=arrival)  # fmt: skip
+                      arrival_time=self.now() if arrival is None else min(float(arrival), self.now()))  # fmt: skip
         self.scheduler.add_request(req)
         self._requests[request_id] = req
         return request_id
@@ -156,12 +139,9 @@ class LLM:
                     del self._requests[rid]
         release_if_idle(self.scheduler, self.runner)
 
-    def _now(self) -> float:
-        return time.perf_counter() - self._t0
-
     def now(self) -> float:
         """The engine's clock: seconds since it was built (what ``RequestMetrics`` times are measured on)."""
-        return self._now()
+        return time.perf_counter() - self._t0
 
     # ---- the loop -------------------------------------------------------------------------------
     @_serialised
@@ -169,10 +149,10 @@ class LLM:
         """One step (``step.run_step``: it happens whole or not at all); returns the ids of the requests that
         finished in it. A request whose logits or sampling fail (NaN logits, say) finishes with an ``error``."""
         self.num_steps += 1
-        res = run_step(self.scheduler, self.runner, self._now, step_index=self.num_steps)
+        res = run_step(self.scheduler, self.runner, self.now, step_index=self.num_steps)
         self.runner.timers["schedule"] += res.schedule_s
         self.runner.timers["update"] += res.update_s
-        self.step_stats.append(res.stats(self.scheduler, now := self._now()))
+        self.step_stats.append(res.stats(self.scheduler, now := self.now()))
         if self.observers:  # nothing is built while nobody watches
             self.observers.publish(step_event(self.scheduler, res, self.num_steps, now, self.device.type))
         return [r.request_id for r in res.finished]  # a step that ran is committed by the next schedule()
@@ -195,8 +175,7 @@ class LLM:
 
     @_serialised
     def _poll(self, rid: str, pending: dict[str, int]) -> RequestOutput | None:
-        """A snapshot if the request gained tokens since ``pending[rid]``; its final output (and it leaves
-        ``pending``) once it finished; else None."""
+        """A snapshot if it gained tokens since ``pending[rid]``; its final output once it finished; else None."""
         if self._done(rid):
             del pending[rid]
             return self.get_output(rid)
@@ -225,12 +204,8 @@ class LLM:
         finally:  # closed early, interrupted or failed: this call's requests leave nothing behind
             self.abort([rid for rid in ids if rid in self._requests])
 
-    def generate(
-        self,
-        prompts: Prompts,
-        sampling_params: ParamsLike = None,
-        use_tqdm: bool | None = None,
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: Prompts, sampling_params: ParamsLike = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:  # fmt: skip
         """Serve a batch of prompts to the end; outputs come back in the order of the prompts."""
         from tqdm.auto import tqdm
 
