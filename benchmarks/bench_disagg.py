@@ -31,6 +31,7 @@ from common import machine
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+WORKLOAD_KNOBS = ("decoders", "decode_tokens", "long", "long_len", "long_out", "first", "gap", "budget", "seed")
 QUESTIONS = [
     "Write a long story about a lighthouse keeper and a storm.",
     "Explain how a bicycle works, part by part.",
@@ -75,6 +76,7 @@ def drive(engine, llm, reqs: list[dict], disagg: bool) -> dict[str, object]:
     t0 = llm.now()
     ids: list[str] = []
     outs = {}
+
     def busy() -> bool:
         return engine.has_unfinished() if disagg else llm.scheduler.has_unfinished()
 
@@ -101,7 +103,10 @@ def summarise(outs: dict, reqs: list[dict], seconds: float) -> dict:
     kinds = {r["rid"]: r["kind"] for r in reqs}
     itl = np.concatenate([o.metrics.itls for rid, o in outs.items() if kinds[rid] == "decode"])
     ttft = np.array([o.metrics.ttft for rid, o in outs.items() if kinds[rid] == "long"])
-    pct = lambda a, q: round(float(np.percentile(a, q)) * 1000, 1)  # noqa: E731
+
+    def pct(a: np.ndarray, q: float) -> float:
+        return round(float(np.percentile(a, q)) * 1000, 1)
+
     return dict(
         seconds=round(seconds, 2),
         decode_itl_ms={"p50": pct(itl, 50), "p90": pct(itl, 90), "p99": pct(itl, 99), "max": pct(itl, 100)},
@@ -157,8 +162,7 @@ def main() -> int:
         "threads": {"colocated": cores, "disaggregated": [half, half]},
         "model": "SmolLM2-135M-Instruct",
         "dtype": "float32",
-        "workload": {k: getattr(args, k) for k in ("decoders", "decode_tokens", "long", "long_len", "long_out",
-                                                   "first", "gap", "budget", "seed")},  # fmt: skip
+        "workload": {k: getattr(args, k) for k in WORKLOAD_KNOBS},
         "same_tokens": same,
         "colocated": res_c,
         "disaggregated": res_d,
