@@ -23,7 +23,7 @@ from typing import Any
 class Term:
     term: str
     meaning: str
-    chapter: str  # "01" ... "12", or "05b" for the puzzle exercise
+    chapter: str  # "01" ... "13", or "05b" for the puzzle exercise
     where: str = ""  # a dotted name in the package ("minipaged.block_pool.BlockPool"), "" for an idea only
 
 
@@ -208,6 +208,30 @@ TERMS: tuple[Term, ...] = (
         "the collective that sums each rank's partial result so every rank has the total",
         "12",
         "minipaged.distributed.TPGroup.all_reduce",
+    ),
+    Term(
+        "speculative decoding",
+        "guessed next tokens checked in one forward pass; the model's own choices decide which are kept",
+        "13",
+        "minipaged.spec_decode.verify",
+    ),
+    Term(
+        "prompt lookup",
+        "draft tokens taken from what followed the request's last few tokens earlier in its own context",
+        "13",
+        "minipaged.spec_decode.NgramProposer",
+    ),
+    Term(
+        "external hits",
+        "prompt tokens whose K/V a KV connector holds outside the pool: blocks allocated, then loaded",
+        "13",
+        "minipaged.kv_connector.KVConnector.get_num_new_matched_tokens",
+    ),
+    Term(
+        "disaggregated prefill",
+        "prompts computed by one engine, their K/V shipped to another that only decodes",
+        "13",
+        "minipaged.disagg.DisaggregatedLLM",
     ),
 )
 

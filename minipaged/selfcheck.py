@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from .kv_math import KVSpec
 from .request import RequestMetrics
 
-CHAPTERS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12")
+CHAPTERS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13")
 GiB, MiB = 2**30, 2**20
 
 
@@ -901,6 +901,77 @@ def _copies(rng: random.Random) -> Asked:
     )
 
 
+# ---- chapter 13: what vLLM v1 adds ----------------------------------------------------------------------
+def _verified(rng: random.Random) -> Asked:
+    import torch
+
+    from .sampler import Sampler
+    from .sampling_params import SamplingParams
+    from .spec_decode import verify
+
+    k = rng.randint(3, 5)
+    drafts = [rng.randrange(10, 60) for _ in range(k)]
+    agree = rng.randint(0, k)
+    targets = drafts[:agree] + [rng.randrange(60, 99) for _ in range(k + 1 - agree)]
+    logits = torch.zeros(k + 1, 100)
+    logits[torch.arange(k + 1), torch.tensor(targets)] = 1.0
+    tokens, _ = verify(Sampler(), logits, drafts, ("quiz", 0), SamplingParams(temperature=0))
+    return Asked(
+        f"Greedy speculative decoding. A request's drafts are {drafts}; after its last real token and after each "
+        f"draft, the model's own choices are {targets}. How many tokens does this step add to the request?",
+        len(tokens),
+        f"The first {agree} draft(s) agree with the model, then one token of the model's own: {tokens}.",
+        "Section 2: drafts are kept up to the first disagreement, and the model's token there is kept too.",
+        unit="tokens",
+        mistakes=_mistakes(
+            len(tokens),
+            [(float(agree), "The model's own token at the first disagreement (or after the last draft) counts too.")],
+        ),
+    )
+
+
+def _layout_blocks(rng: random.Random) -> Asked:
+    bs = rng.choice([4, 8, 16])
+    hits, ext = rng.randint(1, 4), rng.randint(1, 4)
+    new, look = rng.randrange(1, 2 * bs), rng.randint(0, 4)
+    spec = KVSpec(1, 1, 1)
+    need = spec.blocks_for_tokens((hits + ext) * bs + new + look, bs) - hits
+    return Asked(
+        f"Block size {bs}. A waiting request finds {hits} block(s) in the prefix cache and {ext} more in a KV "
+        f"connector's store; it computes {new} new tokens and {look} lookahead slot(s). How many fresh blocks does "
+        "allocate_slots take from the free queue for it?",
+        need,
+        f"ceil(({hits + ext}·{bs} + {new} + {look}) / {bs}) − {hits}: prefix hits are blocks it already has; "
+        "external hits need fresh blocks to be loaded into.",
+        "Chapter 04 section 6: the whole layout, and which of its regions cost a block.",
+        unit="blocks",
+        mistakes=_mistakes(
+            need,
+            [
+                (need - ext, "External hits are not in the pool: they need blocks of their own."),
+                (need + hits, "Prefix-cache hits are touched, not allocated."),
+            ],
+        ),
+    )
+
+
+def _pass_speedup(rng: random.Random) -> Asked:
+    length = rng.choice([1.5, 2.0, 2.5, 3.0, 4.0])
+    cost = rng.choice([1.1, 1.25, 1.5, 2.0])
+    ratio = length / cost
+    return Asked(
+        f"With speculation a verification step emits {length} tokens per request on average (the mean acceptance "
+        f"length) and takes {cost}× as long as a plain decode step. How many times the plain decode's tokens per "
+        "second does it give?",
+        ratio,
+        f"{length} tokens per step ÷ {cost}× the time = {ratio:.3g}×. Below 1, speculation loses.",
+        "Section 2: tokens per step against the step's cost.",
+        unit="×",
+        rel_tol=0.01,
+        mistakes=_mistakes(ratio, [(length, "The longer step costs time too: divide by its cost.")]),
+    )
+
+
 QUESTIONS: dict[str, tuple[Callable[[random.Random], Asked], ...]] = {
     "01": (_bytes_per_token, _tokens_in_budget, _gqa_saving),
     "02": (_max_waste, _pow2_reservation, _paged_waste),
@@ -914,6 +985,7 @@ QUESTIONS: dict[str, tuple[Callable[[random.Random], Asked], ...]] = {
     "10": (_seam, _part_count, _checked),
     "11": (_ttft, _itl, _p99),
     "12": (_heads_per_rank, _bytes_per_rank, _copies),
+    "13": (_verified, _layout_blocks, _pass_speedup),
 }
 
 

@@ -356,6 +356,7 @@ SPECS = [
         timeout=400,
     ),
     NotebookSpec("notebooks/12_tensor_parallel.ipynb", []),
+    NotebookSpec("notebooks/13_what_v1_adds.ipynb", []),
 ]
 
 
