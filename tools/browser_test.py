@@ -356,7 +356,14 @@ SPECS = [
         timeout=400,
     ),
     NotebookSpec("notebooks/12_tensor_parallel.ipynb", []),
-    NotebookSpec("notebooks/13_what_v1_adds.ipynb", []),
+    NotebookSpec(
+        "notebooks/13_what_v1_adds.ipynb",
+        [],
+        output_shots=[
+            ("fig = make_subplots(rows=2", "13_spec_decode.png"),
+            ("fig = make_subplots(rows=1, cols=2", "13_disagg.png"),
+        ],
+    ),
 ]
 
 
