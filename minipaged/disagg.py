@@ -208,6 +208,11 @@ class DisaggregatedLLM:
         for knob in ("block_size", "dtype"):
             if prefill_kw.get(knob) != decode_kw.get(knob):
                 raise ValueError(f"the prefill and decode engines need the same {knob}")
+        if any(kw.get("tensor_parallel_size", 1) != 1 for kw in (prefill_kw, decode_kw)):
+            raise ValueError(
+                "DisaggregatedLLM runs single-rank engines: a tensor-parallel producer would send only rank 0's "
+                "heads. Leave tensor_parallel_size at 1"
+            )
         self.timeout_s = timeout_s
         port = free_port()
         self._store = open_store("127.0.0.1", port, 2, True, timeout_s)

@@ -329,6 +329,8 @@ class SimConfig(Config):
                 raise ValueError(f"the simulator needs {name}: it has no model to derive it from")
         if self.speculative_config is not None:
             raise ValueError("the simulator cannot speculate: it has no model to check drafts with")
+        if self.kv_offloading_bytes:
+            raise ValueError("the simulator has no KV offloading store: leave kv_offloading_size at 0")
 
     @property
     def num_blocks(self) -> int:

@@ -61,9 +61,11 @@ def test_streaming_style_use_and_ids(disagg, prompt_ids):
     assert done == [rid] and "Paris" in disagg.get_output(rid).outputs[0].text
 
 
-def test_engines_must_agree_on_block_size():
+def test_engines_must_agree_on_block_size_and_be_single_rank():
     with pytest.raises(ValueError, match="same block_size"):
         DisaggregatedLLM(prefill={"block_size": 32}, decode={"block_size": 16})
+    with pytest.raises(ValueError, match="single-rank engines"):
+        DisaggregatedLLM(tensor_parallel_size=3)
 
 
 def test_a_dead_prefill_process_is_an_error_not_a_hang(prompt_ids):

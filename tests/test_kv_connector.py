@@ -98,6 +98,10 @@ def test_offloading_needs_prefix_caching():
         Config(kv_offloading_size="1MiB", enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_size"):
         Config(kv_offloading_size="lots")
+    from minipaged.simulator import SimConfig
+
+    with pytest.raises(ValueError, match="no KV offloading store"):
+        SimConfig(kv_offloading_size="1MiB", enable_prefix_caching=True)
 
 
 # ---- the scheduler and the data, with the fake model ---------------------------------------------------------
