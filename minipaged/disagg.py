@@ -117,8 +117,11 @@ def _prefill_main(model: Any, kwargs: dict[str, Any], port: int, inbox: Any, tim
                     return
             if msg is None:
                 break
+            if msg and msg[0] == "abort":  # the caller gave up on it: stop spending this engine's time on it
+                llm.abort(msg[1])
+                continue
             if msg:
-                request_id, token_ids = msg
+                _, request_id, token_ids = msg
                 llm.add_request(token_ids, PREFILL_ONLY, request_id=request_id)
                 if llm.get_output(request_id).finished:  # rejected (too long, say): the decode side decides
                     sender.done([request_id])
@@ -346,7 +349,7 @@ class DisaggregatedLLM:
         token_ids = self.llm.processor.token_ids(prompt, rid)
         now = self.llm.now()
         self._waiting[rid] = (token_ids, params, now if arrival_time is None else min(float(arrival_time), now))
-        self._inbox_q.put((rid, token_ids))
+        self._inbox_q.put(("add", rid, token_ids))
         return rid
 
     def has_unfinished(self) -> bool:
@@ -358,9 +361,13 @@ class DisaggregatedLLM:
         a wait that ``timeout_s`` did not end is an error). Returns the ids that finished."""
         self._check_alive()
         with self._cond:
-            if not self.llm.scheduler.has_unfinished() and self._waiting and not self._prefilled:
-                self._cond.wait(timeout=self.timeout_s if wait_s is None else wait_s)
-            ready, self._prefilled = self._prefilled & set(self._waiting), self._prefilled - set(self._waiting)
+            if not self.llm.scheduler.has_unfinished() and self._waiting:
+                self._cond.wait_for(
+                    lambda: bool(self._prefilled & self._waiting.keys()) or self._receiver_error is not None,
+                    timeout=self.timeout_s if wait_s is None else wait_s,
+                )
+            # ids no longer waiting were aborted while their prefill ran: forget them too
+            ready, self._prefilled = self._prefilled & self._waiting.keys(), set()
         for rid in sorted(ready, key=lambda r: self._waiting[r][2]):
             token_ids, params, arrival = self._waiting.pop(rid)
             self.llm.add_request(token_ids, params, request_id=rid, arrival_time=arrival)
@@ -374,6 +381,13 @@ class DisaggregatedLLM:
     def get_output(self, request_id: str) -> RequestOutput:
         return self.llm.get_output(request_id)
 
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop requests wherever they are: in the prefill engine (told to drop them) or in the decode engine."""
+        for rid in request_ids:
+            if self._waiting.pop(rid, None) is not None and not self._closed and self._proc.is_alive():
+                self._inbox_q.put(("abort", rid))
+        self.llm.abort(list(request_ids))
+
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Serve the prompts to the end; outputs in the order of the prompts."""
         ids = [self.add_request(p, params) for p in prompts]
@@ -381,10 +395,8 @@ class DisaggregatedLLM:
             while self.has_unfinished():
                 self.step()
             return [self.get_output(rid) for rid in ids]
-        finally:
-            self.llm.abort([rid for rid in ids if rid in self.llm._requests])
-            for rid in ids:
-                self._waiting.pop(rid, None)
+        finally:  # Ctrl-C or a failure: this call's requests leave nothing behind, on either side
+            self.abort(ids)
 
     # ---- the end ---------------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -79,3 +79,15 @@ def test_a_dead_prefill_process_is_an_error_not_a_hang(prompt_ids):
         engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         engine.add_request(prompt_ids[0], GREEDY)
+
+
+def test_abort_reaches_both_engines_and_leaves_nothing(disagg, prompt_ids):
+    gone = disagg.add_request(prompt_ids[2], GREEDY)
+    disagg.abort([gone])  # still in the prefill engine: it is told to drop it
+    kept = disagg.add_request(prompt_ids[0], GREEDY)
+    while disagg.has_unfinished():
+        disagg.step()
+    assert disagg.get_output(kept).finished and not disagg._waiting and not disagg._prefilled
+    with pytest.raises(ValueError, match="unknown request id"):
+        disagg.get_output(gone)
+    assert disagg.llm.kv_cache_manager.get_num_free_blocks() == disagg.llm.num_blocks - 1

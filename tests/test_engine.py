@@ -239,6 +239,11 @@ def test_speculation_pays_on_a_text_to_repeat(hf):
     stats = llm.scheduler.spec_decoding_stats
     assert stats.acceptance_rate > 0.3 and stats.mean_acceptance_length > 1.5
     assert llm.num_steps < len(out.token_ids)  # one prefill step, then fewer decode steps than tokens
+    from minipaged.serving.metrics import engine_snapshot
+
+    snap = engine_snapshot(llm)  # what /metrics shows
+    assert snap["spec_decode_num_drafts_total"] == stats.num_drafts
+    assert snap["spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens > 0
 
 
 def test_speculation_keeps_seeded_samples(prompt_ids):

@@ -375,7 +375,10 @@ def test_metrics_is_prometheus_text(client, http, llm):
             "kv_blocks_free", "kv_blocks_total", "prefix_cache_hit_rate", "num_preemptions_total",
             "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
             "generation_tokens_total", "request_success_total", "request_aborted_total",
-            "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"} <= names  # fmt: skip
+            "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+            "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+            "spec_decode_num_accepted_tokens_total"} <= names  # fmt: skip
+    assert metric(http, "spec_decode_num_drafts_total") == 0  # this engine does not speculate
     for family, kind in types.items():
         if kind != "histogram":
             continue
