@@ -32,8 +32,10 @@ Every allocation, whatever the mix, answers one inequality (``_need``)::
 
     blocks to allocate + evictable hits + watermark (new requests only)  <=  free blocks - reserved blocks
 
-``reserved_blocks`` holds capacity back for K/V in flight: blocks another engine is about to send, which must
-find room when they arrive (vLLM keeps such a reserve for asynchronous KV transfers).
+``reserved_blocks`` holds capacity back from every allocation. vLLM keeps such a reserve for K/V in flight in
+asynchronous transfers, which must find room when they land. This engine's transfers land in a CPU store first
+(``kv_connector.py``) and are copied into the pool when their request is admitted, inside the step that
+allocated them, so nothing is in flight in the pool: the default is 0.
 """
 
 from __future__ import annotations
@@ -212,7 +214,8 @@ class KVCacheManager:
         )  # fmt: skip
         fits = need.fits
         would = hooks.plugged("would_allocate")  # a learner's own admission rule (exercise 04)
-        if would is not None and not need.new_computed and not need.cow and not num_lookahead_tokens:
+        simple = not (need.new_computed or need.cow or num_lookahead_tokens or num_external_computed_tokens)
+        if would is not None and simple:  # the learner's rule knows computed and new tokens only
             fits = would(self, request, num_new_tokens)
             if fits and need.num_new_blocks > self.block_pool.get_num_free_blocks():
                 raise would.fail(

@@ -387,7 +387,10 @@ class ModelRunner:
                 rows.append(row)
                 row += 1
         if row != logits.shape[0]:
-            raise RuntimeError(f"the step has {logits.shape[0]} sampling rows but its requests need {row}")
+            raise RuntimeError(
+                f"the step has {logits.shape[0]} sampling rows but its requests need {row} (with speculative "
+                "decoding, a row per draft: a plugged-in step_inputs must add them)"
+            )
         plain = logits if not verifying else logits[rows]
         tokens, errors = self.sampler.sample(plain, keys, params, offsets)
         for s, first_row in verifying:

@@ -180,8 +180,9 @@ def admit_waiting(
     """Step 2: admit waiting requests in arrival order while the budget, the seats and the pool allow.
 
     A request first looks for its prompt in the prefix cache, then (with a KV connector) for the
-    blocks after those outside the pool; only the rest is computed, chunked by the budget. First come, first served: when the head of the queue does not fit, nobody
-    behind it is admitted, not even a small request that would (no starvation of long prompts).
+    blocks after those outside the pool; only the rest is computed, chunked by the budget. First
+    come, first served: when the head of the queue does not fit, nobody behind it is admitted, not
+    even a small request that would (no starvation of long prompts).
     Returns ``[(request_id, num_new_tokens)]`` in admission order.
     """
     admitted: list[tuple[str, int]] = []
