@@ -25,7 +25,7 @@ RIGHT, WRONG, NEUTRAL = "#1d6b35", "#9b1c1c", "#333333"  # >= 7:1 on white
 
 
 class Quiz:
-    """The self-check of one chapter (``"01"`` ... ``"12"``), drawn with ``seed``."""
+    """The self-check of one chapter (``"01"`` ... ``"13"``), drawn with ``seed``."""
 
     def __init__(self, chapter: str, seed: int = 0) -> None:
         if chapter not in selfcheck.QUESTIONS:
