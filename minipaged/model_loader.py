@@ -313,14 +313,18 @@ def save_tiny_llama(
     seed: int = 0,
     vocab_size: int = 96,
     num_hidden_layers: int = 2,
+    model_type: str = "llama",
+    **config_kw: Any,
 ) -> Path:
     """A tiny random Llama (seeded: the same weights everywhere) saved as a model folder without a tokenizer,
-    whose prompts are token ids: for tests, and for the capstone's second model shape."""
+    whose prompts are token ids: for tests, and for the capstone's second model shape. ``model_type`` "qwen2" or
+    "mistral" saves that architecture instead (``config_kw``: e.g. its sliding-window settings)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        model_type,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -331,7 +335,8 @@ def save_tiny_llama(
         eos_token_id=None,
         bos_token_id=None,
         pad_token_id=None,
+        **config_kw,
     )
     with quiet_transformers():
-        LlamaForCausalLM(config).save_pretrained(path)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return Path(path)

@@ -183,6 +183,11 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, model_config_dtype(self.path), self.device)
         backend = get_attention_backend(config.attention_backend).name
+        if config.attention_backend == "auto" and backend != "torch":  # the Triton kernels have no sliding window
+            from .model.llama import read_config, sliding_windows
+
+            shape = config_from_dict(hf_config) if hf_config is not None else read_config(self.path)
+            backend = "torch" if any(w is not None for w in sliding_windows(shape)) else backend
         if backend == "triton":  # refuse a block size the kernels cannot tile now, not at the first step
             from .kernels.launch import kv_tile_n
 

@@ -60,7 +60,7 @@ MAX_TOKENS = 12
 # engine runs 16-token blocks and tables without a spare column: a part can be right on it by accident. A tiny
 # random Llama with 8 query heads over 2 KV heads, 32-token blocks and ragged prompts that share one block tells
 # such parts apart; its reference is the package's own engine on the same model.
-SHAPE = dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=128, intermediate_size=192)
+SHAPE: dict[str, Any] = dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=128, intermediate_size=192)
 SHAPE_SETTINGS = dict(
     block_size=32,
     num_gpu_blocks_override=5,

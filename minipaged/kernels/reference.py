@@ -87,6 +87,25 @@ def gather_kv(
     return k, v
 
 
+def attention_mask(
+    seq_len: int, q_len: int, device: torch.device | str = "cpu", sliding_window: int | None = None
+) -> torch.Tensor:
+    """Which of a sequence's ``seq_len`` positions each of its last ``q_len`` tokens attends to, ``[q_len,
+    seq_len]``: every position up to its own, and with a sliding window only the last ``sliding_window`` of them
+    (its own included: transformers' and vLLM's convention)::
+
+        seq_len 6, q_len 2            causal              sliding_window 3
+        token at position 4           1 1 1 1 1 .         . . 1 1 1 .
+        token at position 5           1 1 1 1 1 1         . . . 1 1 1
+    """
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    kv_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = kv_pos <= q_pos
+    if sliding_window is not None:
+        mask &= kv_pos > q_pos - sliding_window
+    return mask
+
+
 def _attend_each_sequence(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -95,16 +114,17 @@ def _attend_each_sequence(
     cu_seqlens_q: list[int],
     seq_lens: list[int],
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One sequence at a time: gather its K/V through its block table, then ordinary causal attention."""
+    """One sequence at a time: gather its K/V through its block table, then ordinary causal attention (only over
+    the last ``sliding_window`` positions of each token, when given)."""
     out = torch.empty_like(query)
     for i, n in enumerate(seq_lens):
         start, end = cu_seqlens_q[i], cu_seqlens_q[i + 1]
         if start == end:
             continue
         k, v = gather_kv(key_cache, value_cache, block_tables[i], n)  # [n, kv_heads, d]
-        q_pos = torch.arange(n - (end - start), n, device=query.device)  # the new tokens' positions
-        causal = torch.arange(n, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, n]
+        causal = attention_mask(n, end - start, query.device, sliding_window)  # [q_len, n]
         o = F.scaled_dot_product_attention(
             query[start:end].float().transpose(0, 1),
             k.float().transpose(0, 1),
@@ -124,8 +144,10 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over all of its cached tokens.
+    """Attention of one new token per sequence over all of its cached tokens (the last ``sliding_window`` of
+    them, when given).
 
     ``query`` is ``[num_seqs, num_q_heads, head_dim]``; sequence ``i`` attends to its
     ``seq_lens[i]`` tokens (the new token's own K/V included, already written to the
@@ -133,8 +155,9 @@ def paged_decode_attention(
     """
     check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
     return _attend_each_sequence(
-        query, key_cache, value_cache, block_tables, list(range(query.shape[0] + 1)), seq_lens.tolist(), scale
-    )
+        query, key_cache, value_cache, block_tables, list(range(query.shape[0] + 1)), seq_lens.tolist(), scale,
+        sliding_window,
+    )  # fmt: skip
 
 
 def paged_prefill_attention(
@@ -145,6 +168,7 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed, variable-length batch of new tokens over their paged context.
 
@@ -153,9 +177,10 @@ def paged_prefill_attention(
     the *last* ``q_len`` of its ``seq_lens[i]`` tokens: the first ``seq_len - q_len``
     were cached earlier (a prefix-cache hit or an earlier prefill chunk), and the new
     tokens' own K/V are already in the cache too. New token ``j`` sits at absolute
-    position ``seq_len - q_len + j`` and attends to every position up to its own.
+    position ``seq_len - q_len + j`` and attends to every position up to its own, or, with a
+    ``sliding_window``, to the last ``sliding_window`` positions up to its own (``attention_mask``).
     """
     check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
     return _attend_each_sequence(
-        query, key_cache, value_cache, block_tables, cu_seqlens_q.tolist(), seq_lens.tolist(), scale
+        query, key_cache, value_cache, block_tables, cu_seqlens_q.tolist(), seq_lens.tolist(), scale, sliding_window
     )

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernel
-from .reference import reshape_and_cache, write_slots
+from .reference import attention_mask, reshape_and_cache, write_slots
 from .validation import check_paged_decode, check_paged_prefill
 
 
@@ -95,12 +95,17 @@ def plan_attention(
     seq_lens: torch.Tensor,
     block_size: int,
     in_place: bool = False,
+    sliding_window: int | None = None,
 ) -> AttentionPlan:
     """Sort a step's sequences into decode groups and per-sequence prefills, and build their indices.
 
     ``in_place`` (the caller has checked ``cpu_kernel.usable``): the kernel takes every sequence
     of up to ``KERNEL_MAX_Q_LEN`` rows as they are, and only longer prefills are planned here.
+    ``sliding_window``: each token sees only the last ``sliding_window`` positions up to its own; the
+    masks say so (the compiled kernel has no window: a windowed plan is never ``in_place``).
     """
+    if in_place and sliding_window is not None:
+        raise ValueError("the compiled CPU kernel has no sliding window: plan a windowed layer with in_place=False")
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
@@ -117,15 +122,30 @@ def plan_attention(
     single = sorted((i for i, q in enumerate(q_lens) if q == 1), key=lambda i: lens[i])
     num_groups = max(1, min(MAX_DECODE_GROUPS, len(single) // MIN_DECODE_GROUP))
     if single and len(single) == len(q_lens) and (num_groups == 1 or lens[single[0]] == lens[single[-1]]):
-        plan.decode.append(DecodeGroup(None, *context_slots(block_tables, seq_lens, block_size)))
+        plan.decode.append(_decode_group(None, block_tables, seq_lens, block_size, sliding_window))
     elif single:
         for g in range(num_groups):
             members = single[g * len(single) // num_groups : (g + 1) * len(single) // num_groups]
             idx = torch.tensor(members, dtype=torch.long, device=device)
             rows = torch.tensor([cu[i] for i in members], dtype=torch.long, device=device)
-            plan.decode.append(DecodeGroup(rows, *context_slots(block_tables[idx], seq_lens[idx], block_size)))
-    _plan_prefills(plan, block_tables, lens, q_lens, cu, block_size, min_q_len=2)
+            plan.decode.append(_decode_group(rows, block_tables[idx], seq_lens[idx], block_size, sliding_window))
+    _plan_prefills(plan, block_tables, lens, q_lens, cu, block_size, min_q_len=2, sliding_window=sliding_window)
     return plan
+
+
+def _decode_group(
+    rows: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+) -> DecodeGroup:
+    """One decode group: its context slots, and which of them its token sees (a window hides the older ones)."""
+    slots, valid = context_slots(block_tables, seq_lens, block_size)
+    if sliding_window is not None:
+        pos = torch.arange(slots.shape[1], device=slots.device)[None, :]
+        valid &= pos > seq_lens[:, None].to(pos.device) - 1 - sliding_window
+    return DecodeGroup(rows, slots, valid)
 
 
 def _plan_prefills(
@@ -136,6 +156,7 @@ def _plan_prefills(
     cu: list[int],
     block_size: int,
     min_q_len: int,
+    sliding_window: int | None = None,
 ) -> None:
     """One SDPA entry per sequence of at least ``min_q_len`` new tokens: its rows, context slots and causal mask."""
     device = block_tables.device
@@ -143,8 +164,7 @@ def _plan_prefills(
         if q_lens[i] < min_q_len:
             continue
         seq_slots, _ = context_slots(block_tables[i : i + 1], torch.tensor([n], device=device), block_size)
-        q_pos = torch.arange(n - q_lens[i], n, device=device)
-        causal = torch.arange(n, device=device)[None, :] <= q_pos[:, None]  # [q_len, n]
+        causal = attention_mask(n, q_lens[i], device, sliding_window)  # [q_len, n]
         plan.prefills.append((cu[i], cu[i + 1], seq_slots[0], causal))
 
 
@@ -203,13 +223,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """``reference.paged_decode_attention``, planned and batched."""
     check_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
     cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-    plan = plan_attention(
-        block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1], in_place=cpu_kernel.usable(key_cache, value_cache)
-    )
+    in_place = sliding_window is None and cpu_kernel.usable(key_cache, value_cache)
+    plan = plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1], in_place, sliding_window)
     return attend(plan, query, key_cache, value_cache, scale)
 
 
@@ -221,12 +241,12 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """``reference.paged_prefill_attention``, planned and batched."""
     check_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-    plan = plan_attention(
-        block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1], in_place=cpu_kernel.usable(key_cache, value_cache)
-    )
+    in_place = sliding_window is None and cpu_kernel.usable(key_cache, value_cache)
+    plan = plan_attention(block_tables, cu_seqlens_q, seq_lens, key_cache.shape[1], in_place, sliding_window)
     return attend(plan, query, key_cache, value_cache, scale)
 
 

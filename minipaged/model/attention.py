@@ -64,6 +64,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     write_slots: torch.Tensor | None = None  # int64, their slots
     plan: Any = None  # kernels.torch_backend.AttentionPlan
     fused: bool = False  # rope_write_attend may run (the compiled kernels, no learner's part plugged in)
+    sliding_window: int | None = None  # the layers using this metadata see only that many positions back
 
 
 @dataclass
@@ -89,12 +90,20 @@ class PagedAttention:
         value_cache: torch.Tensor,
         num_q_heads: int,
         dtype: torch.dtype,
+        sliding_window: int | None = None,
     ) -> TorchAttentionMetadata | TritonAttentionMetadata:
-        """Check a step's metadata once against the cache, and plan it for this backend."""
+        """Check a step's metadata once against the cache, and plan it for this backend; with a
+        ``sliding_window``, for layers that see only that many positions back (the PyTorch backend's masks: the
+        compiled CPU kernel and the Triton kernels have no window)."""
         from ..kernels import cpu_kernel, paged_decode, torch_backend, validation
 
         if isinstance(meta, (TorchAttentionMetadata, TritonAttentionMetadata)):
             return meta
+        if sliding_window is not None and (self.backend != "torch" or any(hooks.plugged(p) for p in self.PARTS)):
+            raise ValueError(
+                f"sliding-window attention runs on the PyTorch backend's kernels only, not on {self.backend!r} "
+                "or a learner's plugged-in kernel: use attention_backend='torch'"
+            )
         num_tokens, num_kv_heads, head_dim = meta.slot_mapping.shape[0], key_cache.shape[2], key_cache.shape[3]
         # Stand-ins with the shapes, dtype and device of this step's q and k/v: one element, expanded.
         dev = key_cache.device
@@ -114,14 +123,22 @@ class PagedAttention:
                 meta.cu_seqlens_q,
                 meta.seq_lens,
                 key_cache.shape[1],
-                in_place=cpu_kernel.usable(key_cache, value_cache),
+                in_place=sliding_window is None and cpu_kernel.usable(key_cache, value_cache),
+                sliding_window=sliding_window,
             )
             fused = (
                 plan.in_place is not None
                 and cpu_kernel.fits_layer_ops(q, key_cache)
                 and not any(hooks.plugged(part) for part in self.PARTS)
             )
-            return TorchAttentionMetadata(**meta.common(), write_rows=rows, write_slots=slots, plan=plan, fused=fused)
+            return TorchAttentionMetadata(
+                **meta.common(),
+                write_rows=rows,
+                write_slots=slots,
+                plan=plan,
+                fused=fused,
+                sliding_window=sliding_window,
+            )
         validation.check_triton_runtime(dtype, key_cache.device)
         validation.check_last_dim_contiguous(key_cache=key_cache, value_cache=value_cache)
         num_splits = None

@@ -39,6 +39,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("minipaged")
 
 
+def sliding_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: it sees its whole context), as transformers reads the config: Qwen2 and
+    Gemma-style ``layer_types`` ("sliding_attention" layers see the last ``sliding_window`` positions), or a
+    Mistral-style ``sliding_window`` for every layer::
+
+        Qwen2, use_sliding_window, max_window_layers 2, 4 layers   [None, None, 4096, 4096]
+        Mistral-7B-v0.1 (sliding_window 4096)                      [4096, 4096, ..., 4096]
+    """
+    n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [window if t == "sliding_attention" else None for t in types[:n]]
+    if getattr(config, "model_type", "llama") == "mistral" and window is not None:
+        return [window] * n
+    return [None] * n
+
+
 def _rope_theta(config: Any) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     if params.get("rope_type", "default") not in ("default", None):
@@ -354,17 +371,21 @@ class LlamaAttention(nn.Module):
     """Self-attention on the paged cache. Under tensor parallelism (``tp``) it holds this rank's heads only:
     q/k/v are column-parallel, o_proj row-parallel, one all-reduce (``model.parallel``)."""
 
-    def __init__(self, config: Any, attention: PagedAttention, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, config: Any, attention: PagedAttention, tp: TPGroup | None = None, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads = config.num_attention_heads // tp_size(tp)
         self.num_kv_heads = config.num_key_value_heads // tp_size(tp)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.sliding_window = sliding_window  # None: the whole context; else only that many positions back
         bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias or getattr(config, "model_type", "llama") == "qwen2"  # Qwen2: q, k and v have biases, o not
         h = config.hidden_size
-        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.scale = self.head_dim**-0.5
         self.attention = attention
@@ -418,9 +439,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, attention: PagedAttention, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, config: Any, attention: PagedAttention, tp: TPGroup | None = None, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, attention, tp)
+        self.self_attn = LlamaAttention(config, attention, tp, sliding_window)
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -443,7 +466,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.attention = attention
         self.num_heads = config.num_attention_heads // tp_size(tp)  # this rank's
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, tp) for _ in range(config.num_hidden_layers))
+        self.windows = sliding_windows(config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, tp, w) for w in self.windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, _rope_theta(config))
@@ -458,19 +482,23 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Embed, run every decoder layer on its own layer of the paged cache, normalise: hidden states.
 
-        The step's attention metadata is checked and planned once, here, for every layer."""
+        The step's attention metadata is checked and planned once, here, for every layer (once per sliding
+        window, for a model whose layers differ: each layer then reads the plan of its own window)."""
         x = self.embed_tokens(input_ids)
-        meta = self.attention.build_metadata(meta, kv_caches[0][0], kv_caches[0][1], self.num_heads, x.dtype)
+        k0, v0 = kv_caches[0]
+        metas = {w: self.attention.build_metadata(meta, k0, v0, self.num_heads, x.dtype, w) for w in set(self.windows)}
+        meta = metas[self.windows[0]]
         cos, sin = self.rotary_emb(positions, x.dtype)
-        program = self.step_program() if isinstance(meta, TorchAttentionMetadata) and meta.fused else None
+        uniform = len(metas) == 1 and self.windows[0] is None  # the step program knows whole-context layers only
+        program = self.step_program() if uniform and isinstance(meta, TorchAttentionMetadata) and meta.fused else None
         if program is not None and isinstance(meta, TorchAttentionMetadata):
             try:
                 return self.norm(program.run(x, cos, sin, kv_caches, meta))
             except RuntimeError as e:  # a oneDNN op refused something the probe did not try: the modules' path
                 log.warning("minipaged: the CPU step program failed (%s); running the model's modules instead", e)
                 self._program = False  # rerunning the step is safe: it writes the same K/V to the same slots
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+        for layer, kv_cache, window in zip(self.layers, kv_caches, self.windows, strict=True):
+            x = layer(x, cos, sin, kv_cache, metas[window])
         return self.norm(x)
 
     def step_program(self) -> StepProgram | None:
@@ -496,8 +524,13 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: Any, backend: str = "torch", tp: TPGroup | None = None) -> None:
         super().__init__()
-        if getattr(config, "model_type", "llama") not in ("llama", "mistral"):
+        if getattr(config, "model_type", "llama") not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"model_type {config.model_type!r} is not a Llama-architecture model")
+        if backend != "torch" and any(w is not None for w in sliding_windows(config)):
+            raise ValueError(
+                f"this model has sliding-window layers, which run on the PyTorch backend's kernels only, not on "
+                f"{backend!r}: use attention_backend='torch'"
+            )
         if config.num_attention_heads % config.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         self.config = config
