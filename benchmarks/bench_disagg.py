@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from common import machine
+from common import machine, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -175,10 +174,7 @@ def main() -> int:
             flush=True,
         )
     print(f"same tokens: {same}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "disagg.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, "disagg.json", record)
     return 0
 
 

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import sys
 import time
 from pathlib import Path
 
-from common import machine
+from common import machine, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -183,10 +182,7 @@ def main() -> int:
         "rounds": args.rounds,
         "results": results,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "spec_decode.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, "spec_decode.json", record)
     return 0
 
 

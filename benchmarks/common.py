@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+from pathlib import Path
 
 
 def machine() -> dict:
@@ -41,3 +43,12 @@ def machine() -> dict:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
     }
+
+
+def write_result(out_dir: Path, name: str, record: dict) -> Path:
+    """Write a benchmark's record as ``out_dir/name`` (indented JSON) and say where."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path

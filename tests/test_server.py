@@ -439,7 +439,13 @@ def test_cli_serves_until_interrupted():
         models = httpx.get(url.group(1) + "/v1/models", timeout=10).json()
         assert models["data"][0]["id"] == "tiny-pool"
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # say where it hung: its own last words
+            proc.kill()
+            _, err = proc.communicate(timeout=10)
+            pytest.fail(f"the server did not exit within 30 s of Ctrl-C; the end of its stderr:\n{err[-4000:]}")
+        assert code == 0
     finally:
         watchdog.cancel()
         if proc.poll() is None:
