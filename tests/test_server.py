@@ -426,10 +426,17 @@ def test_cli_checks_the_knobs_before_loading_the_model():
     assert time.monotonic() - t0 < 60
 
 
+def _sigint_default() -> None:
+    """In the child before exec: Ctrl-C as a terminal gives it. A test run started in the background of a
+    non-interactive shell (``make test &``) inherits SIGINT ignored, and a Python started so keeps ignoring it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_cli_serves_until_interrupted():
     proc = subprocess.Popen([sys.executable, "-m", "minipaged", "serve", "--port", "0", "--num-gpu-blocks-override",
                              "32", "--max-num-seqs", "4", "--served-model-name", "tiny-pool"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_sigint_default)  # fmt: skip
     watchdog = threading.Timer(120, proc.kill)  # a hung start ends the readline below with EOF
     watchdog.start()
     try:
