@@ -76,6 +76,10 @@ def test_the_window_changes_the_tokens(qwen2, tmp_path):
     config.update(use_sliding_window=False, layer_types=["full_attention"] * 4)
     (plain / "config.json").write_text(json.dumps(config))
     assert transformers_tokens(plain) != transformers_tokens(qwen2)
+    # and the engine, whose step program (no window: the compiled CPU path) adds Qwen2's q/k/v biases too
+    llm = LLM(model=plain, dtype="float32", block_size=4)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == transformers_tokens(plain)
+    assert llm.model.model.step_program() is not None  # that path did run the step
 
 
 @pytest.mark.parametrize("window", [1, 3, 5, 40])
