@@ -116,6 +116,20 @@ def test_tp_gives_the_tokens_of_one_process(tp_model, reference, size) -> None:
         llm.generate([[1, 2, 3]], GREEDY)
 
 
+def test_tp_speculative_decoding_and_offloading_give_the_same_tokens(tp_model, reference) -> None:
+    """Drafts verified by two ranks (one forward over the drafts' rows, rank 0 samples), and a CPU store of
+    evicted prefix blocks on each rank: the tokens of one process without either."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = small_engine(tp_model, tensor_parallel_size=2, speculative_config=spec, kv_offloading_size="1MiB")
+    try:
+        got = run(llm)
+        assert got["tokens"] == reference["tokens"]
+        assert llm.scheduler.spec_decoding_stats.num_drafts > 0
+        assert llm.kv_cache_manager.connector.num_saved > 0
+    finally:
+        llm.shutdown()
+
+
 def test_tp_swap_preemption_and_an_engine_nobody_holds(tp_model) -> None:
     """Swapping moves each rank's own slice of the blocks to its own CPU pool and back. Then the engine is
     dropped without ``shutdown()``: garbage collection ends its worker."""
