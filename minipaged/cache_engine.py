@@ -35,6 +35,9 @@ import torch
 
 from .kv_math import KVSpec, dtype_bytes
 
+SWAP_SPACE = "swap space: this cache engine has num_cpu_blocks=0"
+OFFLOAD_STORE = "a KV offloading store: this cache engine has num_offload_blocks=0"
+
 
 class CacheEngine:
     def __init__(
@@ -114,9 +117,14 @@ class CacheEngine:
         dst_cache: list[tuple[torch.Tensor, torch.Tensor]],
         pairs: list[tuple[int, int]],
         what: str,
+        needs: str = "",
     ) -> None:
+        """The pairs' blocks copied from ``src_cache`` to ``dst_cache``, every layer's K and V; ``needs`` says what an
+        empty (absent) host cache would have had to be."""
         if not pairs:
             return
+        if not src_cache or not dst_cache:
+            raise ValueError(f"{what} needs {needs}")
         src, dst = self._pairs(pairs, src_cache[0][0].shape[0], dst_cache[0][0].shape[0], what)
         src_dev = src.to(src_cache[0][0].device)
         dst_dev = dst.to(dst_cache[0][0].device)
@@ -126,27 +134,19 @@ class CacheEngine:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks: pairs of (device block, CPU block)."""
-        if pairs and not self.cpu_cache:
-            raise ValueError("swap_out needs swap space: this cache engine has num_cpu_blocks=0")
-        self._copy(self.gpu_cache, self.cpu_cache, pairs, "swap_out")
+        self._copy(self.gpu_cache, self.cpu_cache, pairs, "swap_out", SWAP_SPACE)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy CPU blocks back to device blocks: pairs of (CPU block, device block)."""
-        if pairs and not self.cpu_cache:
-            raise ValueError("swap_in needs swap space: this cache engine has num_cpu_blocks=0")
-        self._copy(self.cpu_cache, self.gpu_cache, pairs, "swap_in")
+        self._copy(self.cpu_cache, self.gpu_cache, pairs, "swap_in", SWAP_SPACE)
 
     def offload(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks into the KV offloading store: pairs of (device block, store slot)."""
-        if pairs and not self.offload_cache:
-            raise ValueError("offload needs a KV offloading store: this cache engine has num_offload_blocks=0")
-        self._copy(self.gpu_cache, self.offload_cache, pairs, "offload")
+        self._copy(self.gpu_cache, self.offload_cache, pairs, "offload", OFFLOAD_STORE)
 
     def onload(self, pairs: list[tuple[int, int]]) -> None:
         """Copy store slots back into device blocks: pairs of (store slot, device block)."""
-        if pairs and not self.offload_cache:
-            raise ValueError("onload needs a KV offloading store: this cache engine has num_offload_blocks=0")
-        self._copy(self.offload_cache, self.gpu_cache, pairs, "onload")
+        self._copy(self.offload_cache, self.gpu_cache, pairs, "onload", OFFLOAD_STORE)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Device-to-device block copies (copy-on-write): pairs of (source block, destination block)."""

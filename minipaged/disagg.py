@@ -70,7 +70,6 @@ class KVSender:
 
     def __init__(self, group: Any) -> None:
         self.group = group
-        self.num_blocks_sent = 0
 
     def __call__(self, cache: CacheEngine, sends: list[tuple[int, BlockHash]]) -> None:
         ids = torch.tensor([b for b, _ in sends], dtype=torch.long, device=cache.device)
@@ -79,7 +78,6 @@ class KVSender:
         self._send(torch.tensor([len(sends), 0], dtype=torch.long))
         self._send(hashes)
         self._send(kv.view(torch.uint8).flatten())
-        self.num_blocks_sent += len(sends)
 
     def done(self, request_ids: list[str]) -> None:
         payload = "\n".join(request_ids).encode()

@@ -35,9 +35,8 @@ step loads from is never overwritten by a save of the same step.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from .block_pool import BlockHash, KVCacheBlock
 from .request import Request
@@ -175,9 +174,6 @@ class OffloadingConnector(KVConnector):
         self.loads.clear()
         self.pinned.clear()
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
-
-    def bookkeeping(self) -> Iterator[Any]:
-        yield self
 
     @property
     def num_stored(self) -> int:
