@@ -124,6 +124,13 @@ def chain_block_hashes(
     return hashes
 
 
+def group_block_hash(block_hash: BlockHash, group_id: int) -> BlockHash:
+    """The prefix-cache key of a block of KV cache group ``group_id`` (``single_type_kv_cache_manager.py``). Group 0
+    keeps the plain hash; the same tokens' block in another group holds other layers' K/V, so its key carries the
+    group (vLLM: ``BlockHashWithGroupId``)."""
+    return block_hash if group_id == 0 else BlockHash(block_hash + group_id.to_bytes(4, "little"))
+
+
 def get_request_block_hasher(block_size: int) -> Callable[[Request], list[BlockHash]]:
     """The hasher a ``Request`` uses to keep ``block_hashes`` up to date (same name as vLLM)."""
     return RequestBlockHasher(block_size)
@@ -410,8 +417,10 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int,
+        group_id: int = 0,
     ) -> None:
-        """Record the hashes of blocks that have just become full.
+        """Record the hashes of blocks that have just become full (of KV cache group ``group_id``: a hybrid
+        model's other groups key their blocks by ``group_block_hash``).
 
         ``blocks`` is the request's whole block list; ``blocks[:num_cached_blocks]``
         are cached already (earlier steps, or prefix hits) and
@@ -438,7 +447,7 @@ class BlockPool:
             block = blocks[i]
             if block.is_null:
                 continue
-            block_hash = request.block_hashes[i]
+            block_hash = group_block_hash(request.block_hashes[i], group_id)
             block.set_block_hash(block_hash)
             self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
 

@@ -20,6 +20,10 @@ that the scheduler hands over with a step:
 and two for a KV connector's CPU store (``kv_connector.OffloadingConnector``): ``offload`` (device → store, a
 cached block about to be evicted) and ``onload`` (store → device, an external prefix hit).
 
+A model with several KV cache groups (``kv_cache_coordinator.py``) has fewer tensors than layers:
+``layer_tensors[i]`` names the tensor layer ``i`` uses, and the layers of different groups share one (a block id
+belongs to one group at a time). ``gpu_cache`` still has one entry per layer; ``gpu_tensors`` the distinct ones.
+
 Every copy moves all layers' K and V of a block. Over PCIe that is the price of
 swapping: ``bytes_per_block`` per block each way, and a fixed cost for each
 separate copy. Here one swap is one gathered copy per layer for K and one for V,
@@ -51,6 +55,7 @@ class CacheEngine:
         device: str | torch.device = "cpu",
         num_cpu_blocks: int = 0,
         num_offload_blocks: int = 0,
+        layer_tensors: list[int] | None = None,
     ) -> None:
         for name, v in (
             ("num_layers", num_layers),
@@ -69,11 +74,16 @@ class CacheEngine:
         self.spec = KVSpec(num_layers, num_kv_heads, head_dim, dtype_bytes(dtype))
         self.block_size, self.num_blocks, self.num_cpu_blocks = block_size, num_blocks, num_cpu_blocks
         self.device = torch.device(device)
+        self.layer_tensors = list(range(num_layers)) if layer_tensors is None else list(layer_tensors)
+        num_tensors = max(self.layer_tensors) + 1
+        if len(self.layer_tensors) != num_layers or sorted(set(self.layer_tensors)) != list(range(num_tensors)):
+            raise ValueError(f"layer_tensors must give each of {num_layers} layers one of 0..n-1, got {layer_tensors}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.gpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
+        self.gpu_tensors: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(num_layers)
+            for _ in range(num_tensors)
         ]
+        self.gpu_cache = [self.gpu_tensors[t] for t in self.layer_tensors]  # layer -> its (shared) K, V
         pin = self.device.type == "cuda"  # pinned host memory makes device↔host copies asynchronous
 
         def host_cache(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,7 +93,7 @@ class CacheEngine:
                     torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
                     torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
                 )
-                for _ in range(num_layers if n else 0)
+                for _ in range(num_tensors if n else 0)
             ]
 
         self.cpu_cache = host_cache(num_cpu_blocks)
@@ -92,8 +102,8 @@ class CacheEngine:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of one block, all layers: what one swapped block moves over the bus."""
-        return self.spec.bytes_per_block(self.block_size)
+        """K and V of one block, all its tensors: what one swapped block moves over the bus."""
+        return self.spec.bytes_per_block(self.block_size) * len(self.gpu_tensors) // self.spec.num_layers
 
     @staticmethod
     def _pairs(
@@ -134,20 +144,20 @@ class CacheEngine:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks: pairs of (device block, CPU block)."""
-        self._copy(self.gpu_cache, self.cpu_cache, pairs, "swap_out", SWAP_SPACE)
+        self._copy(self.gpu_tensors, self.cpu_cache, pairs, "swap_out", SWAP_SPACE)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy CPU blocks back to device blocks: pairs of (CPU block, device block)."""
-        self._copy(self.cpu_cache, self.gpu_cache, pairs, "swap_in", SWAP_SPACE)
+        self._copy(self.cpu_cache, self.gpu_tensors, pairs, "swap_in", SWAP_SPACE)
 
     def offload(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks into the KV offloading store: pairs of (device block, store slot)."""
-        self._copy(self.gpu_cache, self.offload_cache, pairs, "offload", OFFLOAD_STORE)
+        self._copy(self.gpu_tensors, self.offload_cache, pairs, "offload", OFFLOAD_STORE)
 
     def onload(self, pairs: list[tuple[int, int]]) -> None:
         """Copy store slots back into device blocks: pairs of (store slot, device block)."""
-        self._copy(self.offload_cache, self.gpu_cache, pairs, "onload", OFFLOAD_STORE)
+        self._copy(self.offload_cache, self.gpu_tensors, pairs, "onload", OFFLOAD_STORE)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Device-to-device block copies (copy-on-write): pairs of (source block, destination block)."""
-        self._copy(self.gpu_cache, self.gpu_cache, pairs, "copy")
+        self._copy(self.gpu_tensors, self.gpu_tensors, pairs, "copy")

@@ -81,7 +81,7 @@ class LLM:
         prefix cache, a new scheduler (a second ``LLM`` would load the model again)."""
         connector, r = None if self.kv_connector_factory is None else self.kv_connector_factory(), self.runner
         self.scheduler = Scheduler.from_config(self.config, self.num_blocks, self.max_model_len, r.num_cpu_blocks,
-                                               r.num_offload_blocks, connector)  # fmt: skip
+                                               r.num_offload_blocks, connector, r.kv_cache_groups)  # fmt: skip
         self.kv_cache_manager = self.scheduler.kv
         self.runner.reset()
         self.sampler = self.runner.sampler

@@ -233,6 +233,18 @@ TERMS: tuple[Term, ...] = (
         "13",
         "minipaged.disagg.DisaggregatedLLM",
     ),
+    Term(
+        "sliding window",
+        "an attention layer that reads only the last window of positions; the blocks behind it go back to the pool",
+        "13",
+        "minipaged.single_type_kv_cache_manager.SlidingWindowManager",
+    ),
+    Term(
+        "KV cache group",
+        "layers of one attention type sharing a block table; a hybrid model has several over one pool",
+        "13",
+        "minipaged.kv_cache_coordinator.KVCacheCoordinator",
+    ),
 )
 
 

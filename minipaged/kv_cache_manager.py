@@ -10,8 +10,12 @@ The scheduler never handles blocks itself. For each request it asks two question
 and says ``free(request)`` when a request finishes or is preempted. The manager
 keeps each request's block list (``req_to_blocks``), turns token counts into
 block counts, applies the admission rule, and records newly full blocks in the
-prefix cache. Names and layout follow vLLM v1's ``kv_cache_manager.py`` for one
-attention type (no coordinator, no hybrid models).
+prefix cache. Names and layout follow vLLM v1's ``kv_cache_manager.py``. A model
+that mixes full-attention and sliding-window layers has several KV cache groups,
+each with its own block tables; the manager asks the coordinator
+(``kv_cache_coordinator.py``), which asks each group's manager, and hands the
+scheduler ``KVCacheBlocks``, one block list per group. With one group (every
+model of one attention type) the scheduler sees a plain block list.
 
 The token layout ``allocate_slots`` reasons about (vLLM draws the same)::
 
@@ -45,21 +49,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import hooks
-from .block_pool import BlockHash, BlockPool, KVCacheBlock, get_request_block_hasher
+from .block_pool import BlockPool, KVCacheBlock, get_request_block_hasher
+from .kv_cache_coordinator import KVCacheBlocks, KVCacheCoordinator, KVCacheGroupSpec
 from .kv_connector import KVConnector, KVConnectorMetadata
 from .request import Request
+from .single_type_kv_cache_manager import SingleTypeKVCacheManager, find_prefix_hits
 from .utils import cdiv, check_int
 
-
-def find_prefix_hits(pool: BlockPool, block_hashes: Sequence[BlockHash], num_tokens: int, block_size: int) -> list[int]:
-    """Ids of the cached blocks that hold a prompt's longest cached prefix (see ``get_computed_blocks``)."""
-    hits: list[int] = []
-    for block_hash in block_hashes[: (num_tokens - 1) // block_size]:
-        block = pool.get_cached_block(block_hash)
-        if block is None:  # chained hashes: the first miss ends the prefix
-            break
-        hits.append(block.block_id)
-    return hits
+__all__ = ["KVCacheBlocks", "KVCacheManager", "find_prefix_hits"]
 
 
 @dataclass
@@ -67,9 +64,9 @@ class _Need:
     """What one ``allocate_slots`` call would take (``KVCacheManager._need``)."""
 
     fits: bool
-    new_computed: list[KVCacheBlock]  # prefix-cache hits to touch
-    num_new_blocks: int  # fresh blocks, the copy-on-write block included
-    cow: bool  # the block the first new token goes to is shared: copy it first
+    new_computed: KVCacheBlocks  # prefix-cache hits to touch, per group
+    num_new_blocks: int  # fresh blocks, all groups, the copy-on-write blocks included
+    cow: list[int]  # the groups whose block the first new token goes to is shared: copy it first
     write_idx: int  # which of the request's blocks that is
     is_new_admission: bool
     num_computed_tokens: int  # computed + prefix-hit + external-hit tokens
@@ -90,6 +87,9 @@ class KVCacheManager:
             reserve for KV transfers in flight); 0 here unless asked for.
         num_cpu_blocks: the CPU swap space, in blocks (block 0 unused, as on the device).
         connector: a KV connector (``kv_connector.py``): K/V outside the pool, loaded back as external hits.
+        kv_cache_groups: the model's KV cache groups (``kv_cache_coordinator.kv_cache_groups``); default one
+            full-attention group. Swap space and a connector serve one full-attention group only (vLLM v1 has no
+            swap, and turns its hybrid manager off when a connector is set).
 
     Why the watermark only applies to new admissions: a running request that
     cannot get its next block must be preempted, throwing away work. Letting a
@@ -108,6 +108,7 @@ class KVCacheManager:
         reserved_blocks: int = 0,
         num_cpu_blocks: int = 0,
         connector: KVConnector | None = None,
+        kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     ) -> None:
         check_int("block_size", block_size, 1)
         check_int("num_blocks (block 0 is the null block)", num_blocks, 2)
@@ -131,10 +132,17 @@ class KVCacheManager:
         self.reserved_blocks = reserved_blocks
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.block_hasher = get_request_block_hasher(block_size)
-        # request_id -> its blocks in logical order (its block table).
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # request_id -> how many of its blocks are already in the prefix cache.
-        self.num_cached_block: dict[str, int] = {}
+        groups = [KVCacheGroupSpec((0,))] if kv_cache_groups is None else list(kv_cache_groups)
+        self.coordinator = KVCacheCoordinator(groups, self.block_pool, block_size)
+        self.kv_cache_groups = self.coordinator.groups
+        self.managers = self.coordinator.managers
+        self.single_type = len(groups) == 1 and groups[0].sliding_window is None  # what swap and connectors serve
+        if not self.single_type and (num_cpu_blocks or connector is not None):
+            raise ValueError(
+                "swap space and KV connectors serve models of one full-attention KV cache group; this one has "
+                f"{len(groups)} groups (windows {[g.sliding_window for g in groups]}): use preemption_mode="
+                "'recompute' and no kv_offloading_size (vLLM v1 has no swap either)"
+            )
         # Copy-on-write copies (source block, destination block) for the cache engine to perform.
         self.pending_copies: list[tuple[int, int]] = []
         self.uncommitted_blocks: list[KVCacheBlock] = []  # hashed while scheduling the step not yet run
@@ -150,10 +158,11 @@ class KVCacheManager:
         self.external_hits = 0  # tokens loaded from the connector instead of computed
 
     # ---- prefix cache lookup -----------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest run of the prompt's leading full blocks found in the prefix cache.
 
-        Returns ``(blocks, num_computed_tokens)``. Never the whole prompt: the last
+        Returns ``(blocks, num_computed_tokens)``: ``KVCacheBlocks``, a list per KV cache group, which reads as
+        group 0's list (the only one for a model of one attention type). Never the whole prompt: the last
         prompt token must go through the model to produce the logits of the first
         output token, so the hit is capped at ``num_tokens - 1`` tokens. Since hits
         are whole blocks, a fully cached, block-aligned prompt gives up its last
@@ -166,12 +175,10 @@ class KVCacheManager:
         is admitted.
         """
         if not self.enable_caching:
-            return [], 0
+            return KVCacheBlocks(tuple([] for _ in self.managers)), 0
         self._attach_hasher(request)
-        args = (self.block_pool, request.block_hashes, request.num_tokens, self.block_size)
-        learners = hooks.plugged("find_prefix_hits")  # a learner's own lookup (exercise 08)
-        hit_ids = learners(*args) if learners is not None else find_prefix_hits(*args)
-        hits = [self.block_pool.blocks[i] for i in hit_ids]
+        # Each group's rule (a learner's own lookup, exercise 08, for full attention), agreed by the coordinator.
+        hits = self.coordinator.find_longest_cache_hit(request, (request.num_tokens - 1) // self.block_size)
         return hits, len(hits) * self.block_size
 
     def get_num_external_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -187,11 +194,11 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
-    ) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens of ``request``; return the new blocks.
+    ) -> KVCacheBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request``; return the new blocks (per group).
 
         Returns ``None``, changing nothing, when the pool cannot supply them::
 
@@ -215,6 +222,7 @@ class KVCacheManager:
         fits = need.fits
         would = hooks.plugged("would_allocate")  # a learner's own admission rule (exercise 04)
         simple = not (need.new_computed or need.cow or num_lookahead_tokens or num_external_computed_tokens)
+        simple = simple and self.single_type  # nor a sliding window's give-backs
         if would is not None and simple:  # the learner's rule knows computed and new tokens only
             fits = would(self, request, num_new_tokens)
             if fits and need.num_new_blocks > self.block_pool.get_num_free_blocks():
@@ -224,22 +232,29 @@ class KVCacheManager:
                 )
         if not fits:
             return None
-        new_computed, cow, num_new_blocks = need.new_computed, need.cow, need.num_new_blocks
+        new_computed, cow = need.new_computed, need.cow
         write_idx, is_new_admission = need.write_idx, need.is_new_admission
         num_computed_tokens = need.num_computed_tokens
 
         # From here on nothing can fail: the pool has the blocks.
-        self.block_pool.touch(new_computed)
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        blocks.extend(new_computed)
-        if cow:
-            shared, private = blocks[write_idx], self.block_pool.get_new_blocks(1)[0]
-            blocks[write_idx] = private
-            self.block_pool.free_blocks([shared])  # one owner fewer; the sibling keeps it
-            self.pending_copies.append((shared.block_id, private.block_id))
-            num_new_blocks -= 1
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        blocks.extend(new_blocks)
+        rid = request.request_id
+        num_required = cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.block_size)
+        for manager, hits in zip(self.managers, new_computed.blocks):
+            manager.remove_skipped_blocks(rid, num_computed_tokens)  # a sliding window's old blocks go back first
+            self.block_pool.touch(hits)  # every group's hits, before any fresh block could evict one of them
+            manager.req_to_blocks.setdefault(rid, []).extend(hits)
+        new_per_group: list[list[KVCacheBlock]] = []
+        for g, manager in enumerate(self.managers):
+            blocks = manager.req_to_blocks[rid]
+            if g in cow:
+                shared, private = blocks[write_idx], self.block_pool.get_new_blocks(1)[0]
+                blocks[write_idx] = private
+                self.block_pool.free_blocks([shared])  # one owner fewer; the sibling keeps it
+                self.pending_copies.append((shared.block_id, private.block_id))
+            fresh = self.block_pool.get_new_blocks(max(0, num_required - len(blocks)))
+            blocks.extend(fresh)
+            new_per_group.append(fresh)
+        new_blocks = new_per_group[0]
         if self.connector is not None:
             if need.num_external_blocks:  # the first fresh blocks receive the external hits (their slots pinned
                 # first: no save of this step may take them)
@@ -255,23 +270,23 @@ class KVCacheManager:
             if is_new_admission:  # vLLM's prefix-cache stats: tokens asked for, tokens found
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(new_computed) * self.block_size
-            # Prefix hits are cached already; so are the blocks cached in earlier steps.
-            num_cached = len(new_computed) if is_new_admission else self.num_cached_block[request.request_id]
             # Cache the blocks that are full once this step's tokens are written. Lookahead
             # slots hold no real tokens, and tokens not yet in the request have no hash.
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             num_full_blocks = num_tokens_to_cache // self.block_size
-            self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full_blocks, self.block_size)
-            self.uncommitted_blocks.extend(blocks[num_cached:num_full_blocks])  # their K/V come in this step
-            self.num_cached_block[request.request_id] = max(num_cached, num_full_blocks)
-        return new_blocks
+            for manager, hits in zip(self.managers, new_computed.blocks):
+                # Prefix hits are cached already; so are the blocks cached in earlier steps.
+                num_cached = len(hits) if is_new_admission else manager.num_cached_block[rid]
+                # their K/V come in this step
+                self.uncommitted_blocks.extend(manager.cache_blocks(request, num_cached, num_full_blocks))
+        return KVCacheBlocks(tuple(new_per_group))
 
     def can_allocate(
         self,
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
     ) -> bool:
         """Would ``allocate_slots`` with these arguments give blocks now? Changes nothing."""
@@ -284,7 +299,7 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock] | None,
+        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None,
         num_lookahead_tokens: int,
         num_external_computed_tokens: int,
     ) -> _Need:
@@ -296,7 +311,7 @@ class KVCacheManager:
             ("num_external_computed_tokens", num_external_computed_tokens),
         ):
             check_int(name, v, 0)
-        new_computed = list(new_computed_blocks or [])
+        new_computed = self._as_blocks(new_computed_blocks)
         if num_new_computed_tokens != len(new_computed) * self.block_size:
             raise ValueError(
                 f"num_new_computed_tokens={num_new_computed_tokens} must equal "
@@ -323,31 +338,40 @@ class KVCacheManager:
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_required = cdiv(num_tokens_need_slot, self.block_size)
-        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed))
-        # A hit on a cached block that sits in the free queue uses up a free block too.
-        num_evictable_computed = sum(1 for b in new_computed if b.ref_cnt == 0 and not b.is_null)
-        # Copy-on-write: the first new token lands in a partly filled block that a forked
-        # sibling (n > 1) shares. That block must be copied first, which takes one more block.
         write_idx = request.num_computed_tokens // self.block_size
-        cow = (
-            num_new_tokens > 0
-            and request.num_computed_tokens % self.block_size != 0
-            and write_idx < len(req_blocks)
-            and req_blocks[write_idx].ref_cnt > 1
-        )
-        num_new_blocks += cow
+        rid = request.request_id
+        num_new_blocks = num_evictable_computed = num_freed = num_held = 0
+        cow: list[int] = []
+        for g, (manager, hits) in enumerate(zip(self.managers, new_computed.blocks)):
+            blocks = manager.req_to_blocks.get(rid, [])
+            num_new_blocks += max(0, num_required - len(blocks) - len(hits))
+            # A hit on a cached block that sits in the free queue uses up a free block too.
+            num_evictable_computed += sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
+            # A sliding window's blocks behind the window go back before the new ones are taken.
+            num_freed += manager.num_freed_by_skip(rid, num_computed_tokens)
+            num_held += num_required - min(num_required, manager.num_skipped_blocks(num_computed_tokens))
+            # Copy-on-write: the first new token lands in a partly filled block that a forked
+            # sibling (n > 1) shares. That block must be copied first, which takes one more block.
+            if (
+                num_new_tokens > 0
+                and request.num_computed_tokens % self.block_size != 0
+                and write_idx < len(blocks)
+                and blocks[write_idx].ref_cnt > 1
+            ):
+                cow.append(g)
+        num_new_blocks += len(cow)
 
         is_new_admission = not req_blocks
         watermark = self.watermark_blocks if is_new_admission else 0
         capacity = self.num_blocks - 1 - self.reserved_blocks - watermark
-        if num_required > capacity:
+        if num_held > capacity:
             raise ValueError(
-                f"request {request.request_id!r} needs {num_required} blocks for "
+                f"request {request.request_id!r} needs {num_held} blocks for "
                 f"{num_tokens_need_slot} tokens; the pool can never give it more than {capacity} "
                 f"({self.num_blocks - 1} usable - {self.reserved_blocks} reserved "
                 f"- {watermark} watermark)"
             )
-        available = self.block_pool.get_num_free_blocks() - self.reserved_blocks
+        available = self.block_pool.get_num_free_blocks() + num_freed - self.reserved_blocks
         fits = num_new_blocks + num_evictable_computed + watermark <= available
         return _Need(
             fits, new_computed, num_new_blocks, cow, write_idx, is_new_admission, num_computed_tokens,
@@ -367,12 +391,9 @@ class KVCacheManager:
         """
         if child.request_id in self.req_to_blocks:
             raise ValueError(f"request {child.request_id!r} already holds blocks")
-        blocks = self.req_to_blocks.get(parent.request_id, [])
-        self.block_pool.touch(blocks)
-        self.req_to_blocks[child.request_id] = list(blocks)
         if self.enable_caching:
             self._attach_hasher(child)
-            self.num_cached_block[child.request_id] = self.num_cached_block.get(parent.request_id, 0)
+        self.coordinator.fork(parent.request_id, child.request_id)
 
     def trim(self, request: Request, num_tokens: int) -> int:
         """Give back the request's blocks past the first ``cdiv(num_tokens, block_size)``, tail first; returns
@@ -384,15 +405,9 @@ class KVCacheManager:
             d0 accepted       t0 ... t4 x d0 y                       8 tokens (y: the model's, not d1)
             trim(req, 8)      [b3][b8]                               b5 held only rejected drafts: freed
 
-        None of those blocks is in the prefix cache: only blocks full of real tokens are hashed."""
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        keep = cdiv(num_tokens, self.block_size)
-        if len(blocks) <= keep:
-            return 0
-        spare = blocks[keep:]
-        self.block_pool.free_blocks(reversed(spare))  # checks first: raises with nothing changed
-        del blocks[keep:]
-        return len(spare)
+        None of those blocks is in the prefix cache: only blocks full of real tokens are hashed. Every KV cache
+        group gives back its own (the count is over all groups)."""
+        return self.coordinator.trim(request.request_id, num_tokens)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write block copies (source, destination) decided since the last call."""
@@ -405,11 +420,7 @@ class KVCacheManager:
         Tail first, so that under prefix caching a request's *last* blocks are
         evicted before its *first* ones (shared prefixes live at the front).
         """
-        request_id = request if isinstance(request, str) else request.request_id
-        blocks = self.req_to_blocks.get(request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))  # checks first: raises with nothing changed
-        self.req_to_blocks.pop(request_id, None)
-        self.num_cached_block.pop(request_id, None)
+        self.coordinator.free(request if isinstance(request, str) else request.request_id)
 
     # ---- swap space ----------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
@@ -478,6 +489,7 @@ class KVCacheManager:
     def bookkeeping(self) -> Iterator[Any]:
         """Every object whose state allocation changes: the manager and its pools (see ``snapshot``)."""
         yield self
+        yield from self.managers
         yield from self.block_pool.bookkeeping()
         if self.cpu_pool is not None:
             yield from self.cpu_pool.bookkeeping()
@@ -485,6 +497,31 @@ class KVCacheManager:
             yield self.connector
 
     # ---- queries -----------------------------------------------------------------------
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """request_id -> its blocks in logical order (its block table), of KV cache group 0."""
+        return self.managers[0].req_to_blocks
+
+    @property
+    def num_cached_block(self) -> dict[str, int]:
+        """request_id -> how many of its blocks (group 0) are already in the prefix cache."""
+        return self.managers[0].num_cached_block
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block tables of KV cache groups 1, 2, ... (none for a model of one attention type)."""
+        return list(self.coordinator.get_block_ids(request_id)[1:])
+
+    def held_blocks(self) -> Iterator[tuple[SingleTypeKVCacheManager, str, list[KVCacheBlock]]]:
+        """Every (group manager, request id, block list), all groups (null blocks included)."""
+        for manager in self.managers:
+            for rid, blocks in manager.req_to_blocks.items():
+                yield manager, rid, blocks
+
+    def max_num_blocks(self, num_tokens: int, max_new_tokens: int) -> int:
+        """The most blocks, all groups together, a request of ``num_tokens`` tokens ever holds at once when each
+        step computes at most ``max_new_tokens`` of them (a sliding window's count stays bounded)."""
+        return self.coordinator.max_num_blocks(num_tokens, max_new_tokens)
+
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return list(self.req_to_blocks.get(request_id, []))
 
@@ -522,6 +559,19 @@ class KVCacheManager:
         self.block_pool.forget_cached_blocks()
         if self.connector is not None:
             self.connector.reset()
+
+    def _as_blocks(self, blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None) -> KVCacheBlocks:
+        """Prefix hits as ``KVCacheBlocks``: a plain list is group 0's, for a manager of one group."""
+        if isinstance(blocks, KVCacheBlocks):
+            if len(blocks.blocks) != len(self.managers) or len({len(b) for b in blocks.blocks}) > 1:
+                raise ValueError(
+                    f"new_computed_blocks has {len(blocks.blocks)} groups of {[len(b) for b in blocks.blocks]} "
+                    f"blocks; this manager has {len(self.managers)} KV cache groups, all hits of one length"
+                )
+            return blocks
+        if len(self.managers) > 1 and blocks:
+            raise ValueError("a model with several KV cache groups takes its prefix hits as KVCacheBlocks")
+        return KVCacheBlocks((list(blocks or []),) + tuple([] for _ in self.managers[1:]))
 
     def _attach_hasher(self, request: Request) -> None:
         if request.block_hasher is None or getattr(request.block_hasher, "block_size", None) != self.block_size:

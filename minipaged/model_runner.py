@@ -25,6 +25,7 @@ graph will need later: the same addresses every step.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -39,6 +40,7 @@ from .block_pool import BlockHash
 from .block_table import make_block_table_tensor, slot_mapping
 from .cache_engine import CacheEngine
 from .config import Config, model_config_dtype, resolve_dtype
+from .kv_cache_coordinator import kv_cache_groups, layer_tensors
 from .kv_math import GiB, KVSpec, format_bytes, num_blocks_at_startup
 from .model import AttentionMetadata, LlamaForCausalLM
 from .model.cuda_graphs import CUDAGraphRunner
@@ -110,7 +112,10 @@ class InputBuffers:
 
     def fill(self, name: str, values: torch.Tensor) -> torch.Tensor:
         """Copy ``values`` (a CPU tensor) into the front of buffer ``name``; return that view."""
-        buf = getattr(self, name)
+        buf = getattr(self, name, None)
+        if buf is None:  # a second KV cache group's slot mapping or block tables: made at its first step
+            buf = torch.zeros(values.shape, dtype=values.dtype, device=self.device)
+            setattr(self, name, buf)
         if any(v > b for v, b in zip(values.shape, buf.shape)):  # larger than planned: grow, keep going
             buf = torch.zeros([max(v, b) for v, b in zip(values.shape, buf.shape)], dtype=buf.dtype, device=self.device)
             setattr(self, name, buf)
@@ -211,9 +216,14 @@ class ModelRunner:
             name=getattr(hf, "name_or_path", "") or "model",
         )
         self.spec = spec if tp is None else spec.per_rank(tp.size)  # this rank's KV heads: what its pool holds
+        # KV cache groups (kv_cache_coordinator.py): one for SmolLM2; a hybrid model's groups share group_size
+        # tensors, so a block holds group_size layers, not all of them.
+        self.kv_cache_groups = kv_cache_groups(self.model.model.windows)
+        self.layer_tensors = layer_tensors(self.kv_cache_groups, hf.num_hidden_layers)
+        self.page_spec = dataclasses.replace(self.spec, num_layers=max(self.layer_tensors) + 1)
         self.block_size = config.block_size
         own_blocks, own_cpu_blocks = self._size_pool(config), self._num_cpu_blocks(config)
-        own_offload_blocks = config.kv_offloading_bytes // self.spec.bytes_per_block(self.block_size)
+        own_offload_blocks = config.kv_offloading_bytes // self.page_spec.bytes_per_block(self.block_size)
         if config.kv_offloading_bytes and not own_offload_blocks:
             raise ValueError(
                 f"kv_offloading_size={config.kv_offloading_size!r} holds no block of "
@@ -232,7 +242,7 @@ class ModelRunner:
             "device": str(self.device),
             "num_kv_heads": self.spec.num_kv_heads,
             "num_attention_heads": self.model.model.num_heads,
-            "bytes_per_block": self.spec.bytes_per_block(self.block_size),
+            "bytes_per_block": self.page_spec.bytes_per_block(self.block_size),
             "own_num_blocks": own_blocks,
             "num_blocks": self.num_blocks,
         }
@@ -246,6 +256,7 @@ class ModelRunner:
             self.device,
             num_cpu_blocks=self.num_cpu_blocks,
             num_offload_blocks=self.num_offload_blocks,
+            layer_tensors=self.layer_tensors,
         )
         self.buffers = InputBuffers(
             config.max_num_batched_tokens,
@@ -257,7 +268,8 @@ class ModelRunner:
         # step filled (``kv_connector_metadata.sends``) to the engine that decodes.
         self.kv_sender: Callable[[CacheEngine, list[tuple[int, BlockHash]]], None] | None = None
         self.graph_runner: CUDAGraphRunner | None = None  # decode steps replayed from CUDA graphs (a GPU only)
-        if self.device.type == "cuda" and tp is None and not config.enforce_eager:
+        # CUDA graphs capture one block table per step: models of one KV cache group only.
+        if self.device.type == "cuda" and tp is None and not config.enforce_eager and len(self.kv_cache_groups) == 1:
             self.graph_runner = CUDAGraphRunner(
                 self.model,
                 self.cache.gpu_cache,
@@ -275,7 +287,7 @@ class ModelRunner:
 
     def describe(self) -> str:
         """The pool in one line: blocks, bytes, the longest sequence, the device."""
-        b, n = self.spec.bytes_per_block(self.block_size), self.num_blocks - 1
+        b, n = self.page_spec.bytes_per_block(self.block_size), self.num_blocks - 1
         where = f"device {self.device}"
         if self.tp is not None:
             heads = f"{self.spec.num_kv_heads} KV head" + ("s" if self.spec.num_kv_heads > 1 else "")
@@ -291,19 +303,19 @@ class ModelRunner:
             return config.num_gpu_blocks_override
         if config.kv_cache_bytes is not None or self.device.type != "cuda":
             budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else GiB
-            return self.spec.capacity(budget, config.block_size).num_blocks  # raises if < one block
+            return self.page_spec.capacity(budget, config.block_size).num_blocks  # raises if < one block
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         activation_peak = self._profile_activation_peak(config.max_num_batched_tokens, config.block_size)
         total = torch.cuda.get_device_properties(self.device).total_memory
         return num_blocks_at_startup(
-            total, config.gpu_memory_utilization, weights, activation_peak, self.spec, config.block_size
+            total, config.gpu_memory_utilization, weights, activation_peak, self.page_spec, config.block_size
         )
 
     def _num_cpu_blocks(self, config: Config) -> int:
         """The CPU swap pool: as asked, or what ``swap_space`` holds (plus the unused block 0), or none."""
         if config.num_cpu_blocks_override is not None:
             return config.num_cpu_blocks_override
-        bytes_per_block = self.spec.bytes_per_block(self.block_size)
+        bytes_per_block = self.page_spec.bytes_per_block(self.block_size)
         num = config.swap_space_bytes // bytes_per_block + 1 if config.swap_space_bytes else 0
         if config.preemption_mode == "swap" and num < 2:
             raise ValueError(
@@ -337,7 +349,9 @@ class ModelRunner:
         return torch.cuda.max_memory_allocated(self.device) - base
 
     # ---- a step -----------------------------------------------------------------------------
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata], list[int]]:
         build = hooks.plugged("step_inputs") or step_inputs  # a learner's own (exercise 09b), if plugged in
         ids, positions, cu, seq_lens, sample_rows = build(out.scheduled)
         buf = self.buffers
@@ -351,10 +365,24 @@ class ModelRunner:
             cu_seqlens_q=buf.fill("cu_seqlens_q", torch.tensor(cu, dtype=torch.int32)),
             max_query_len=max((s.num_new_tokens for s in out.scheduled), default=0),
         )
+        metas: AttentionMetadata | list[AttentionMetadata] = meta
+        if len(self.kv_cache_groups) > 1:  # one block table per KV cache group; the rest of the step is shared
+            metas = [meta]
+            for g in range(1, len(self.kv_cache_groups)):
+                tables = [s.group_block_ids[g - 1] for s in out.scheduled]
+                metas.append(
+                    AttentionMetadata(
+                        slot_mapping=buf.fill(f"slot_mapping_{g}", slots(tables, out.positions(), out.block_size)),
+                        block_tables=buf.fill(f"block_tables_{g}", make_block_table_tensor(tables)),
+                        seq_lens=meta.seq_lens,
+                        cu_seqlens_q=meta.cu_seqlens_q,
+                        max_query_len=meta.max_query_len,
+                    )
+                )
         return (
             buf.fill("input_ids", torch.tensor(ids, dtype=torch.long)),
             buf.fill("positions", torch.tensor(positions, dtype=torch.long)),
-            meta,
+            metas,
             sample_rows,
         )
 
@@ -435,7 +463,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         with span("model"):  # the span a profile splits into kernels and glue
             graphs = self.graph_runner
-            if graphs is not None and graphs.why_not(input_ids, meta) is None:
+            if graphs is not None and isinstance(meta, AttentionMetadata) and graphs.why_not(input_ids, meta) is None:
                 hidden = graphs.run(input_ids, positions, meta)
             else:
                 hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)

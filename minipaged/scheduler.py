@@ -45,18 +45,18 @@ to another process as it is.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import hooks
 from .config import Config, SchedulerConfig
+from .kv_cache_coordinator import KVCacheGroupSpec
 from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnector, OffloadingConnector
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 from .spec_decode import NgramProposer, SpecDecodingStats
-from .utils import cdiv
 
 
 def num_seqs_when_running(req: Request) -> int:
@@ -242,6 +242,7 @@ class Scheduler:
         num_cpu_blocks: int = 0,
         num_offload_blocks: int = 0,
         connector: KVConnector | None = None,
+        kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     ) -> Scheduler:
         """A scheduler and its KV cache manager, as a ``Config`` describes them (the engine and the simulator);
         with ``num_offload_blocks``, an ``OffloadingConnector`` keeps evicted prefix blocks in that many CPU
@@ -255,6 +256,7 @@ class Scheduler:
             watermark=config.watermark,
             num_cpu_blocks=num_cpu_blocks,
             connector=connector,
+            kv_cache_groups=kv_cache_groups,
         )
         return cls(config.scheduler_config(max_model_len), kv)
 
@@ -270,6 +272,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         max_len = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
         capacity = self.kv.num_blocks - 1 - self.kv.reserved_blocks - self.kv.watermark_blocks
+        # Blocks it may hold at once, all KV cache groups together (a sliding window's stay bounded).
+        num_needed = self.kv.max_num_blocks(max_len, self.config.max_num_batched_tokens)
         if request.sampling_params.n > self.config.max_num_seqs:
             self._reject(
                 request, f"n={request.sampling_params.n} samples exceed max_num_seqs={self.config.max_num_seqs}"
@@ -280,10 +284,10 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens is longer than "
                 f"max_model_len={self.config.max_model_len}",
             )
-        elif cdiv(max_len, self.block_size) > capacity:
+        elif num_needed > capacity:
             self._reject(
                 request,
-                f"needs up to {cdiv(max_len, self.block_size)} blocks ({max_len} tokens) but the "
+                f"needs up to {num_needed} blocks ({max_len} tokens) but the "
                 f"KV pool can give one request at most {capacity}",
             )
         else:
@@ -404,6 +408,7 @@ class Scheduler:
                     num_new_tokens=num_new,
                     start=start,
                     block_ids=self.kv.get_block_ids(rid),
+                    group_block_ids=self.kv.get_group_block_ids(rid),
                     num_samples=(req.sampling_params.n if first else 1) if samples else 0,
                     token_ids=req.all_token_ids[start:end] + spec,
                     sampling_params=req.sampling_params,
@@ -569,15 +574,18 @@ def check_invariants(sched: Scheduler) -> None:
     free_ids = {b.block_id for b in free}
     assert len(free_ids) == len(free) == pool.get_num_free_blocks()
     refs: dict[int, int] = {}
-    for blocks in kv.req_to_blocks.values():
+    for manager, _, blocks in kv.held_blocks():
         for b in blocks:
-            refs[b.block_id] = refs.get(b.block_id, 0) + 1
+            # Only a sliding window's table holds the null block: in place of blocks behind the window.
+            assert not b.is_null or manager.sliding_window is not None, f"null block in group {manager.group_id}"
+            if not b.is_null:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
     for b in pool.blocks[1:]:
         assert b.ref_cnt == refs.get(b.block_id, 0), f"block {b.block_id}: ref_cnt {b.ref_cnt}"
         assert (b.block_id in free_ids) == (b.ref_cnt == 0)
     assert 0 not in free_ids and 0 not in refs  # the null block is never handed out
     live = {r.request_id for r in sched.running}
-    assert set(kv.req_to_blocks) <= live | {r.request_id for r in sched.swapped}
+    assert all(set(m.req_to_blocks) <= live | {r.request_id for r in sched.swapped} for m in kv.managers)
     assert all(r.status is RequestStatus.SWAPPED for r in sched.swapped)
     assert not any(r.status is RequestStatus.SWAPPED for r in sched.waiting)
     if kv.cpu_pool is not None:

@@ -44,6 +44,9 @@ class ScheduledRequest:
     # Speculative decoding: the drafts among token_ids (its last len(spec_token_ids) tokens). The runner then
     # samples every row from the last real token on and keeps the drafts the model agrees with.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A model with several KV cache groups (sliding-window layers beside full ones, kv_cache_coordinator.py):
+    # the block tables of groups 1, 2, ...; block_ids is group 0's. Empty for a model of one attention type.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:

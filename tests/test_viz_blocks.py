@@ -270,3 +270,28 @@ def test_waste_breakdown_figure_puts_the_papers_bars_beside_ours():
     assert legend.get_window_extent().y0 >= ax.get_window_extent().y1 - 1  # above the plot, off the bars
     assert "57.3" in [t.get_text() for t in ax.texts] and "96.3" in [t.get_text() for t in ax.texts]
     plt.close(fig)
+
+
+def test_pool_grid_of_a_hybrid_model_draws_each_group_of_each_request():
+    """Chapter 13 §4: one table per request per KV cache group, each its own colour; the window's blocks leave."""
+    from minipaged.kv_cache_coordinator import KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec((0, 1)), KVCacheGroupSpec((2, 3), sliding_window=8)]
+    mgr = KVCacheManager(4, 40, watermark=0.0, enable_caching=False, kv_cache_groups=groups)
+    req = Request("a", list(range(10)))
+    grid = BlockPoolGrid(mgr, tokens={"a": req}, columns=10)
+    _grow(mgr, req, 10)
+    grid.refresh("prompt")
+    for _ in range(14):  # decode to 24 tokens: the window's first blocks go back
+        _grow(mgr, req, 1)
+    s = grid.refresh("decoded")
+    full, window = s["block_tables"]["a · full"], s["block_tables"]["a · window 8"]
+    assert len(full) == len(window) == 6 and 0 not in full and window[:4] == [0] * 4  # (23 - 7) // 4 = 4 behind
+    in_use = {c["block_id"]: c for c in grid.cells if c["status"] == "in use"}
+    assert {c["owners"][0] for c in in_use.values()} == {"a · full", "a · window 8"}
+    assert set(in_use) == set(full) | set(window[4:])  # the null block is no one's
+    assert grid.cells[0]["status"] == "null" and not grid.cells[0]["owners"]
+    colors = {c["owners"][0]: c["color"] for c in in_use.values()}
+    assert colors["a · full"] != colors["a · window 8"]
+    assert "tokens 20–23" in in_use[window[5]]["hover"]  # token positions read from the request
+    assert len(grid.history[1]["summary"]["block_tables"]["a · window 8"]) == 3  # after the prompt

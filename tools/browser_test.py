@@ -358,10 +358,22 @@ SPECS = [
     NotebookSpec("notebooks/12_tensor_parallel.ipynb", []),
     NotebookSpec(
         "notebooks/13_what_v1_adds.ipynb",
-        [],
+        [
+            WidgetSpec(
+                "grid  # four snapshots",
+                "BlockPoolGrid (a hybrid model's pool)",
+                1,
+                [
+                    Act("slider", "snapshot", 0.0, ("text", "figure")),
+                    Act("slider", "snapshot", 0.7, ("text", "figure")),
+                ],
+                "13_hybrid_pool.png",
+            ),
+        ],
         output_shots=[
             ("fig = make_subplots(rows=2", "13_spec_decode.png"),
             ("fig = make_subplots(rows=1, cols=2", "13_disagg.png"),
+            ("Blocks held per KV cache group", "13_hybrid_blocks.png"),
         ],
     ),
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 from torch import nn
 
+from ..kv_cache_coordinator import kv_cache_groups, layer_groups
 from .attention import AttentionMetadata, PagedAttention, TorchAttentionMetadata
 from .parallel import VocabParallelEmbedding, gather_logits, row_parallel, shard_state_dict, tp_size
 
@@ -467,6 +468,8 @@ class LlamaModel(nn.Module):
         self.attention = attention
         self.num_heads = config.num_attention_heads // tp_size(tp)  # this rank's
         self.windows = sliding_windows(config)
+        # Which KV cache group's block table each layer reads (one group unless windows differ).
+        self.layer_groups = layer_groups(kv_cache_groups(self.windows), len(self.windows))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, tp, w) for w in self.windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -478,16 +481,27 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
     ) -> torch.Tensor:
         """Embed, run every decoder layer on its own layer of the paged cache, normalise: hidden states.
 
-        The step's attention metadata is checked and planned once, here, for every layer (once per sliding
-        window, for a model whose layers differ: each layer then reads the plan of its own window)."""
+        ``meta`` is the step's attention metadata, or one per KV cache group for a model with several (sliding-
+        window layers beside full ones: each group has its own block tables). One metadata for such a model
+        serves every group alike (a throw-away cache whose groups share block ids, as in a profiling run).
+        It is checked and planned once, here, for every layer (once per group, for a model whose layers differ:
+        each layer then reads the plan of its own group and window)."""
         x = self.embed_tokens(input_ids)
-        k0, v0 = kv_caches[0]
-        metas = {w: self.attention.build_metadata(meta, k0, v0, self.num_heads, x.dtype, w) for w in set(self.windows)}
-        meta = metas[self.windows[0]]
+        num_groups = max(self.layer_groups) + 1
+        given = [meta] if isinstance(meta, AttentionMetadata) else list(meta)
+        if len(given) not in (1, num_groups):
+            raise ValueError(f"{len(given)} attention metadata for a model of {num_groups} KV cache groups")
+        per_group = given * num_groups if len(given) == 1 else given
+        metas = {}
+        for i, (g, w) in enumerate(zip(self.layer_groups, self.windows)):
+            if g not in metas:
+                k, v = kv_caches[i]
+                metas[g] = self.attention.build_metadata(per_group[g], k, v, self.num_heads, x.dtype, w)
+        meta = metas[self.layer_groups[0]]
         cos, sin = self.rotary_emb(positions, x.dtype)
         uniform = len(metas) == 1 and self.windows[0] is None  # the step program knows whole-context layers only
         program = self.step_program() if uniform and isinstance(meta, TorchAttentionMetadata) and meta.fused else None
@@ -497,8 +511,8 @@ class LlamaModel(nn.Module):
             except RuntimeError as e:  # a oneDNN op refused something the probe did not try: the modules' path
                 log.warning("minipaged: the CPU step program failed (%s); running the model's modules instead", e)
                 self._program = False  # rerunning the step is safe: it writes the same K/V to the same slots
-        for layer, kv_cache, window in zip(self.layers, kv_caches, self.windows, strict=True):
-            x = layer(x, cos, sin, kv_cache, metas[window])
+        for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_groups, strict=True):
+            x = layer(x, cos, sin, kv_cache, metas[g])
         return self.norm(x)
 
     def step_program(self) -> StepProgram | None:
@@ -556,7 +570,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 

@@ -99,6 +99,7 @@ class BlockPoolGrid:
         title: str = "block pool",
         label: str = "start",
     ) -> None:
+        self.manager = source if isinstance(source, KVCacheManager) and owners is None else None
         if isinstance(source, KVCacheManager):
             self.pool = source.block_pool
             self._owners = source.req_to_blocks if owners is None else owners
@@ -147,9 +148,11 @@ class BlockPoolGrid:
     def _snapshot(self, label: str) -> dict[str, Any]:
         pool, bs = self.pool, self.block_size
         owned: dict[int, list[tuple[str, int]]] = {}
-        for rid, blocks in self._owners.items():
+        tables, request_of = self._tables()
+        for rid, blocks in tables.items():
             for logical, block in enumerate(blocks):
-                owned.setdefault(block.block_id, []).append((rid, logical))
+                if not block.is_null:  # a sliding window's place-holder for the blocks behind it
+                    owned.setdefault(block.block_id, []).append((rid, logical))
         free_order = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         queue_pos = {bid: i for i, bid in enumerate(free_order)}
         cells = []
@@ -172,7 +175,8 @@ class BlockPoolGrid:
                     token_text.append(f"{rid}: logical block {logical}")
                     continue
                 first = logical * bs
-                n = _token_count(self._tokens[rid]) if rid in self._tokens else None
+                req = request_of.get(rid, rid)
+                n = _token_count(self._tokens[req]) if req in self._tokens else None
                 filled = bs if n is None else max(0, min(bs, n - first))
                 rng = (
                     "none yet"
@@ -204,9 +208,25 @@ class BlockPoolGrid:
             usage=pool.get_usage(),
             cached_free=sum(c["status"] == "free, cached" for c in cells),
             free_queue=free_order,
-            block_tables={rid: [b.block_id for b in blocks] for rid, blocks in self._owners.items()},
+            block_tables={rid: [b.block_id for b in blocks] for rid, blocks in tables.items()},
         )
         return dict(label=label, cells=cells, summary=summary)
+
+    def _tables(self) -> tuple[dict[str, Sequence[KVCacheBlock]], dict[str, str]]:
+        """Every block table to draw, and the request each belongs to. A manager with several KV cache groups
+        (a hybrid model) has one table per request per group, named ``"a · full"``, ``"a · window 6"``: each its
+        own colour, so the window's blocks are seen going back while the full group's stay."""
+        if self.manager is None or len(self.manager.managers) == 1:
+            return dict(self._owners), {}
+        kinds = [g.sliding_window for g in self.manager.kv_cache_groups]
+        tables: dict[str, Sequence[KVCacheBlock]] = {}
+        request_of: dict[str, str] = {}
+        for manager, rid, blocks in self.manager.held_blocks():
+            w = kinds[manager.group_id]
+            kind = "full" if w is None else f"window {w}"
+            name = f"{rid} · {kind}" if kinds.count(w) == 1 else f"{rid} · {kind} (group {manager.group_id})"
+            tables[name], request_of[name] = blocks, rid
+        return tables, request_of
 
     @staticmethod
     def _hover(c: dict[str, Any]) -> str:
