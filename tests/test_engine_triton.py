@@ -26,6 +26,20 @@ def test_triton_backend_matches_torch_backend(tiny_model):
         triton_llm.generate("text needs a tokenizer", params)
 
 
+def test_triton_backend_verifies_drafts(tiny_model):
+    """Speculative decoding on the Triton kernels: a decode with drafts is a short prefill over a cached context
+    (the prefill kernel), and its greedy tokens are the PyTorch backend's without speculation."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 3, 9, 3, 9, 3]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    kw = dict(model=tiny_model, block_size=16, num_gpu_blocks_override=16, max_model_len=64)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    want = [o.outputs[0].token_ids for o in LLM(attention_backend="torch", **kw).generate(prompts, params)]
+    llm = LLM(attention_backend="triton", speculative_config=spec, **kw)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    stats = llm.scheduler.spec_decoding_stats
+    assert stats is not None and stats.num_draft_tokens > 0
+
+
 def test_triton_backend_checks_and_plans_once_per_step(tiny_model, monkeypatch):
     """Thirty layers read the same metadata: the Triton backend validates it on the first layer only,
     and reads no q_len back from the device per layer (the plan carries max_query_len)."""
