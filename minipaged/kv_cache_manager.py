@@ -139,8 +139,8 @@ class KVCacheManager:
         self.single_type = len(groups) == 1 and groups[0].sliding_window is None  # what swap and connectors serve
         if not self.single_type and (num_cpu_blocks or connector is not None):
             raise ValueError(
-                "swap space and KV connectors serve models of one full-attention KV cache group; this one has "
-                f"{len(groups)} groups (windows {[g.sliding_window for g in groups]}): use preemption_mode="
+                "swap space and KV connectors serve models of one full-attention KV cache group; this one's "
+                f"groups have windows {[g.sliding_window for g in groups]}: use preemption_mode="
                 "'recompute' and no kv_offloading_size (vLLM v1 has no swap either)"
             )
         # Copy-on-write copies (source block, destination block) for the cache engine to perform.
