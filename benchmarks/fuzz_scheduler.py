@@ -3,7 +3,8 @@
 The same fuzz as ``tests/test_scheduler.py`` (one copy: ``minipaged.testing.fuzz``),
 run ten times longer: random configurations (block sizes 1-16, pools down to 3
 usable blocks, token budgets down to 1, both preemption modes, swap space down to
-one block, prefix caching on or off) and random workloads (shared prefixes, n > 1,
+one block, prefix caching on or off, speculation, an offloading store, a hybrid model's sliding-window group
+beside its full-attention one) and random workloads (shared prefixes, n > 1,
 EOS, prompts too long for ``max_model_len`` or the pool). After every step the
 driver reads every scheduled request's context back from a real ``CacheEngine``
 and checks the pool invariants and the token budget; at the end of each round every
@@ -74,7 +75,8 @@ def main() -> None:
             "seed": args.seed,
             "checks": "data read back through every block table each step; ref counts, free queue, swap "
             "space, token budget, max_num_seqs, one slot per token; each request finished once "
-            "with its token count; no block leaked",
+            "with its token count; no block leaked; in hybrid rounds, a sliding-window group's table read "
+            "only inside its window and null behind it, no slot written by two groups",
         },
         "result": {**seen, "seconds": round(elapsed, 1), "steps_per_s": round(seen["steps"] / elapsed)},
         "passed": True,

@@ -12,6 +12,11 @@ through its block table and checks it. A wrong swap, a missed copy-on-write, a
 prefix hit on the wrong block or a block reused while still owned would all
 show up there.
 
+With a ``window`` it plays a hybrid model: a full-attention layer and a sliding-window layer, each in its own KV
+cache group with its own block tables, sharing one tensor as vLLM's groups do. The window layer's values are
+written through its own table and read back only inside the window; a block it gave back too early, or a slot
+two groups both write, would show up the same way.
+
 Its tokens depend only on the request and the position (``sample_at``), so a run
 with speculative decoding must give every request the very tokens of a run
 without. With ``period`` the tokens repeat every ``period`` positions, so prompt
@@ -31,6 +36,7 @@ import torch
 
 from .block_table import slot_mapping
 from .cache_engine import CacheEngine
+from .kv_cache_coordinator import KVCacheGroupSpec
 from .kv_cache_manager import KVCacheManager
 from .kv_connector import OffloadingConnector
 from .request import Request
@@ -77,6 +83,7 @@ class Driver:
         spec_k=0,
         period=None,
         num_offload_blocks=0,
+        window=None,
     ):
         connector = OffloadingConnector(num_offload_blocks, block_size) if num_offload_blocks and caching else None
         self.kv = KVCacheManager(
@@ -86,7 +93,9 @@ class Driver:
             watermark_blocks=watermark_blocks,
             num_cpu_blocks=num_cpu_blocks,
             connector=connector,
+            kv_cache_groups=None if window is None else [KVCacheGroupSpec((0,)), KVCacheGroupSpec((1,), window)],
         )
+        self.window = window
         self.sched = Scheduler(
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -100,7 +109,14 @@ class Driver:
             self.kv,
         )
         self.cache = CacheEngine(
-            1, num_blocks, block_size, 1, 1, num_cpu_blocks=num_cpu_blocks, num_offload_blocks=num_offload_blocks
+            1 if window is None else 2,  # a window: two layers (groups) in one shared tensor
+            num_blocks,
+            block_size,
+            1,
+            1,
+            num_cpu_blocks=num_cpu_blocks,
+            num_offload_blocks=num_offload_blocks,
+            layer_tensors=None if window is None else [0, 0],
         )
         self.seed = seed
         self.block_size = block_size
@@ -155,9 +171,12 @@ class Driver:
             self.cache.onload(kv_meta.loads)
         kcache = self.cache.gpu_cache[0][0].view(-1)
         bs = self.block_size
-        slots = slot_mapping([s.block_ids for s in out.scheduled], out.positions(), bs)
-        assert slots.numel() == out.total_num_scheduled_tokens and bool((slots >= 0).all())
-        assert len(set(slots.tolist())) == slots.numel()  # no two tokens written to one slot
+        # Every group's block tables (one without a window); all groups write into the one tensor.
+        tables = [[s.block_ids for s in out.scheduled]]
+        tables += [[s.group_block_ids[g] for s in out.scheduled] for g in range(len(self.kv.managers) - 1)]
+        slots = torch.cat([slot_mapping(t, out.positions(), bs) for t in tables])
+        assert slots.numel() == out.total_num_scheduled_tokens * len(tables) and bool((slots >= 0).all())
+        assert len(set(slots.tolist())) == slots.numel()  # no two tokens, in no two groups, written to one slot
         requests = {s.request_id: self.sched.requests[s.request_id] for s in out.scheduled}  # the step's, by id
         self._step_requests = requests
         # The tokens each scheduled request feeds: its own, then this step's drafts (speculative decoding).
@@ -169,14 +188,21 @@ class Driver:
             for s in out.scheduled
             for p in range(s.start, s.start + s.num_new_tokens)
         ]
-        kcache[slots] = torch.tensor(values)
+        kcache[slots] = torch.tensor(values * len(tables))
         # Like a model layer, a step writes its new K/V first, then attends: every position up to the
         # last new one must now hold its own prefix's value (prefix hits may read blocks written this step).
+        # The window layer reads only from its first new token's window on, and holds nothing before it.
         for s in out.scheduled:
             tokens = fed[s.request_id]
-            for p in range(s.start + s.num_new_tokens):
-                slot = s.block_ids[p // bs] * bs + p % bs
-                assert kcache[slot] == prefix_value(tokens[: p + 1]), (s.request_id, p, self.steps)
+            reads = [(s.block_ids, 0)]
+            if self.window is not None:
+                first = max(0, s.start - self.window + 1)
+                assert set(s.group_block_ids[0][: first // bs]) <= {0}, (s.request_id, "kept behind the window")
+                reads.append((s.group_block_ids[0], first))
+            for table, first in reads:
+                for p in range(first, s.start + s.num_new_tokens):
+                    slot = table[p // bs] * bs + p % bs
+                    assert kcache[slot] == prefix_value(tokens[: p + 1]), (s.request_id, p, self.steps)
         sampled = fake_samples(out, lambda s: self.sample(requests[s.request_id]))
         for rid, tokens in sampled.items():  # an n > 1 request's siblings: each its own token
             tokens[1:] = [self.sample_at(f"{rid}#{j}", requests[rid].num_tokens) for j in range(1, len(tokens))]
@@ -204,6 +230,9 @@ class Driver:
 
 def random_config(rng: random.Random) -> dict:
     mode = rng.choice(["recompute", "swap"])
+    offload = rng.choice([0, 0, 2, 16])
+    # a hybrid model's two groups in some rounds (swap space and KV connectors serve one group only)
+    window = rng.choice([None, None, 2, 5, 9, 17]) if mode == "recompute" and not offload else None
     return dict(
         block_size=rng.choice([1, 2, 4, 8, 16]),
         num_blocks=rng.randint(4, 40),
@@ -216,7 +245,8 @@ def random_config(rng: random.Random) -> dict:
         max_model_len=rng.choice([16, 48, 200]),
         spec_k=rng.choice([0, 0, 1, 3, 5]),
         period=rng.choice([None, None, 2, 5]),
-        num_offload_blocks=rng.choice([0, 0, 2, 16]),
+        num_offload_blocks=offload,
+        window=window,
     )
 
 
@@ -227,8 +257,9 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
     blocks, budgets down to 1 token, both preemption modes, swap space down to one
     block, caching on or off), then up to 12 requests, half of them sharing a
     prefix, some with n = 2 or 3, some stopping at EOS, and runs them to the end
-    with the data-checking ``Driver``, speculating in some rounds (1 to 5 drafts) and keeping evicted prefix
-    blocks in a KV offloading store in others. In the end every request must have finished
+    with the data-checking ``Driver``, speculating in some rounds (1 to 5 drafts), keeping evicted prefix
+    blocks in a KV offloading store in others, and playing a hybrid model (a sliding window of 2 to 17
+    positions beside full attention) in others. In the end every request must have finished
     exactly once with the right number of tokens, and every block must be free.
     """
     rng = random.Random(seed)
@@ -245,6 +276,7 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
         drafts=0,
         accepted_drafts=0,
         external_hit_tokens=0,
+        hybrid_rounds=0,
     )
     while seen["steps"] < total_steps:
         cfg = random_config(rng)
@@ -285,6 +317,7 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
         seen["rejected"] += sum(r.finish_reason == "rejected" for r in d.requests.values())
         seen["forks"] += sum(r.parent_id is not None for r in d.requests.values())
         seen["external_hit_tokens"] += d.kv.external_hits
+        seen["hybrid_rounds"] += d.window is not None
         if (spec := d.sched.spec_decoding_stats) is not None:
             seen["drafts"] += spec.num_draft_tokens
             seen["accepted_drafts"] += spec.num_accepted_tokens

@@ -185,6 +185,7 @@ def test_fuzz_ten_thousand_steps():
         "forks",
         "accepted_drafts",
         "external_hit_tokens",
+        "hybrid_rounds",
     ):
         assert seen[what] > 0, f"the fuzz never exercised {what}"
 
