@@ -921,7 +921,7 @@ def _verified(rng: random.Random) -> Asked:
         f"draft, the model's own choices are {targets}. How many tokens does this step add to the request?",
         len(tokens),
         f"The first {agree} draft(s) agree with the model, then one token of the model's own: {tokens}.",
-        "Section 2: drafts are kept up to the first disagreement, and the model's token there is kept too.",
+        "Section 1: drafts are kept up to the first disagreement, and the model's token there is kept too.",
         unit="tokens",
         mistakes=_mistakes(
             len(tokens),
@@ -930,26 +930,44 @@ def _verified(rng: random.Random) -> Asked:
     )
 
 
-def _layout_blocks(rng: random.Random) -> Asked:
-    bs = rng.choice([4, 8, 16])
-    hits, ext = rng.randint(1, 4), rng.randint(1, 4)
-    new, look = rng.randrange(1, 2 * bs), rng.randint(0, 4)
-    spec = KVSpec(1, 1, 1)
-    need = spec.blocks_for_tokens((hits + ext) * bs + new + look, bs) - hits
+def _window_blocks(rng: random.Random) -> Asked:
+    from .kv_cache_coordinator import kv_cache_groups
+    from .kv_cache_manager import KVCacheManager
+    from .request import Request
+
+    num_window, num_full = rng.choice([(25, 5), (24, 8), (2, 2), (20, 20), (6, 2)])
+    window, bs = rng.choice([256, 512, 1024]), rng.choice([16, 32])
+    n = rng.randint(window + bs, 4 * window)
+    groups = kv_cache_groups([window] * num_window + [None] * num_full)
+    # The package's own manager does it: the prompt, then room for position n.
+    mgr = KVCacheManager(
+        bs, 3 * len(groups) * (n // bs + 2), enable_caching=False, watermark=0.0, kv_cache_groups=groups
+    )
+    req = Request("quiz", [1] * n)
+    mgr.allocate_slots(req, n)
+    req.num_computed_tokens = n
+    mgr.allocate_slots(req, 1)
+    held = sum(not b.is_null for _, _, blocks in mgr.held_blocks() for b in blocks)
+    full_groups = sum(g.sliding_window is None for g in groups)
+    window_groups = len(groups) - full_groups
+    all_blocks = -(-(n + 1) // bs)
+    in_window = all_blocks - (n - window + 1) // bs
     return Asked(
-        f"Block size {bs}. A waiting request finds {hits} block(s) in the prefix cache and {ext} more in a KV "
-        f"connector's store; it computes {new} new tokens and {look} lookahead slot(s). How many fresh blocks does "
-        "allocate_slots take from the free queue for it?",
-        need,
-        f"ceil(({hits + ext}·{bs} + {new} + {look}) / {bs}) − {hits}: prefix hits are blocks it already has; "
-        "external hits need fresh blocks to be loaded into.",
-        "Chapter 04 section 6: the whole layout, and which of its regions cost a block.",
+        f"A hybrid model has {num_full} full-attention layers and {num_window} sliding-window layers (window "
+        f"{window} positions), block size {bs}. A request has {n} tokens computed and the pool has just made room "
+        f"for position {n}. How many blocks does it hold, all its KV cache groups together?",
+        held,
+        f"Groups of {min(num_full, num_window)} layers: {full_groups} full group(s) of {all_blocks} blocks each and "
+        f"{window_groups} window group(s) holding only blocks from position {n} − {window} + 1 on: {in_window} each. "
+        f"{full_groups}·{all_blocks} + {window_groups}·{in_window} = {held}.",
+        "Section 4: each type is cut into groups of the smaller type's layer count; a full group keeps every block, "
+        "a window group gives back the blocks wholly before the window of the token it computes.",
         unit="blocks",
         mistakes=_mistakes(
-            need,
+            held,
             [
-                (need - ext, "External hits are not in the pool: they need blocks of their own."),
-                (need + hits, "Prefix-cache hits are touched, not allocated."),
+                (float(all_blocks + in_window), "Each type has several groups here, each with its own table."),
+                (float(len(groups) * all_blocks), "A window group gives back the blocks behind its window."),
             ],
         ),
     )
@@ -965,7 +983,7 @@ def _pass_speedup(rng: random.Random) -> Asked:
         "second does it give?",
         ratio,
         f"{length} tokens per step ÷ {cost}× the time = {ratio:.3g}×. Below 1, speculation loses.",
-        "Section 2: tokens per step against the step's cost.",
+        "Section 1: tokens per step against the step's cost.",
         unit="×",
         rel_tol=0.01,
         mistakes=_mistakes(ratio, [(length, "The longer step costs time too: divide by its cost.")]),
@@ -985,7 +1003,7 @@ QUESTIONS: dict[str, tuple[Callable[[random.Random], Asked], ...]] = {
     "10": (_seam, _part_count, _checked),
     "11": (_ttft, _itl, _p99),
     "12": (_heads_per_rank, _bytes_per_rank, _copies),
-    "13": (_verified, _layout_blocks, _pass_speedup),
+    "13": (_verified, _window_blocks, _pass_speedup),
 }
 
 

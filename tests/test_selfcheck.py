@@ -146,3 +146,14 @@ def test_each_chapter_ends_with_its_self_check_and_stores_no_answer(chapter: str
         for q in selfcheck.questions(chapter, seed):
             assert json.dumps(q.explain)[1:-1] not in text  # the explanation (which states the answer) is not stored
     assert "The answer:" not in text and "Right. " not in text
+
+
+def test_the_hybrid_question_explains_the_number_the_manager_holds():
+    """Chapter 13's window question: the package's manager counts the blocks; the explanation's own arithmetic
+    (full groups keep all, window groups what reaches back to n - window + 1) must give the same number."""
+    for seed in range(40):
+        q = selfcheck.questions("13", seed)[1]
+        terms = re.search(r"(\d+)·(\d+) \+ (\d+)·(\d+) = (\d+)\.$", q.explain)
+        assert terms is not None, q.explain
+        a, b, c, d, total = map(int, terms.groups())
+        assert a * b + c * d == total == q.answer
