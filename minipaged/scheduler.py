@@ -375,7 +375,9 @@ class Scheduler:
             room = min(
                 req.sampling_params.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens
             )
-            req.spec_token_ids = self.proposer.propose(req.all_token_ids, room - 1) if decoding else []
+            drafts = self.proposer.propose_for(req.request_id, req, req.all_token_ids, room - 1) if decoding else []
+            req.spec_token_ids = drafts
+        self.proposer.keep_only({req.request_id for req in self.running})
 
     def take_finished(self) -> tuple[list[str], list[tuple[str, int]]]:
         """The requests that left since the last call, and their random streams; forgets them. ``schedule`` sends

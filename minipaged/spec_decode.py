@@ -51,14 +51,23 @@ from .sampling_params import SamplingParams
 
 
 class NgramProposer:
-    """Draft tokens by prompt lookup (vLLM's ``NgramProposer``): no model, only the request's own tokens."""
+    """Draft tokens by prompt lookup (vLLM's ``NgramProposer``): no model, only the request's own tokens.
+
+    The cost is a scan of each decoding request's context every step. Two things keep it small at hundreds of
+    requests: ``propose_for`` keeps each running request's tokens as a numpy array that only grows (a request's
+    tokens are only ever appended), so a step converts its new tokens, not the whole context; and the search is one
+    vectorised comparison with the last token, then a few steps back from each place it occurs, not one scan per
+    n-gram length.
+    """
 
     def __init__(self, config: SpeculativeConfig) -> None:
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None  # set by the config
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        # request id -> (the request, its tokens so far in a buffer that doubles, how many are filled)
+        self._tokens: dict[str, tuple[object, np.ndarray, int]] = {}
 
-    def propose(self, token_ids: Sequence[int], max_drafts: int | None = None) -> list[int]:
+    def propose(self, token_ids: Sequence[int] | np.ndarray, max_drafts: int | None = None) -> list[int]:
         """Up to ``min(k, max_drafts)`` tokens that followed the longest matching suffix (``min_n <= n <=
         max_n``) at its earliest earlier occurrence; ``[]`` when no suffix matches::
 
@@ -71,14 +80,47 @@ class NgramProposer:
         if k <= 0 or num <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
-            # Every window of n tokens that ends before the last token: the suffix itself is not a match.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[0]) + n
-                return tokens[start : start + k].tolist()
-        return []
+        # Where an earlier n-gram could end: wherever the last token occurs before the end.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        ends = ends[ends >= self.min_n - 1]
+        if not ends.size:
+            return []
+        # How far back each occurrence agrees with the suffix, up to max_n tokens (1: the last token itself).
+        length = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for back in range(1, min(self.max_n, num - 1)):
+            before = ends - back
+            alive &= before >= 0
+            alive[alive] = tokens[before[alive]] == tokens[num - 1 - back]
+            length += alive
+            if not alive.any():
+                break
+        best = int(length.max())
+        if best < self.min_n:
+            return []
+        start = int(ends[np.argmax(length == best)]) + 1  # the earliest of the longest
+        return tokens[start : start + k].tolist()
+
+    def propose_for(
+        self, request_id: str, owner: object, token_ids: Sequence[int], max_drafts: int | None
+    ) -> list[int]:
+        """``propose`` for a running request, reading only the tokens it gained since its last call."""
+        num = len(token_ids)
+        entry = self._tokens.get(request_id)
+        if entry is None or entry[0] is not owner or entry[2] > num:  # new, or another request with this id
+            entry = (owner, np.empty(max(64, 2 * num), dtype=np.int64), 0)
+        _, buf, filled = entry
+        if num > buf.size:
+            buf = np.concatenate([buf[:filled], np.empty(2 * num - filled, dtype=np.int64)])
+        if num > filled:
+            buf[filled:num] = token_ids[filled:num]
+        self._tokens[request_id] = (owner, buf, num)
+        return self.propose(buf[:num], max_drafts)
+
+    def keep_only(self, request_ids: set[str]) -> None:
+        """Forget the arrays of requests no longer running (bounded: the running requests' only)."""
+        if len(self._tokens) > len(request_ids):
+            self._tokens = {rid: e for rid, e in self._tokens.items() if rid in request_ids}
 
 
 def verify(

@@ -77,6 +77,23 @@ def test_proposer_prefers_the_longest_ngram_then_its_earliest_occurrence():
     assert proposer(k=2, lo=1, hi=1).propose([4, 1, 4, 2, 4]) == [1, 4]  # [4] first at 0
 
 
+def test_proposer_keeps_each_running_requests_tokens_as_they_grow():
+    """``propose_for`` converts only new tokens, yet answers as ``propose`` on the whole list: across growth past
+    its buffer, a request id taken by another request, and requests that stop running (forgotten)."""
+    p, rng = proposer(k=3, lo=1, hi=3), random.Random(5)
+    owners = {"a": object(), "b": object()}
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    for step in range(300):
+        for rid in tokens:
+            tokens[rid] += [rng.randrange(4) for _ in range(rng.randint(1, 3))]
+            assert p.propose_for(rid, owners[rid], tokens[rid], 2) == p.propose(tokens[rid], 2), (rid, step)
+        if step == 150:  # "b" finished; a new request takes its id
+            owners["b"], tokens["b"] = object(), [3]
+    assert len(p._tokens["a"][1]) >= len(tokens["a"])
+    p.keep_only({"a"})
+    assert set(p._tokens) == {"a"}
+
+
 def test_proposer_caps_and_misses():
     p = proposer(k=4, lo=2, hi=3)
     assert p.propose([1, 2, 3, 4, 5]) == []  # no suffix recurs
