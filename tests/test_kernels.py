@@ -101,17 +101,19 @@ def paged_cache(case: Case, seq_lens: list[int], seed: int, spare_blocks: int = 
 
 
 def naive_attention(q: torch.Tensor, key_cache, value_cache, table, seq_len: int, q_positions: list[int], scale):
-    """Dense attention of one sequence, written the slow obvious way: gather token by token, float64."""
+    """Dense attention of one sequence, written the obvious way: gather token by token, float64, each row masked
+    to the positions it may see (no kernel code shared)."""
     bs = key_cache.shape[1]
     keys = torch.stack([key_cache[int(table[p // bs]), p % bs] for p in range(seq_len)]).double()
     values = torch.stack([value_cache[int(table[p // bs]), p % bs] for p in range(seq_len)]).double()
     num_q_heads, num_kv_heads = q.shape[1], key_cache.shape[2]
+    # Row t sees positions 0 .. q_positions[t]: the rest masked out before the softmax (one head at a time).
+    hidden = torch.arange(seq_len)[None, :] > torch.tensor(q_positions)[:, None]
     out = torch.empty(q.shape, dtype=torch.float64)
-    for t, pos in enumerate(q_positions):
-        for h in range(num_q_heads):
-            kvh = h // (num_q_heads // num_kv_heads)
-            scores = (keys[: pos + 1, kvh] @ q[t, h].double()) * scale
-            out[t, h] = torch.softmax(scores, 0) @ values[: pos + 1, kvh]
+    for h in range(num_q_heads):
+        kvh = h // (num_q_heads // num_kv_heads)
+        scores = (q[:, h].double() @ keys[:, kvh].T) * scale
+        out[:, h] = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ values[:, kvh]
     return out
 
 
