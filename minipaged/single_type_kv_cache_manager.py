@@ -11,7 +11,7 @@ Sliding window 8, block size 4, 14 tokens computed; the next token (position 14)
 
     positions     0-3    4-7    8-11   12-15
     full          [b3]   [b8]   [b2]   [b6: 2/4]     every block kept
-    window 8      [null] [b9]   [b4]   [b1: 2/4]     b? (0-3) went back to the free queue: nobody reads it
+    window 8      [null] [b9]   [b4]   [b1: 2/4]     0-3 lie behind the window: their block went back to the pool
 
 ``remove_skipped_blocks`` does that swap to the null block before each allocation, so a sliding-window group holds
 at most about ``sliding_window / block_size + 1`` blocks per request however long it runs. A prefix-cache hit
@@ -44,12 +44,12 @@ def find_prefix_hits(pool: BlockPool, block_hashes: Sequence[BlockHash], num_tok
 class SingleTypeKVCacheManager:
     """The block tables of one KV cache group: full attention (``sliding_window`` None) keeps every block."""
 
+    sliding_window: int | None = None
+
     def __init__(self, block_pool: BlockPool, block_size: int, group_id: int = 0) -> None:
         self.block_pool, self.block_size, self.group_id = block_pool, block_size, group_id
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # request_id -> its blocks in logical order
         self.num_cached_block: dict[str, int] = {}  # request_id -> how many of them are in the prefix cache
-
-    sliding_window: int | None = None
 
     def hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The prefix-cache keys of the request's first ``num_blocks`` full blocks, for this group."""
