@@ -137,6 +137,7 @@ class KVCacheManager:
         self.kv_cache_groups = self.coordinator.groups
         self.managers = self.coordinator.managers
         self.single_type = len(groups) == 1 and groups[0].sliding_window is None  # what swap and connectors serve
+        self._no_hits = KVCacheBlocks(tuple([] for _ in groups))  # shared, never changed: read only
         if not self.single_type and (num_cpu_blocks or connector is not None):
             raise ValueError(
                 "swap space and KV connectors serve models of one full-attention KV cache group; this one's "
@@ -346,10 +347,12 @@ class KVCacheManager:
             blocks = manager.req_to_blocks.get(rid, [])
             num_new_blocks += max(0, num_required - len(blocks) - len(hits))
             # A hit on a cached block that sits in the free queue uses up a free block too.
-            num_evictable_computed += sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
-            # A sliding window's blocks behind the window go back before the new ones are taken.
-            num_freed += manager.num_freed_by_skip(rid, num_computed_tokens)
-            num_held += num_required - min(num_required, manager.num_skipped_blocks(num_computed_tokens))
+            if hits:
+                num_evictable_computed += sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
+            num_held += num_required
+            if manager.sliding_window is not None:  # its blocks behind the window go back before new ones are taken
+                num_freed += manager.num_freed_by_skip(rid, num_computed_tokens)
+                num_held -= min(num_required, manager.num_skipped_blocks(num_computed_tokens))
             # Copy-on-write: the first new token lands in a partly filled block that a forked
             # sibling (n > 1) shares. That block must be copied first, which takes one more block.
             if (
@@ -509,7 +512,7 @@ class KVCacheManager:
 
     def get_group_block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block tables of KV cache groups 1, 2, ... (none for a model of one attention type)."""
-        return list(self.coordinator.get_block_ids(request_id)[1:])
+        return [[b.block_id for b in m.req_to_blocks.get(request_id, [])] for m in self.managers[1:]]
 
     def held_blocks(self) -> Iterator[tuple[SingleTypeKVCacheManager, str, list[KVCacheBlock]]]:
         """Every (group manager, request id, block list), all groups (null blocks included)."""
@@ -562,16 +565,18 @@ class KVCacheManager:
 
     def _as_blocks(self, blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None) -> KVCacheBlocks:
         """Prefix hits as ``KVCacheBlocks``: a plain list is group 0's, for a manager of one group."""
-        if isinstance(blocks, KVCacheBlocks):
+        if type(blocks) is KVCacheBlocks:  # not isinstance: an ABC check, and this runs per request per step
             if len(blocks.blocks) != len(self.managers) or len({len(b) for b in blocks.blocks}) > 1:
                 raise ValueError(
                     f"new_computed_blocks has {len(blocks.blocks)} groups of {[len(b) for b in blocks.blocks]} "
                     f"blocks; this manager has {len(self.managers)} KV cache groups, all hits of one length"
                 )
             return blocks
-        if len(self.managers) > 1 and blocks:
+        if not blocks:
+            return self._no_hits
+        if len(self.managers) > 1:
             raise ValueError("a model with several KV cache groups takes its prefix hits as KVCacheBlocks")
-        return KVCacheBlocks((list(blocks or []),) + tuple([] for _ in self.managers[1:]))
+        return KVCacheBlocks((list(blocks),))
 
     def _attach_hasher(self, request: Request) -> None:
         if request.block_hasher is None or getattr(request.block_hasher, "block_size", None) != self.block_size:

@@ -12,7 +12,10 @@ def cdiv(a: int, b: int) -> int:
 
 def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` if it is an integer (not a bool) in ``[minimum, maximum]``; else a ValueError naming ``name``."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    if type(value) is int:  # the common case, without the ABC check below (allocate_slots calls this per request)
+        if (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+            return value
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
         number = int(value)
         if (minimum is None or number >= minimum) and (maximum is None or number <= maximum):
             return number

@@ -304,3 +304,15 @@ def test_request_hashes_only_with_a_hasher_and_never_mixes_block_sizes():
     assert len(req.block_hashes) == 2
     with pytest.raises(ValueError, match="block_size=4"):
         req.set_block_hasher(get_request_block_hasher(16))
+
+
+def test_check_int_takes_ints_and_numpy_ints_not_bools_floats_or_strings():
+    """``check_int`` guards every count ``allocate_slots`` takes; its fast path for plain ints keeps the rule."""
+    import numpy as np
+
+    from minipaged.utils import check_int
+
+    assert check_int("n", 3, 0) == 3 and check_int("n", np.int64(4), 0) == 4 and check_int("n", 5, 1, 5) == 5
+    for bad in (True, -1, 2.0, "3", 6):
+        with pytest.raises(ValueError, match="n must be"):
+            check_int("n", bad, 0, 5)
