@@ -130,6 +130,24 @@ def test_tp_speculative_decoding_and_offloading_give_the_same_tokens(tp_model, r
         llm.shutdown()
 
 
+def test_tp_a_hybrid_model_gives_the_tokens_of_one_process(tmp_path) -> None:
+    """A Qwen2 with windowed layers over two ranks: each rank's two KV cache groups share its tensors, and the
+    groups' block tables reach the worker with the step."""
+    path = save_tiny_llama(
+        tmp_path / "qwen2", model_type="qwen2", use_sliding_window=True, max_window_layers=2, num_hidden_layers=4,
+        initializer_range=0.2, sliding_window=6,
+    )  # fmt: skip
+    prompts = [list(range(3, 20)), [5, 6, 7, 5, 6, 7, 8], list(range(30, 60))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in LLM(model=path, dtype="float32", block_size=4).generate(prompts, params)]
+    llm = LLM(model=path, dtype="float32", block_size=4, tensor_parallel_size=2)
+    try:
+        assert len(llm.kv_cache_manager.kv_cache_groups) == 2
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == one
+    finally:
+        llm.shutdown()
+
+
 def test_tp_swap_preemption_and_an_engine_nobody_holds(tp_model) -> None:
     """Swapping moves each rank's own slice of the blocks to its own CPU pool and back. Then the engine is
     dropped without ``shutdown()``: garbage collection ends its worker."""
