@@ -116,9 +116,6 @@ class KVCacheBlocks(Sequence[KVCacheBlock]):
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like the lists it holds
 
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in group] for group in self.blocks)
-
 
 class KVCacheCoordinator:
     """One ``SingleTypeKVCacheManager`` per KV cache group over one pool; calls that concern a request go to all."""
@@ -139,9 +136,6 @@ class KVCacheCoordinator:
                 hit = min(hit, len(found[-1]))
             if all(len(f) == hit for f in found):
                 return KVCacheBlocks(tuple(found))
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, [])] for m in self.managers)
 
     def max_num_blocks(self, num_tokens: int, max_new_tokens: int) -> int:
         """The most blocks, all groups together, that a request of ``num_tokens`` tokens holds at once."""
