@@ -470,6 +470,8 @@ class LlamaModel(nn.Module):
         self.windows = sliding_windows(config)
         # Which KV cache group's block table each layer reads (one group unless windows differ).
         self.layer_groups = layer_groups(kv_cache_groups(self.windows), len(self.windows))
+        # Each group once: (its first layer, whose cache the step's metadata is checked against; its window).
+        self.group_heads = {g: (i, w) for i, (g, w) in reversed(list(enumerate(zip(self.layer_groups, self.windows))))}
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention, tp, w) for w in self.windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -491,16 +493,15 @@ class LlamaModel(nn.Module):
         It is checked and planned once, here, for every layer (once per group, for a model whose layers differ:
         each layer then reads the plan of its own group and window)."""
         x = self.embed_tokens(input_ids)
-        num_groups = max(self.layer_groups) + 1
+        num_groups = len(self.group_heads)
         given = [meta] if isinstance(meta, AttentionMetadata) else list(meta)
         if len(given) not in (1, num_groups):
             raise ValueError(f"{len(given)} attention metadata for a model of {num_groups} KV cache groups")
         per_group = given * num_groups if len(given) == 1 else given
-        metas = {}
-        for i, (g, w) in enumerate(zip(self.layer_groups, self.windows)):
-            if g not in metas:
-                k, v = kv_caches[i]
-                metas[g] = self.attention.build_metadata(per_group[g], k, v, self.num_heads, x.dtype, w)
+        metas = {
+            g: self.attention.build_metadata(per_group[g], *kv_caches[i], self.num_heads, x.dtype, w)
+            for g, (i, w) in self.group_heads.items()
+        }
         meta = metas[self.layer_groups[0]]
         cos, sin = self.rotary_emb(positions, x.dtype)
         uniform = len(metas) == 1 and self.windows[0] is None  # the step program knows whole-context layers only
