@@ -4,7 +4,12 @@ Each puzzle fixes a kernel's parameters and its grid; the learner writes the bod
 guarded buffers, launches the learner's ``@triton.jit`` function in Triton's interpreter and records an access
 trace (``kernels.trace``): which blocks and slots of the paged cache each program read or wrote. ``Case.cells``
 is the same picture for a right answer, worked out from the block tables, so ``verdict`` names the first stray or
-missing access and ``viz.trace_figure`` puts the two side by side: a wrong address is seen, not only reported::
+missing access and ``viz.trace_figure`` puts the two side by side: a wrong address is seen, not only reported.
+
+On a CUDA GPU (``kernels.launch.kernel_device()``) the kernel is compiled instead, on CUDA copies of the inputs,
+and there is no trace: the verdict rests on the outputs, the inputs left as they were and the guards around every
+tensor left untouched (a float guard holds NaN, so a stray read shows in the output); a read of a slot a right
+kernel never reads, and how often K and V are loaded, are checked only in the interpreter::
 
     1  scatter  one program per new token writes its K row into its slot          (vLLM: reshape_and_cache)
     2  gather   one program per logical block copies a sequence out of the pool    (the paged gather)
@@ -33,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .kernels import launch
 from .kernels.trace import AccessTrace, Kind
 from .utils import cdiv
 
@@ -71,8 +77,9 @@ class Result:
     puzzle: str
     case: Case
     got: dict[str, torch.Tensor]
-    trace: AccessTrace | None
+    trace: AccessTrace | None  # None where the kernel ran compiled (on a GPU), or was not traced
     error: str | None = None
+    stray: str | None = None  # without a trace: the first store outside the outputs (a guard, an input), if any
 
     def max_error(self, name: str) -> float:
         got, want = self.got[name].float(), self.case.want[name].float()
@@ -98,16 +105,20 @@ def parameter_problem(kernel: Any, puzzle: Puzzle) -> str | None:
 
 
 def run(puzzle: Puzzle | str, kernel: Any, case: Case | int = 0, trace: bool = True) -> Result:
-    """Launch ``kernel`` on a fresh copy of one case's inputs, in the interpreter, with an access trace."""
+    """Launch ``kernel`` on a fresh copy of one case's inputs on ``kernel_device()``: in the interpreter with an
+    access trace (unless ``trace`` is False), or compiled on a GPU, where no trace can be recorded."""
     p = PUZZLES[puzzle] if isinstance(puzzle, str) else puzzle
     c = p.cases()[case] if isinstance(case, int) else case
-    tensors = {n: _guarded(t) for n, t in c.tensors.items()}
+    device = launch.kernel_device()
+    buffers = {n: _guarded(t, device) for n, t in c.tensors.items()}
+    tensors = {n: _inner(buffers[n], t) for n, t in c.tensors.items()}
     got = {n: tensors[n] for n in c.outputs}
     problem = parameter_problem(kernel, p)
     if problem:
         return Result(p.name, c, got, None, problem)
     args = {**tensors, **c.scalars}
-    recorder = AccessTrace(**tensors) if trace else None
+    recorder = AccessTrace(**tensors) if trace and device.type == "cpu" else None
+    before = {n: b.clone() for n, b in buffers.items()} if recorder is None else {}
     try:
         if recorder is None:
             kernel[c.grid](**{n: args[n] for n in p.params})
@@ -116,21 +127,46 @@ def run(puzzle: Puzzle | str, kernel: Any, case: Case | int = 0, trace: bool = T
                 kernel[c.grid](**{n: args[n] for n in p.params})
     except Exception as exc:  # a learner's kernel failing is a result to show, not a crash
         cause = exc.__cause__ or exc
-        return Result(p.name, c, got, recorder, f"{type(cause).__name__}: {cause}")
-    return Result(p.name, c, got, recorder)
+        return Result(p.name, c, got, recorder, launch.device_problem(cause) or f"{type(cause).__name__}: {cause}")
+    stray = _stray_store(c, buffers, before) if recorder is None else None
+    return Result(p.name, c, {n: t.cpu() for n, t in got.items()}, recorder, stray=stray)
 
 
 GUARD_BYTES = 1 << 16
 
 
-def _guarded(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with 64 KiB of our own memory on each side: an address a little off any tensor lands in
-    a guard (refused by the trace, and never someone else's memory), not in the tensor allocated next to it."""
+def _guarded(t: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A flat buffer on ``device`` holding ``t`` with 64 KiB of our own memory on each side (``_inner`` is the
+    copy of ``t`` in it): an address a little off any tensor lands in a guard (refused by the trace, and never
+    someone else's memory), not in the tensor allocated next to it. A float guard holds NaN: without a trace, a
+    stray read shows in the output. An index guard holds 0, a block that exists: a stray read of it on a GPU
+    must not send the kernel to an address that would crash the device."""
     pad = GUARD_BYTES // t.element_size()
-    buffer = torch.zeros(2 * pad + t.numel(), dtype=t.dtype)
-    inner = buffer[pad : pad + t.numel()].view(t.shape)
-    inner.copy_(t)
-    return inner
+    fill = float("nan") if t.dtype.is_floating_point else 0
+    buffer = torch.full((2 * pad + t.numel(),), fill, dtype=t.dtype, device=device)
+    _inner(buffer, t).copy_(t)
+    return buffer
+
+
+def _inner(buffer: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The view of a ``_guarded`` buffer that is the tensor itself, shaped like ``t``."""
+    pad = GUARD_BYTES // t.element_size()
+    return buffer[pad : pad + t.numel()].view(t.shape)
+
+
+def _stray_store(c: Case, buffers: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> str | None:
+    """Without a trace, the stores a right kernel never makes, seen afterwards: a guard or an input whose bytes
+    changed (compared as bytes, so a NaN left as it was is unchanged)."""
+    for name, buffer in buffers.items():
+        changed = (buffer.view(torch.uint8) != before[name].view(torch.uint8)).cpu()
+        pad, size = GUARD_BYTES, c.tensors[name].numel() * buffer.element_size()
+        if changed[:pad].any() or changed[pad + size :].any():
+            side = "before" if changed[:pad].any() else "after"
+            return f"stores outside every tensor: into the memory just {side} {name}"
+    for name, buffer in buffers.items():
+        if name not in c.outputs and not torch.equal(buffer.view(torch.uint8), before[name].view(torch.uint8)):
+            return f"stores into {name}, which the kernel must only read"
+    return None
 
 
 def verdict(result: Result) -> str:
@@ -138,11 +174,14 @@ def verdict(result: Result) -> str:
     if result.error:
         return result.error
     c = result.case
+    if result.trace is None and result.stray and result.stray.startswith("stores outside"):
+        return result.stray  # the untraced twin of an OutOfBounds error: first, as the trace would have it
     for name in c.outputs:
         err = result.max_error(name)
         if not err <= c.atol:
             return f"{name} differs from the reference by up to {err:.3g} (tolerance {c.atol:g})"
-    assert result.trace is not None
+    if result.trace is None:  # compiled on a GPU (or not traced): only what the buffers show afterwards
+        return result.stray or "right"
     for name in c.tensors:
         if name not in c.outputs and result.trace.count(name, "store"):
             return f"stores into {name}, which the kernel must only read"
@@ -162,6 +201,20 @@ def verdict(result: Result) -> str:
         if missing:
             return f"never {kind}s {len(missing)} {tensor} cell(s) it must, first {missing[0]}"
     return "right"
+
+
+def show(puzzle: str, kernel: Any, case: int = 0) -> Any:
+    """One case of a puzzle, drawn: ``viz.trace_figure`` of what the kernel touched, where the interpreter runs it.
+    Compiled on a GPU a kernel leaves no trace, and a figure would show every cell missed: the verdict is printed
+    instead (``None`` returned)."""
+    result = run(puzzle, kernel, case)
+    if launch.kernel_device().type != "cpu":
+        print(f"{result.case.label}: {verdict(result)}")
+        print("(compiled on a GPU: Triton records an access trace only in its interpreter, on a CPU)")
+        return None
+    from .viz.trace_viz import trace_figure
+
+    return trace_figure(result)
 
 
 def signature(puzzle: str) -> str:
@@ -751,4 +804,4 @@ def describe(puzzle: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PUZZLES", "Case", "Puzzle", "Result", "describe", "run", "signature", "verdict"]
+__all__ = ["PUZZLES", "Case", "Puzzle", "Result", "describe", "run", "show", "signature", "verdict"]

@@ -97,3 +97,66 @@ def test_the_course_map_says_what_each_exercise_has_you_write():
             assert PARTS[part].exercise in exercises or (part in ENGINE_PARTS and "ex05b" in exercises), (part, chapter)
             seen_parts.add(part)
     assert seen_parts == set(PARTS)
+
+
+# ---- exercise 05 on a GPU: the learner's wrapper gets tensors on the kernel's device --------------------------------
+def test_ex05_hands_the_wrapper_every_tensor_on_the_kernel_device(monkeypatch, capsys):
+    """On a GPU (``kernel_device()`` says cuda) every tensor a check passes is there, views kept as views (a fused
+    qkv slice, a heads-major cache); the meta device stands in for cuda here. The reference runs on the CPU."""
+    import torch
+
+    from minipaged.grading import ex05
+    from minipaged.kernels import launch
+
+    monkeypatch.setattr(launch, "kernel_device", lambda: torch.device("meta"))
+    seen: list[tuple[torch.Tensor, ...]] = []
+
+    def wrapper(key, value, key_cache, value_cache, slot_mapping):
+        seen.append((key, value, key_cache, value_cache, slot_mapping))
+        raise RuntimeError("stop")  # a meta tensor has no data to launch with
+
+    ex05.check_scatter_write(wrapper)
+    ex05.check_scatter_edges(wrapper)
+    cases = ex05._write_cases() + ex05._edge_cases()
+    assert len(seen) == len(cases) == 14
+    for case, tensors in zip(cases, seen):
+        assert [t.device.type for t in tensors] == ["meta"] * 5, case.label
+        key, _, key_cache, _, slots = tensors
+        assert slots.dtype == case.slot_dtype and key.dtype == case.dtype
+        if case.fused_q_heads:
+            assert key.stride(0) == (case.fused_q_heads + 2 * case.num_kv_heads) * case.head_dim
+        if case.heads_major_cache:
+            assert key_cache.stride(1) == case.head_dim and key_cache.stride(2) == case.block_size * case.head_dim
+    assert "RuntimeError: stop" in capsys.readouterr().out
+
+
+def test_ex05_reports_a_cpu_tensor_at_a_compiled_kernel_as_such_without_hints(capsys):
+    """Triton's compiled launcher refuses a CPU tensor; that is said, not followed by hints about padding or
+    strides that would send a learner with a right kernel looking for a bug."""
+    from minipaged.grading import ex05
+    from minipaged.kernels.launch import DEVICE_PROBLEM
+
+    def wrapper(*args):
+        raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+
+    outcomes = ex05.check_scatter_edges(wrapper)
+    assert outcomes and all(not o.passed and o.got.startswith(DEVICE_PROBLEM) for o in outcomes)
+    printed = capsys.readouterr().out
+    assert "hint" not in printed and ex05._HINT_EDGES not in printed
+
+
+def test_kernel_device_is_cuda_only_where_kernels_compile(monkeypatch):
+    import torch
+
+    from minipaged.kernels.launch import kernel_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert kernel_device() == torch.device("cuda")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert kernel_device() == torch.device("cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernel_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert kernel_device() == torch.device("cpu")

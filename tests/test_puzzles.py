@@ -217,3 +217,74 @@ def test_puzzle_kernels_compile_for_a_gpu_and_a_broken_one_says_why() -> None:
     assert rows[0].occupancy > 0
     assert rows[1].registers is None and "helper_nobody_defined" in rows[1].error
     assert "error: broken" in format_table(rows)
+
+
+# ---- where the kernel runs: the interpreter here, compiled on CUDA tensors on a GPU -----------------------------
+class _Recorder:
+    """A stand-in for a @triton.jit kernel with a puzzle's parameters: records the device of every tensor it is
+    launched with, then fails (a meta tensor has no data to compute with)."""
+
+    def __init__(self, puzzle: str, error: str = "stop") -> None:
+        self.arg_names = puzzles.PUZZLES[puzzle].params
+        self.devices: list[torch.device] = []
+        self.error = error
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            self.devices += [v.device for v in kwargs.values() if isinstance(v, torch.Tensor)]
+            raise ValueError(self.error)
+
+        return launch
+
+
+@pytest.mark.parametrize("name", list(puzzles.PUZZLES))
+def test_every_tensor_goes_to_the_kernel_device(name, monkeypatch) -> None:
+    """On a GPU (``kernel_device()`` says cuda) the harness builds every input there, and there is no trace; the
+    meta device stands in for cuda here: a tensor left on the CPU would show as one."""
+    from minipaged.kernels import launch
+
+    monkeypatch.setattr(launch, "kernel_device", lambda: torch.device("meta"))
+    for case in puzzles.PUZZLES[name].cases():
+        kernel = _Recorder(name)
+        result = puzzles.run(name, kernel, case)
+        assert result.trace is None and result.error == "ValueError: stop"
+        tensors = len(case.tensors)
+        assert kernel.devices == [torch.device("meta")] * tensors, case.label
+
+
+def test_a_cpu_tensor_given_to_a_compiled_kernel_is_reported_without_the_puzzles_hint(capsys) -> None:
+    from minipaged.grading import ex05b
+    from minipaged.kernels.launch import DEVICE_PROBLEM
+
+    outcomes = ex05b.check_scatter(
+        _Recorder("scatter", "Pointer argument cannot be accessed from Triton (cpu tensor?)")
+    )
+    assert not any(o.passed for o in outcomes)
+    assert all(o.got.startswith(DEVICE_PROBLEM) and "(cpu tensor?)" in o.got for o in outcomes)
+    printed = capsys.readouterr().out
+    assert "hint" not in printed and ex05b.HINTS["scatter"] not in printed
+
+
+def test_without_a_trace_the_verdict_rests_on_outputs_inputs_and_guards() -> None:
+    """What a GPU checks (no trace), tried in the interpreter with the trace off: a store before the cache or into
+    an input is still named from the guarded buffers; a stray read whose value is thrown away cannot be seen."""
+
+    @triton.jit
+    def scatter_into_key(key, cache, slot_mapping, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(slot_mapping + t)
+        d = tl.arange(0, HEAD_DIM)
+        tl.store(cache + slot * HEAD_DIM + d, tl.load(key + t * HEAD_DIM + d))
+        tl.store(key + t * HEAD_DIM + d, tl.load(key + t * HEAD_DIM + d) * 1.0 + 1.0)
+
+    for name, kernel in (("scatter", scatter_kernel), ("gather", gather_kernel), ("decode", decode_kernel(True))):
+        for case in puzzles.PUZZLES[name].cases():
+            assert puzzles.verdict(puzzles.run(name, kernel, case, trace=False)) == "right", case.label
+    padded = puzzles.run("scatter", M.scatter_writes_padding, 1, trace=False)
+    assert padded.trace is None
+    assert puzzles.verdict(padded) == "stores outside every tensor: into the memory just before cache"
+    assert puzzles.verdict(puzzles.run("scatter", scatter_into_key, 0, trace=False)) == (
+        "stores into key, which the kernel must only read"
+    )
+    assert puzzles.verdict(puzzles.run("gather", M.gather_reads_block_tail, 0, trace=False)) == "right"
+    assert puzzles.verdict(puzzles.run("decode", decode_kernel(False), 0, trace=False)).startswith("out differs")

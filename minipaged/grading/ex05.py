@@ -8,8 +8,11 @@ write before the first slot (a padding token's slot -1 taken for a real one) or 
 one is caught too. A check's result is one sentence: the expected one says how many tokens
 were written and skipped; a wrong one names the first slot that differs and why.
 
-Run it where Triton interprets kernels (import ``minipaged.kernels`` before ``triton``): the
-interpreter runs programs one after another in numpy, so the pools are kept small.
+Where the learner's kernel runs is ``kernels.launch.kernel_device()``: on a CUDA GPU it is compiled and every
+tensor a check hands to the wrapper is on ``cuda``; elsewhere Triton's interpreter runs it on CPU tensors (import
+``minipaged.kernels`` before ``triton``), one program after another in numpy, so the pools are kept small. The
+reference always runs on the CPU and the caches come back with ``.cpu()`` to be compared. A launch that fails
+because a tensor is on the wrong device is reported as that, without the hints about addressing.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 from ..block_table import slot_mapping as reference_slot_mapping
-from ..kernels import reference
+from ..kernels import launch, reference
 from ..utils import cdiv
 from .core import Check, CheckOutcome, report
 
@@ -75,26 +78,29 @@ class _Case:
         sm = "int32" if self.slot_dtype == torch.int32 else "int64"
         return f"reshape_and_cache({kv}, {cache}, slot_mapping {sm} [{n}])  # {self.label}"
 
-    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """key, value, the two guarded cache buffers (num_blocks + 2 blocks) and the slot mapping."""
+    def inputs(
+        self, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """key, value, the two guarded cache buffers (num_blocks + 2 blocks) and the slot mapping, on ``device``:
+        drawn on the CPU (the same numbers everywhere), then moved whole, so views stay views there."""
         g = torch.Generator().manual_seed(self.seed)
         n, h, d = self.num_tokens, self.num_kv_heads, self.head_dim
         if self.fused_q_heads:
-            qkv = torch.randn(n, self.fused_q_heads + 2 * h, d, generator=g).to(self.dtype)
+            qkv = torch.randn(n, self.fused_q_heads + 2 * h, d, generator=g).to(device, self.dtype)
             key = qkv[:, self.fused_q_heads : self.fused_q_heads + h]
             value = qkv[:, self.fused_q_heads + h :]
         else:
-            key = torch.randn(n, h, d, generator=g).to(self.dtype)
-            value = torch.randn(n, h, d, generator=g).to(self.dtype)
+            key = torch.randn(n, h, d, generator=g).to(device, self.dtype)
+            value = torch.randn(n, h, d, generator=g).to(device, self.dtype)
         # Whatever the pool held before: values far from the new tokens' (randn), so no write goes unseen.
         shape = (
             (self.num_blocks + 2, h, self.block_size, d)
             if self.heads_major_cache
             else (self.num_blocks + 2, self.block_size, h, d)
         )
-        k_buf = (torch.rand(shape, generator=g) * 10 + 20).to(self.dtype)
-        v_buf = (torch.rand(shape, generator=g) * 10 - 30).to(self.dtype)
-        return key, value, k_buf, v_buf, torch.tensor(self.slots, dtype=self.slot_dtype)
+        k_buf = (torch.rand(shape, generator=g) * 10 + 20).to(device, self.dtype)
+        v_buf = (torch.rand(shape, generator=g) * 10 - 30).to(device, self.dtype)
+        return key, value, k_buf, v_buf, torch.tensor(self.slots, dtype=self.slot_dtype, device=device)
 
     def cache_view(self, buf: torch.Tensor) -> torch.Tensor:
         """The cache the kernel sees: the buffer minus its two guard blocks, [blocks, block_size, heads, d]."""
@@ -317,11 +323,11 @@ def _verdict(
 
 
 def _run(fn: ReshapeAndCache, case: _Case) -> str:
-    key, value, k_buf, v_buf, slots = case.inputs()
-    key0, value0 = key.clone(), value.clone()
-    before = (k_buf.clone(), v_buf.clone())
-    want = (k_buf.clone(), v_buf.clone())
-    reference.reshape_and_cache(key0, value0, case.cache_view(want[0]), case.cache_view(want[1]), slots.clone())
+    key0, value0, k_before, v_before, slots0 = case.inputs()  # on the CPU: the reference's inputs, and the baseline
+    before = (k_before, v_before)
+    want = (k_before.clone(), v_before.clone())
+    reference.reshape_and_cache(key0, value0, case.cache_view(want[0]), case.cache_view(want[1]), slots0)
+    key, value, k_buf, v_buf, slots = case.inputs(launch.kernel_device())  # where the learner's kernel runs
     try:
         with _count_triton_launches() as launches:
             fn(key, value, case.cache_view(k_buf), case.cache_view(v_buf), slots)
@@ -329,16 +335,32 @@ def _run(fn: ReshapeAndCache, case: _Case) -> str:
         inner = _unwrap(exc)
         if isinstance(inner, NotImplementedError):
             raise NotImplementedError from None  # core.report explains the stub
-        return f"{type(inner).__name__}: {inner}{_learner_frame(inner)}"
-    untouched = torch.equal(key, key0) and torch.equal(value, value0)
+        return launch.device_problem(inner) or f"{type(inner).__name__}: {inner}{_learner_frame(inner)}"
+    got = (k_buf.cpu(), v_buf.cpu())
+    untouched = torch.equal(key.cpu(), key0) and torch.equal(value.cpu(), value0)
     if launches.unavailable:  # never a pass: the check cannot see whether a Triton kernel did the writing
-        verdict = _verdict(case, (key0, value0), (k_buf, v_buf), want, before, untouched)
+        verdict = _verdict(case, (key0, value0), got, want, before, untouched)
         return (
             f"launch counting is unavailable ({launches.unavailable}), so this check cannot pass; the caches: {verdict}"
         )
     if not launches:
         return "no Triton kernel ran: write the @triton.jit kernel and launch it (not PyTorch indexing)"
-    return _verdict(case, (key0, value0), (k_buf, v_buf), want, before, untouched)
+    return _verdict(case, (key0, value0), got, want, before, untouched)
+
+
+def _check(fn: ReshapeAndCache, case: _Case, hint: str) -> Check:
+    """One case as a check. Its hint is dropped when the launch failed over where a tensor lives: padding and
+    strides have nothing to do with it, and would send a learner with a right kernel hunting for a bug."""
+    check = Check(case.describe(), lambda: None, _expected(case), hint=hint)
+
+    def run() -> str:
+        got = _run(fn, case)
+        if got.startswith(launch.DEVICE_PROBLEM):
+            check.hint = ""
+        return got
+
+    check.run = run
+    return check
 
 
 def _expected(case: _Case) -> str:
@@ -549,17 +571,11 @@ def _edge_cases() -> list[_Case]:
 
 def check_scatter_write(reshape_and_cache: ReshapeAndCache) -> list[CheckOutcome]:
     """Block sizes 1-32, 1-8 KV heads, head_dim 16-128 (80 too), fp32 and fp16, shuffled pools."""
-    checks = [
-        Check(c.describe(), lambda c=c: _run(reshape_and_cache, c), _expected(c), hint=_HINT_WRITE)
-        for c in _write_cases()
-    ]
+    checks = [_check(reshape_and_cache, c, _HINT_WRITE) for c in _write_cases()]
     return report("scatter_write", checks)
 
 
 def check_scatter_edges(reshape_and_cache: ReshapeAndCache) -> list[CheckOutcome]:
     """Padding slots (-1) untouched, strided inputs and caches, the pool's first and last slots."""
-    checks = [
-        Check(c.describe(), lambda c=c: _run(reshape_and_cache, c), _expected(c), hint=_HINT_EDGES)
-        for c in _edge_cases()
-    ]
+    checks = [_check(reshape_and_cache, c, _HINT_EDGES) for c in _edge_cases()]
     return report("scatter_edges", checks)

@@ -5,6 +5,8 @@ guarded buffers, Triton's interpreter, an access trace) and expects the verdict 
 the PyTorch reference, no address outside the tensors, no store into an input, no cache cell a right kernel
 would not touch and none it must touch left alone, and (puzzles 5 and 6) no K/V element loaded more often than
 the layout needs. A wrong kernel's verdict names the first of those that fails; ``puzzles.trace_figure`` draws it.
+On a CUDA GPU the kernel is compiled and run on CUDA tensors, without a trace (``puzzles.run`` says what is
+checked there); a launch that fails over where a tensor lives is reported as that, without the puzzle's hint.
 
 ``check_engine`` plugs puzzles 5 and 6 into the real engine through ``minipaged.parts`` (checked: the part
 probes run first) and serves SmolLM2 with them, token for token against the package's own kernels.
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import puzzles
+from ..kernels import launch
 from .core import Check, Outcomes, report
 
 HINTS = {
@@ -35,17 +38,23 @@ HINTS = {
 }
 
 
+def _check(puzzle: str, kernel: Any, case: puzzles.Case) -> Check:
+    """One case as a check; its hint is dropped when the launch failed over where a tensor lives (the hints are
+    about addresses and masks, which that error says nothing about)."""
+    check = Check(f"{puzzle}_kernel on {case.label}, grid {case.grid}", lambda: None, "right", hint=HINTS[puzzle])
+
+    def run() -> str:
+        got = puzzles.verdict(puzzles.run(puzzle, kernel, case))
+        if got.startswith(launch.DEVICE_PROBLEM):
+            check.hint = ""
+        return got
+
+    check.run = run
+    return check
+
+
 def _group(puzzle: str, kernel: Any) -> Outcomes:
-    checks = [
-        Check(
-            f"{puzzle}_kernel on {case.label}, grid {case.grid}",
-            lambda case=case: puzzles.verdict(puzzles.run(puzzle, kernel, case)),
-            "right",
-            hint=HINTS[puzzle],
-        )
-        for case in puzzles.PUZZLES[puzzle].cases()
-    ]
-    return report(puzzle, checks)
+    return report(puzzle, [_check(puzzle, kernel, case) for case in puzzles.PUZZLES[puzzle].cases()])
 
 
 def check_scatter(scatter_kernel: Any) -> Outcomes:

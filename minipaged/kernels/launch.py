@@ -12,10 +12,13 @@ same argument specialisation.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .validation import _TRUTHY
 
 
 @dataclass(frozen=True)
@@ -81,3 +84,29 @@ def kv_tile_n(block_size: int, cap: int) -> int:
     while tile * 2 <= cap and block_size % (tile * 2) == 0:
         tile *= 2
     return tile
+
+
+def kernel_device() -> torch.device:
+    """Where the tensors a Triton kernel is launched on must live: ``cuda`` where kernels are compiled (a CUDA GPU
+    and ``TRITON_INTERPRET`` not on), else ``cpu``, where Triton's interpreter runs them. A compiled kernel reads
+    GPU memory only, so the exercises' checks and demo cells build every tensor on this device."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUTHY
+    return torch.device("cuda") if torch.cuda.is_available() and not interpreting else torch.device("cpu")
+
+
+# What a launch says when a tensor lives where the kernel cannot read it: Triton's compiled launcher on a CPU
+# tensor ("Pointer argument cannot be accessed from Triton (cpu tensor?)"), PyTorch mixing devices.
+_DEVICE_ERRORS = ("cannot be accessed from Triton", "(cpu tensor?)", "Expected all tensors to be on the same device")
+DEVICE_PROBLEM = "a tensor on the wrong device reached the kernel"  # how device_problem's sentence starts
+
+
+def device_problem(exc: BaseException) -> str | None:
+    """The sentence for a launch error about *where* a tensor lives, else None. Such an error says nothing about a
+    kernel's addressing, so it is reported as itself, never followed by hints about padding or strides."""
+    text = f"{type(exc).__name__}: {exc}"
+    if not any(marker in text for marker in _DEVICE_ERRORS):
+        return None
+    return (
+        f"{DEVICE_PROBLEM} ({text}): here kernels run on {kernel_device()} "
+        "and every tensor the checks pass is there; a tensor your code creates must be too (device=key.device)"
+    )
