@@ -333,8 +333,9 @@ def resolve_dtype(dtype: str, config_dtype: Any, device: torch.device) -> torch.
     """``dtype="auto"`` as vLLM resolves it: the model's own dtype on a GPU, float32 on a CPU.
 
     A checkpoint stored in float32 (our SmolLM2 cache is dequantised from GGUF into float32)
-    runs in bfloat16 on a GPU that has it, else float16, as in vLLM: nobody serves fp32 on a
-    GPU. On a CPU, float32 is the dtype whose matrix products are fast everywhere.
+    runs in bfloat16 on a GPU that computes it natively (:func:`cuda_computes_bf16`: compute
+    capability 8.0 and up), else float16, as in vLLM: nobody serves fp32 on a GPU. On a CPU,
+    float32 is the dtype whose matrix products are fast everywhere.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -345,6 +346,13 @@ def resolve_dtype(dtype: str, config_dtype: Any, device: torch.device) -> torch.
                 "expect them slower than float32",
                 dtype,
             )
+        if DTYPES[dtype] == torch.bfloat16 and device.type == "cuda" and not cuda_computes_bf16(device):
+            logging.getLogger("minipaged").warning(
+                "minipaged: dtype=%r on a GPU below compute capability 8.0: bfloat16 is emulated there, and "
+                "Triton's tl.dot has no bfloat16 on it (the Triton attention kernels will not compile); "
+                "use float16",
+                dtype,
+            )
         chosen = DTYPES[dtype]
         assert chosen is not None  # only "auto" maps to None
         return chosen
@@ -352,10 +360,26 @@ def resolve_dtype(dtype: str, config_dtype: Any, device: torch.device) -> torch.
         return torch.float32
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, config_dtype, None)
-    bf16_ok = torch.cuda.is_bf16_supported()
+    bf16_ok = cuda_computes_bf16(device)
     if config_dtype == torch.float16 or (config_dtype == torch.bfloat16 and not bf16_ok):
         return torch.float16
     return torch.bfloat16 if bf16_ok else torch.float16
+
+
+def cuda_computes_bf16(device: torch.device | None = None) -> bool:
+    """True on a GPU whose tensor cores compute bfloat16: compute capability 8.0 and up (A100, H100, RTX 30xx on).
+
+    ``torch.cuda.is_bf16_supported()`` says True on a T4 (sm_75) too, where bfloat16 is emulated: slow, and
+    Triton's ``tl.dot`` refuses it there. ROCm GPUs compute it (as torch says). Where torch has no capability to
+    read (a build without CUDA), its own answer without emulation stands.
+    """
+    if torch.version.hip:
+        return True
+    try:
+        major, _ = torch.cuda.get_device_capability(device)
+    except (AssertionError, RuntimeError):  # torch without CUDA: "Torch not compiled with CUDA enabled"
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return major >= 8
 
 
 def cpu_has_native_bf16() -> bool:
