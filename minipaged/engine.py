@@ -18,16 +18,19 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from . import hooks
+from .cache_engine import CacheEngine
 from .config import Config
 from .events import Observers, step_event
 from .executor import make_runner
 from .inputs import InputProcessor, ParamsLike, Prompt, Prompts, check_params, has_tokenizer
 from .kv_connector import KVConnector
+from .model import LlamaForCausalLM
 from .outputs import RequestOutput, is_done, num_output_tokens, request_output, samples
 from .request import Request
 from .sampling_params import SamplingParams
@@ -45,6 +48,10 @@ def _serialised(method: Callable[Concatenate[LLM, P], R]) -> Callable[Concatenat
     @functools.wraps(method)
     def locked(self: LLM, *args: P.args, **kwargs: P.kwargs) -> R:
         with self._lock:
+            if self._closed:
+                raise RuntimeError(
+                    "this LLM was shut down (llm.shutdown()): its weights and KV pool are gone; build a new LLM"
+                )
             return method(self, *args, **kwargs)
 
     return locked
@@ -63,7 +70,12 @@ class LLM:
 
         self.config = Config.from_kwargs(model, kwargs)
         self.runner = r = make_runner(self.config)  # with tensor_parallel_size > 1, rank 0 of a group (executor)
-        self.model, self.spec, self.cache, self.dtype, self.device = r.model, r.spec, r.cache, r.dtype, r.device
+        self.spec, self.dtype, self.device = r.spec, r.dtype, r.device
+        self._closed = False
+        # Dropped without shutdown(): the runner gives its device memory back all the same (it holds no reference
+        # to this LLM, so the finalizer does not keep it alive). Not at exit: the process frees everything then.
+        self._free_memory = weakref.finalize(self, r.free_memory)
+        self._free_memory.atexit = False
         self.block_size, self.num_blocks, self.max_model_len = r.block_size, r.num_blocks, r.max_model_len
         self.tokenizer = load_tokenizer(r.path) if has_tokenizer(r.path) else None  # a bare test model has none
         self.processor = InputProcessor(self.tokenizer, self.model.config.vocab_size)
@@ -74,6 +86,24 @@ class LLM:
         self.observers = Observers()  # watchers of every step (events.py); they outlive reset()
         self.kv_connector_factory: Callable[[], KVConnector] | None = None  # makes one per reset() (disagg.py)
         self.reset()
+        if self.device.type == "cuda":  # how much of the card this engine took (a GPU pool is sized to the card)
+            print(f"minipaged: {self.describe()}", flush=True)
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        """The model the engine serves (gone after ``shutdown()``)."""
+        self._check_open("model")
+        return self.runner.model
+
+    @property
+    def cache(self) -> CacheEngine:
+        """The KV cache tensors (gone after ``shutdown()``)."""
+        self._check_open("cache")
+        return self.runner.cache
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"this LLM was shut down (llm.shutdown()): its {what} is gone; build a new LLM")
 
     @_serialised
     def reset(self) -> None:
@@ -95,8 +125,20 @@ class LLM:
         return self.runner.describe()
 
     def shutdown(self) -> None:
-        """End the tensor-parallel workers now (else at garbage collection or exit); nothing to do without them."""
-        self.runner.shutdown()
+        """Give back everything the engine holds, now: its requests, the tensor-parallel workers, and the device
+        memory of its weights, KV pool, input buffers and CUDA graphs (PyTorch's caches emptied after them).
+        Dropping the last reference to the ``LLM`` does the same at garbage collection; ``shutdown()`` does it
+        even while something else (a notebook's output history, a traceback) still refers to the engine. Safe
+        to call twice; every later call but ``describe()`` raises."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._requests.clear()
+            try:
+                self.runner.shutdown()
+            finally:
+                self._free_memory()  # runner.free_memory(), once
 
     # ---- requests -------------------------------------------------------------------------------
     @_serialised

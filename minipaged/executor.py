@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 from .config import Config
 from .distributed import TPGroup, check_tp_size, free_port, init_tp_group, open_store
 from .model.llama import read_config
-from .model_runner import ModelRunner
+from .model_runner import GPUMemoryError, ModelRunner, free_device_memory, gpu_memory_report
 
 T = TypeVar("T")
 JOIN_S = 5.0  # a worker asked to stop gets this long to exit before it is killed
@@ -66,7 +66,7 @@ def make_runner(config: Config) -> ModelRunner:
     """The engine's model runner: in this process alone, or, with ``tensor_parallel_size`` > 1, rank 0 of a group
     whose other ranks this starts. A size the model cannot be split into is refused before any process starts."""
     if config.tensor_parallel_size == 1:
-        return ModelRunner(config)
+        return build_on_device(lambda: ModelRunner(config), config.torch_device)
     from .model_loader import ensure_converted
 
     path = ensure_converted(progress=True) if config.model is None else config.model
@@ -74,6 +74,22 @@ def make_runner(config: Config) -> ModelRunner:
     config = dataclasses.replace(config, model=path)  # the workers load the same folder
     executor = MultiprocExecutor(config, read_config(path).to_dict())
     return executor.guard("start-up", lambda: ModelRunner(config, tp=executor.group, executor=executor))
+
+
+def build_on_device(build: Callable[[], T], device: torch.device) -> T:
+    """``build()``; on a GPU that runs out of memory, once more after unreachable engines are collected, then a
+    ``GPUMemoryError`` that names the engines of this process holding the card (a traceback from deep inside
+    the allocator tells a learner who re-ran a cell nothing)."""
+    if device.type != "cuda":
+        return build()
+    why = ""
+    for _ in range(2):
+        try:
+            return build()
+        except torch.OutOfMemoryError as e:
+            why = str(e).splitlines()[0][:200]
+        free_device_memory(device)  # outside the except: its traceback held the half-built engine's tensors
+    raise GPUMemoryError(f"building the engine ran out of GPU memory ({why}).\n" + gpu_memory_report(device))
 
 
 class _Ranks:

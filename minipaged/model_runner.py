@@ -26,9 +26,12 @@ graph will need later: the same addresses every step.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
+import sys
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -54,6 +57,58 @@ from .utils import cdiv
 if TYPE_CHECKING:
     from .distributed import TPGroup
     from .executor import MultiprocExecutor
+
+
+class GPUMemoryError(RuntimeError):
+    """An engine does not fit in the GPU memory that this process's other engines (or other processes) leave."""
+
+
+_LIVE: weakref.WeakSet[ModelRunner] = weakref.WeakSet()  # runners holding device memory: named when one won't fit
+
+
+def caller_site() -> str:
+    """Where the user's code built the engine: the first frame outside this package (a notebook cell, a script)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Hand what PyTorch caches on ``device`` back to the driver: unreachable cycles collected, cuBLAS's
+    per-stream workspaces (one per stream that ran a GEMM, a graph capture's side streams included) dropped,
+    the caching allocator's free blocks released. A no-op on a CPU."""
+    gc.collect()
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private, so looked up, not assumed
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+
+
+def gpu_memory_report(device: torch.device, need: int | None = None) -> str:
+    """What is free on ``device``, what this engine needs, and which engines of this process hold the rest."""
+    free, total = torch.cuda.mem_get_info(device)
+    lines = [f"{device} has {format_bytes(free)} free of {format_bytes(total)}"]
+    if need is not None:
+        lines[0] += f", and this engine needs {format_bytes(need)}"
+    held = [r for r in list(_LIVE) if r.device == device and not r.released]
+    for r in held:
+        lines.append(f"  held by the engine built at {r.created_at}: {r.held()}")
+    if held:
+        lines.append(
+            "Free one with llm.shutdown() (or drop every reference to it: del llm), or ask this one for less: "
+            "kv_cache_memory='1GiB', a smaller gpu_memory_utilization, or num_gpu_blocks_override"
+        )
+    else:
+        lines.append(
+            "No engine of this process holds it: another process does (nvidia-smi lists them), or tensors of "
+            "your own; ask this engine for less with kv_cache_memory='1GiB' or a smaller gpu_memory_utilization"
+        )
+    return "\n".join(lines)
 
 
 def step_inputs(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
@@ -181,6 +236,7 @@ class ModelRunner:
         from .model_loader import ensure_converted, quiet_transformers
 
         self.tp, self.executor = tp, executor
+        self.created_at, self.released = caller_site(), False
         self.path = ensure_converted(progress=True) if config.model is None else config.model
         self.device = config.torch_device
         if self.device.type == "cuda" and tp is not None:  # one GPU per rank of this machine
@@ -277,6 +333,7 @@ class ModelRunner:
                 cdiv(self.max_model_len, self.block_size),
                 self.device,
             )
+        _LIVE.add(self)
         self.reset()
 
     def reset(self) -> None:
@@ -284,6 +341,29 @@ class ModelRunner:
         a slot is always written before it is read."""
         self.sampler = Sampler()
         self.timers: dict[str, float] = defaultdict(float)  # seconds spent per phase, for profiling
+
+    def held(self) -> str:
+        """The device memory this runner holds, in words (its KV pool and its weights)."""
+        if self.released:
+            return "nothing (released)"
+        pool = sum(t.numel() * t.element_size() for k, v in self.cache.gpu_tensors for t in (k, v))
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        graphs = "" if self.graph_runner is None else f", {len(self.graph_runner.graphs)} CUDA graph(s)"
+        return f"KV pool {format_bytes(pool)} ({self.num_blocks:,} blocks), weights {format_bytes(weights)}{graphs}"
+
+    def free_memory(self) -> None:
+        """Give back the device memory: the CUDA graphs and their pool, the cache tensors, the input buffers and
+        the weights, then PyTorch's caches (``free_device_memory``). Run by ``LLM.shutdown()`` and when the
+        ``LLM`` is dropped; the runner cannot step afterwards. Safe to call twice."""
+        if self.released:
+            return
+        self.released = True
+        _LIVE.discard(self)
+        self.graph_runner = None
+        self.kv_sender = None
+        self.sampler = Sampler()  # seeded streams may hold device generators
+        del self.cache, self.buffers, self.model
+        free_device_memory(self.device)
 
     def describe(self) -> str:
         """The pool in one line: blocks, bytes, the longest sequence, the device."""
@@ -307,9 +387,20 @@ class ModelRunner:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         activation_peak = self._profile_activation_peak(config.max_num_batched_tokens, config.block_size)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        return num_blocks_at_startup(
+        num = num_blocks_at_startup(
             total, config.gpu_memory_utilization, weights, activation_peak, self.page_spec, config.block_size
         )
+        # vLLM's check: the fraction is of the whole card, so it must be free now. A second engine in one process
+        # (a re-run notebook cell) meets the first one's pool here: name it, rather than run out mid-allocation.
+        need = num * self.page_spec.bytes_per_block(config.block_size) + activation_peak
+        free_device_memory(self.device)  # an engine dropped in a reference cycle gives its memory back first
+        if need > torch.cuda.mem_get_info(self.device)[0]:
+            raise GPUMemoryError(
+                f"gpu_memory_utilization={config.gpu_memory_utilization} sizes this engine's KV pool to "
+                f"{num:,} blocks of the card's {format_bytes(total)}, but that memory is not free.\n"
+                + gpu_memory_report(self.device, need)
+            )
+        return num
 
     def _num_cpu_blocks(self, config: Config) -> int:
         """The CPU swap pool: as asked, or what ``swap_space`` holds (plus the unused block 0), or none."""
