@@ -249,6 +249,16 @@ class Config:
             None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory, "kv_cache_memory")
         )
         self.torch_device = resolve_device(self.device)
+        ranks_here = self.tensor_parallel_size // max(self.nnodes, 1)
+        if self.device is None and self.torch_device.type == "cuda" and ranks_here > gpu_count():
+            # Left to choose, a split that needs more GPUs than there are runs its ranks on the CPU (gloo), as the
+            # course's tensor-parallel cells do on a one-GPU notebook; device="cuda" keeps the refusal below.
+            logging.getLogger("minipaged").warning(
+                "minipaged: tensor_parallel_size=%d puts %d ranks on this machine, one GPU each, but torch sees %d "
+                "GPU(s): the ranks run on the CPU over gloo (device='cuda' refuses instead)",
+                self.tensor_parallel_size, ranks_here, gpu_count(),
+            )  # fmt: skip
+            self.torch_device = torch.device("cpu")
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(
                 f"nnodes={self.nnodes} must divide tensor_parallel_size={self.tensor_parallel_size}: every machine "

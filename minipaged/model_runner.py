@@ -197,7 +197,7 @@ def resolve_max_model_len(config: Config, max_pos: int | None, num_blocks: int) 
             f"max_model_len lowered from {max_model_len} to {usable * block_size} tokens: the KV "
             f"pool holds {usable} blocks of {block_size}. Give the cache more memory for longer "
             "sequences",
-            stacklevel=4,
+            stacklevel=7,
         )
         max_model_len = usable * block_size
     if cdiv(max_model_len, block_size) > usable:

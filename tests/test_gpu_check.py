@@ -1,0 +1,51 @@
+"""``make gpu-check``'s plan, checked without a GPU: ``--dry-run`` lists every notebook, every exercise's starter
+and solution, every test file with a CUDA-only test and the GPU benchmarks, and fails when one is missing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import gpu_check  # noqa: E402
+
+
+def test_the_dry_run_lists_every_notebook_exercise_cuda_test_and_benchmark(capsys):
+    assert gpu_check.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert f"notebooks/{nb.name}" in out
+    for starter in sorted((ROOT / "exercises").glob("ex*.ipynb")):
+        assert f"exercises/solutions/{starter.name}" in out  # the solution under nbval
+    assert "tests/test_exercises.py" in out  # which runs every starter: each check must fail
+    for name in ("test_kernels", "test_engine_triton", "test_cuda_graphs", "test_engine_memory"):
+        assert f"tests/{name}.py" in out
+    assert "bench_engine.py --device cuda" in out and "bench_paged_attention.py" in out
+    assert sum(gpu_check.BUDGET_S.values()) <= 8 * 60  # one lease call of at most 8 minutes
+
+
+def test_a_cuda_test_file_left_out_of_the_plan_fails_the_dry_run(monkeypatch, capsys):
+    found = gpu_check.cuda_tests_in_tree()
+    assert "tests/test_engine_memory.py" in found and "tests/test_block_pool.py" not in found
+    monkeypatch.setattr(gpu_check, "cuda_tests_in_tree", lambda: [*found, "tests/test_new_gpu_thing.py"])
+    assert gpu_check.main(["--dry-run"]) == 1
+    assert "not in the plan: tests/test_new_gpu_thing.py" in capsys.readouterr().err
+
+
+def test_a_starter_without_a_solution_fails_the_dry_run(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "starters", lambda: ["exercises/ex99_new.ipynb"])
+    assert gpu_check.main(["--dry-run"]) == 1
+    assert "exercises/ex99_new.ipynb (no solution)" in capsys.readouterr().err
+
+
+def test_without_cuda_it_says_so_and_fails(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--steps", "kernels"]) == 1
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--steps", "nonsense"])
