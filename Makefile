@@ -55,7 +55,7 @@ grade: setup
 	$(BIN)/python -m minipaged grade "$(DIR)"
 
 kernels: setup
-	$(BIN)/python -m minipaged kernels --arch sm_80,sm_90
+	$(BIN)/python -m minipaged kernels --arch sm_75,sm_80,sm_90
 
 gpu-check: setup
 	$(BIN)/python tools/gpu_check.py

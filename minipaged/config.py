@@ -358,9 +358,8 @@ def resolve_dtype(dtype: str, config_dtype: Any, device: torch.device) -> torch.
             )
         if DTYPES[dtype] == torch.bfloat16 and device.type == "cuda" and not cuda_computes_bf16(device):
             logging.getLogger("minipaged").warning(
-                "minipaged: dtype=%r on a GPU below compute capability 8.0: bfloat16 is emulated there, and "
-                "Triton's tl.dot has no bfloat16 on it (the Triton attention kernels will not compile); "
-                "use float16",
+                "minipaged: dtype=%r on a GPU below compute capability 8.0: bfloat16 is emulated there, expect "
+                "it slower than float16 (what dtype='auto' picks on it)",
                 dtype,
             )
         chosen = DTYPES[dtype]
@@ -379,8 +378,8 @@ def resolve_dtype(dtype: str, config_dtype: Any, device: torch.device) -> torch.
 def cuda_computes_bf16(device: torch.device | None = None) -> bool:
     """True on a GPU whose tensor cores compute bfloat16: compute capability 8.0 and up (A100, H100, RTX 30xx on).
 
-    ``torch.cuda.is_bf16_supported()`` says True on a T4 (sm_75) too, where bfloat16 is emulated: slow, and
-    Triton's ``tl.dot`` refuses it there. ROCm GPUs compute it (as torch says). Where torch has no capability to
+    ``torch.cuda.is_bf16_supported()`` says True on a T4 (sm_75) too, where bfloat16 is emulated: slow (Triton
+    compiles its ``tl.dot`` there to FMA instructions, as it does fp16's). ROCm GPUs compute it (as torch says). Where torch has no capability to
     read (a build without CUDA), its own answer without emulation stands.
     """
     if torch.version.hip:

@@ -1,7 +1,7 @@
 """``dtype="auto"`` on a GPU: bfloat16 only where the GPU computes it (compute capability 8.0 and up).
 
-A T4 (sm_75) answers ``torch.cuda.is_bf16_supported()`` True by emulation; serving bf16 there is slow and the
-Triton kernels' ``tl.dot`` cannot take bf16 on it, so "auto" picks float16. The capability is faked here.
+A T4 (sm_75) answers ``torch.cuda.is_bf16_supported()`` True by emulation; serving bf16 there is slow, so "auto"
+picks float16. The capability is faked here.
 """
 
 from __future__ import annotations

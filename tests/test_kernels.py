@@ -27,7 +27,6 @@ import torch
 import triton
 
 import minipaged.kernels as K
-from minipaged.config import cuda_computes_bf16
 from minipaged.kernels import reference as R
 from minipaged.kernels import torch_backend as TB
 
@@ -70,9 +69,7 @@ CASES = [
     Case(torch.float32, 32, 8, 1, 128),
     Case(torch.float16, 16, 8, 1, 64),
 ]
-# bf16 only where it is compiled (the interpreter has no bf16 arithmetic) and computed: sm_80 and up (a T4's
-# sm_75 has no bf16 tl.dot; dtype="auto" gives it float16)
-if DEVICE.type == "cuda" and cuda_computes_bf16(DEVICE):
+if DEVICE.type == "cuda":  # bf16 only where it is compiled: the interpreter has no bf16 arithmetic
     CASES.append(Case(torch.bfloat16, 16, 4, 2, 128))
 
 
@@ -635,3 +632,38 @@ def test_kernels_compile_for_h100_without_spills(tmp_path):
         assert r["occupancy"] >= 8, r
     decode = [r for r in rows if r["kernel"] == "paged_decode" and r["dtype"] == "float16" and r["head_dim"] == 128]
     assert decode and all(r["occupancy"] >= 16 for r in decode), decode
+
+
+def test_occupancy_on_a_t4():
+    """sm_75: 32 warps and 16 programs an SM, 64 KiB of shared memory with none reserved (a kernel without shared
+    memory must not divide by zero)."""
+    from minipaged.kernels.report import occupancy
+
+    assert occupancy("sm_75", 30, 0, 4) == 32  # the 32-warp limit
+    assert occupancy("sm_75", 128, 0, 4) == 16  # 4096 registers a warp: 16 warps fill 65536
+    assert occupancy("sm_75", 64, 40_000, 4) == 4  # one 40 KB program per 64 KiB SM
+    assert occupancy("sm_75", 32, 16_384, 4) == 16  # four 16 KiB programs: 64 KiB, no reserve on Turing
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the tests above run the kernels compiled")
+@pytest.mark.skipif(not PTXAS.exists(), reason="Triton's bundled ptxas is missing")
+def test_kernels_compile_for_a_t4_and_say_where_tl_dot_has_no_tensor_cores(tmp_path):
+    """`make kernels` covers sm_75 (T4): every kernel compiles there in every dtype, bf16 included, without spills;
+    Triton gives tl.dot no tensor cores there, and each such row says so (on sm_90 fp16 and bf16 rows use them)."""
+    from minipaged.kernels.report import NO_TENSOR_CORES, Row, format_table
+
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "minipaged", "kernels", "--arch", "sm_75,sm_90", "--json", "--dtypes",
+           "bfloat16,float16", "--head-dims", "64", "--groups", "3", "--kernels", "reshape_and_cache,paged_decode"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 0, (proc.stderr[-3000:], [r for r in rows if r.get("error") or r["spill_bytes"]])
+    assert {(r["arch"], r["dtype"]) for r in rows} == {
+        (a, d) for a in ("sm_75", "sm_90") for d in ("bfloat16", "float16")
+    }
+    for r in rows:
+        assert "error" not in r and r["spill_bytes"] == 0 and r["occupancy"] > 0, r
+        dot = r["kernel"] in ("paged_decode", "paged_decode_split")
+        assert r.get("note") == (NO_TENSOR_CORES if dot and r["arch"] == "sm_75" else None), r
+    table = format_table([Row(**r) for r in rows])
+    assert f"note: paged_decode, paged_decode_split bfloat16 on sm_75: {NO_TENSOR_CORES}" in table

@@ -30,7 +30,11 @@ equal on the planners' launches over a matrix of shapes, and decode's cubins byt
 Compiling needs ``TRITON_INTERPRET=0`` before triton is imported, so the work runs in
 fresh worker processes; the caller may have the interpreter on.
 
-    python -m minipaged kernels --arch sm_80,sm_90 [--json]
+    python -m minipaged kernels --arch sm_75,sm_80,sm_90 [--json]
+
+sm_75 (T4) is in the table for what it is: a GPU where Triton compiles ``tl.dot`` without tensor cores (FMA
+instructions, in every dtype; each such row carries a note) and bfloat16 is emulated, which is why
+``dtype="auto"`` serves float16 there (``config.cuda_computes_bf16``).
 """
 
 from __future__ import annotations
@@ -59,14 +63,25 @@ KERNELS = ("reshape_and_cache", "paged_decode", "paged_prefill")
 DEFAULT_GROUP = 4  # GQA group of Llama-3-8B / -70B: 4 query heads per KV head
 SMOLLM2 = dict(head_dim=64, group=3, num_kv_heads=3)  # 9 query heads over 3 KV heads
 
-# Per-SM limits of the CUDA occupancy rules (CUDA C Programming Guide, "Compute capabilities").
+# Per-SM limits of the CUDA occupancy rules (CUDA C Programming Guide, "Compute capabilities"; the occupancy
+# calculator's allocation units). sm_75 (T4, Turing): half the warps and programs, 64 KiB of shared memory, none
+# of it reserved by the runtime, handed out 256 bytes at a time.
 ARCH_LIMITS: dict[str, dict[str, int]] = {
-    "sm_80": dict(max_warps=64, max_programs=32, registers=65536, shared_per_sm=167936, shared_per_program=166912),
-    "sm_90": dict(max_warps=64, max_programs=32, registers=65536, shared_per_sm=233472, shared_per_program=232448),
-}
+    "sm_75": dict(max_warps=32, max_programs=16, registers=65536, shared_per_sm=65536, shared_per_program=65536,
+                  shared_reserved=0, shared_alloc_unit=256),
+    "sm_80": dict(max_warps=64, max_programs=32, registers=65536, shared_per_sm=167936, shared_per_program=166912,
+                  shared_reserved=1024, shared_alloc_unit=128),
+    "sm_90": dict(max_warps=64, max_programs=32, registers=65536, shared_per_sm=233472, shared_per_program=232448,
+                  shared_reserved=1024, shared_alloc_unit=128),
+}  # fmt: skip
 REG_ALLOC_UNIT = 256  # registers are given to a warp in chunks of 256
-SHARED_RESERVED = 1024  # the system reserves 1 KiB of shared memory per program
-SHARED_ALLOC_UNIT = 128
+# A kernel with a tl.dot (tt.dot in its Triton IR) whose PTX has no mma / wgmma multiplies without tensor cores:
+# what Triton does for fp32 products in full precision ("ieee") everywhere, and for every dtype on sm_75.
+_TENSOR_CORE_PTX = re.compile(r"\b(?:w?gmma|mma)\.")
+NO_TENSOR_CORES = (
+    "no tensor cores: tl.dot compiled to FMA instructions (Triton's way for fp32 'ieee' products, and for every "
+    "dtype below sm_80)"
+)
 TOOL_TIMEOUT_S = 60.0  # one cuobjdump call
 WORKER_TIMEOUT_S = 1800.0  # one compile worker, its whole share of the configurations (about 3 min on 2 cores)
 
@@ -106,11 +121,13 @@ class Row:
     occupancy: int | None = None  # resident warps per SM
     occupancy_pct: float | None = None
     error: str | None = None
+    note: str | None = None  # what the numbers do not say: e.g. no tensor cores on this GPU
 
     def as_json(self) -> dict[str, Any]:
         d = asdict(self)
-        if d["error"] is None:
-            d.pop("error")
+        for key in ("error", "note"):
+            if d[key] is None:
+                d.pop(key)
         return d
 
 
@@ -119,8 +136,9 @@ def occupancy(arch: str, registers: int, shared_bytes: int, num_warps: int) -> i
     lim = ARCH_LIMITS[arch]
     regs_per_warp = cdiv(max(registers, 1) * 32, REG_ALLOC_UNIT) * REG_ALLOC_UNIT
     by_regs = (lim["registers"] // regs_per_warp) // num_warps
-    shared = cdiv(shared_bytes + SHARED_RESERVED, SHARED_ALLOC_UNIT) * SHARED_ALLOC_UNIT
-    by_shared = lim["shared_per_sm"] // shared
+    unit = lim["shared_alloc_unit"]
+    shared = cdiv(shared_bytes + lim["shared_reserved"], unit) * unit
+    by_shared = lim["shared_per_sm"] // shared if shared else lim["max_programs"]  # sm_75 reserves none
     by_warps = lim["max_warps"] // num_warps
     return min(by_regs, by_shared, by_warps, lim["max_programs"]) * num_warps
 
@@ -495,6 +513,8 @@ def measure(row: Row, launch: Any) -> Row:
         compiled = compile_launch(launch, row.arch)
         usage = resource_usage(compiled.asm["cubin"])
         row.registers = usage["REG"]
+        if "tt.dot" in compiled.asm.get("ttir", "") and not _TENSOR_CORE_PTX.search(compiled.asm.get("ptx", "")):
+            row.note = NO_TENSOR_CORES
         row.spill_bytes = usage.get("STACK", 0) + usage.get("LOCAL", 0)
         row.shared_bytes = max(int(compiled.metadata.shared), usage.get("SHARED", 0))
         limit = ARCH_LIMITS[row.arch]["shared_per_program"]
@@ -719,6 +739,9 @@ def format_table(rows: Sequence[Row]) -> str:
                 f"error: {r.kernel} {r.dtype} head_dim {r.head_dim} block {r.block_size} group {r.group} "
                 f"{r.arch}: {r.error}"
             )
+    for arch, dtype, note in sorted({(r.arch, r.dtype, r.note) for r in rows if r.note and not r.error}):
+        kernels = sorted({r.kernel for r in rows if (r.arch, r.dtype, r.note) == (arch, dtype, note)})
+        lines.append(f"note: {', '.join(kernels)} {dtype} on {arch}: {note}")
     return "\n".join(lines)
 
 
