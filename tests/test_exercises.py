@@ -2,10 +2,16 @@
 
 nbval runs each solution notebook (it is under `testpaths`) and compares the
 printed check lines with the stored ones, which must all read "n/n checks
-passed"; here we run each starter and prove no check passes on the stub.
+passed"; here we run each starter and prove no check passes on the stub. A
+starter stores no check output (a learner must not read "n/n checks passed"
+before writing anything): what each check cell must print is in its metadata,
+and exercises/conftest.py gives it to nbval, proven here on ex01.
 """
 
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -13,15 +19,16 @@ import pytest
 
 from minipaged.grading import worker
 from minipaged.grading.exercises import exercise_for
-from minipaged.grading.runner import CHECK_MARK, _scores_from_events, stored_groups
+from minipaged.grading.runner import CHECK_MARK, METADATA_KEY, _scores_from_events, expected_outputs, stored_groups
 
 EXERCISES = Path(__file__).resolve().parent.parent / "exercises"
 STARTERS = sorted(EXERCISES.glob("ex*.ipynb"))
+STUB = "raise NotImplementedError  # YOUR CODE HERE"
 
 
-def _check_outputs(path):
+def _check_cells(path):
     nb = nbformat.read(path, as_version=4)
-    return [c.outputs for c in nb.cells if c.cell_type == "code" and CHECK_MARK in c.source]
+    return [c for c in nb.cells if c.cell_type == "code" and CHECK_MARK in c.source]
 
 
 def test_every_exercise_has_a_solution():
@@ -32,15 +39,59 @@ def test_every_exercise_has_a_solution():
 
 @pytest.mark.parametrize("starter", STARTERS, ids=lambda p: p.stem)
 def test_starter_expects_what_the_solution_prints(starter):
+    """Its check cells expect (in their metadata) what the solution's print, and show no output: nothing in the
+    stored starter says "checks passed"; each check cell keeps an execution count, so nbval compares it."""
     solution = EXERCISES / "solutions" / starter.name
-    assert _check_outputs(starter) == _check_outputs(solution)
+    checks = _check_cells(starter)
+    assert [c.metadata[METADATA_KEY]["expected"] for c in checks] == [c.outputs for c in _check_cells(solution)]
+    assert all(c.outputs == [] and c.execution_count is not None for c in checks)
+    assert [expected_outputs(c) for c in checks] == [c.outputs for c in _check_cells(solution)]
+    nb = nbformat.read(starter, as_version=4)
+    shown = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not any("checks passed" in str(o) for o in shown)
+    assert not any(METADATA_KEY in c.metadata for c in nbformat.read(solution, as_version=4).cells)
     groups = stored_groups(starter)
-    assert groups, "no check cells with stored results"
+    assert groups, "no check cells with expected results"
     for group, total in groups:
         assert total > 0, group
-    nb = nbformat.read(starter, as_version=4)
-    stubs = sum("raise NotImplementedError  # YOUR CODE HERE" in c.source for c in nb.cells)
+    stubs = sum(STUB in c.source for c in nb.cells)
     assert stubs >= 1
+
+
+def _nbval(notebook: Path) -> dict[int, str]:
+    """``pytest --nbval-lax NOTEBOOK`` in a fresh process, from the notebook's folder: each code cell's outcome."""
+    cmd = [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-rA",
+           "-q", notebook.name]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=notebook.parent, capture_output=True, text=True, timeout=600)
+    found = re.findall(r"^(PASSED|FAILED|ERROR) \S+::Cell (\d+)", proc.stdout, re.M)
+    assert found, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {int(cell): outcome for outcome, cell in found}
+
+
+def test_nbval_grades_a_starter_against_its_hidden_expected_lines(tmp_path):
+    """ex01 under nbval, in a folder of its own with exercises/conftest.py: the starter fails every check cell;
+    the same notebook with the solution's code in its stubs passes every cell, the check cells compared with the
+    lines their metadata keeps; without the conftest, a right answer still fails (never a false pass)."""
+    starter = EXERCISES / "ex01_kv_bytes.ipynb"
+    solution = nbformat.read(EXERCISES / "solutions" / starter.name, as_version=4)
+    nb = nbformat.read(starter, as_version=4)
+    code = list(range(sum(c.cell_type == "code" for c in nb.cells)))
+    checks = [i for i, c in enumerate(c for c in nb.cells if c.cell_type == "code") if CHECK_MARK in c.source]
+    for cell, right in zip(nb.cells, solution.cells):
+        if STUB in cell.source:
+            cell.source = right.source
+    for folder in ("with", "without"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "pytest.ini").write_text("[pytest]\n")  # its own rootdir: no repository addopts
+        shutil.copy(starter, tmp_path / folder / starter.name)
+        nbformat.write(nb, tmp_path / folder / "solved.ipynb")
+    shutil.copy(EXERCISES / "conftest.py", tmp_path / "with" / "conftest.py")
+
+    as_given = _nbval(tmp_path / "with" / starter.name)
+    assert checks and all(as_given[i] == "FAILED" for i in checks), as_given
+    assert _nbval(tmp_path / "with" / "solved.ipynb") == {i: "PASSED" for i in code}
+    without = _nbval(tmp_path / "without" / "solved.ipynb")
+    assert all(without[i] == "FAILED" for i in checks), without
 
 
 def _grade_here(path: Path) -> list:

@@ -8,7 +8,10 @@ Conventions it enforces (see DESIGN.md): outputs are stored only for cells marke
 ``# NBVAL_CHECK_OUTPUT``; plot and widget outputs never enter the repo. An exercise
 starter (``exercises/exNN_*.ipynb``) gets its check cells' expected outputs from
 its solution (``exercises/solutions/exNN_*.ipynb``), run first: a starter is
-expected to print what a correct solution prints.
+expected to print what a correct solution prints. A starter keeps them out of sight,
+in the check cell's metadata (``metadata["minipaged"]["expected"]``, no output stored:
+a learner must not read "8/8 checks passed" before writing anything);
+``exercises/conftest.py`` gives them to nbval.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minipaged.grading.runner import CHECK_MARK, execute  # noqa: E402
+from minipaged.grading.runner import CHECK_MARK, METADATA_KEY, execute  # noqa: E402
 
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
 
@@ -87,14 +90,17 @@ def refresh(path: Path) -> None:
         if len(checks) != len(expected):
             raise SystemExit(f"{path}: {len(checks)} check cells but the solution has {len(expected)}")
         for cell, outs in zip(checks, expected):
-            cell.outputs = outs
-        strip_unchecked(nb)
+            cell.metadata[METADATA_KEY] = {"expected": outs}  # for nbval (exercises/conftest.py), not on show
+            cell.outputs = []
+        strip_unchecked(nb)  # keeps the check cells' execution counts: nbval skips a cell it takes for unrun
     else:
         nb = execute(path)
         errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
         if errors:
             raise SystemExit(f"{path}: a cell raised {errors[0]['ename']}: {errors[0]['evalue']}")
         strip_unchecked(nb)
+        for cell in nb.cells:
+            cell.metadata.pop(METADATA_KEY, None)  # a solution shows what it prints
     nbformat.write(nb, path)
     print(f"refreshed {path}")
 

@@ -58,6 +58,10 @@ else:  # Python 3.10 has no contextlib.chdir
 
 
 CHECK_MARK = "NBVAL_CHECK_OUTPUT"
+# A starter's check cell stores no output (a learner opening it must not read "8/8 checks passed" before writing
+# anything): what it must print is kept in its metadata, cell.metadata["minipaged"]["expected"], and
+# exercises/conftest.py hands that to nbval as the cell's expected output. A solution stores it as its output.
+METADATA_KEY = "minipaged"
 DEFAULT_TIMEOUT_S = 300  # per notebook; the slowest solution (ex10) takes about 40 s on 2 cores
 # A check cell calls one of the grading modules' check functions; such a cell is never run as the learner's code,
 # even when its NBVAL mark was deleted.
@@ -132,9 +136,16 @@ def run_code_cells(
     return namespace, errors
 
 
+def expected_outputs(cell: Any) -> list[Any]:
+    """What a check cell must print to pass nbval: its metadata's ``expected`` (a starter), else its outputs."""
+    expected = cell.get("metadata", {}).get(METADATA_KEY, {}).get("expected")
+    return list(cell.get("outputs", [])) if expected is None else list(expected)
+
+
 def stored_groups(path: str | os.PathLike) -> list[tuple[str, int]]:
-    """(group, number of checks) from the outputs a notebook's check cells have stored. The grader never reads
-    them; the course's tests use them to prove each starter stores what ``exercises.EXERCISES`` grades."""
+    """(group, number of checks) from what a notebook's check cells expect (``expected_outputs``). The grader
+    never reads them; the course's tests use them to prove each starter expects what ``exercises.EXERCISES``
+    grades."""
     import nbformat
 
     from .core import parse_summaries
@@ -143,7 +154,8 @@ def stored_groups(path: str | os.PathLike) -> list[tuple[str, int]]:
     found = []
     for cell in nb.cells:
         if cell.cell_type == "code" and CHECK_MARK in cell.source:
-            text = "".join(out.get("text", "") for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+            outputs = expected_outputs(cell)
+            text = "".join(out.get("text", "") for out in outputs if out.get("output_type") == "stream")
             found += [(g, total) for g, _, total in parse_summaries(text)]
     return found
 
