@@ -1,17 +1,24 @@
 """The engine's compiled CPU attention (``kernels/cpu_paged_attention.cpp`` through ``kernels/cpu_kernel.py``):
 against the reference and a float64 dense attention, in every shape the engine can give it, and the
-clean fallback (one log line, the same numbers) when it cannot be built."""
+clean fallback (one log line, the same numbers) when it cannot be built. Every path of the source runs on every
+machine: the native build, and beside it each x86-64 level the CPU can run (``x86-64-v4``: the AVX-512 tiles;
+``x86-64-v3``: the portable tiles in AVX2; ``x86-64``: the portable tiles in SSE2), each its own library; a level
+the CPU cannot run is skipped, saying what the CPU lacks. The source also compiles for aarch64 (a cross compiler
+checks it, as ``make kernels`` checks GPU targets without a GPU)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
-from test_kernels import Case, close, naive_attention, paged_cache
+from test_kernels import TOL, Case, close, naive_attention, paged_cache
 
 from minipaged.kernels import cpu_kernel
 from minipaged.kernels import reference as R
@@ -99,6 +106,141 @@ def test_kernel_on_its_own_attends_every_row_and_skips_long_ones_when_asked():
     part = cpu_kernel.paged_attention(q, kc, vc, tables, cu, lens, 0.25, max_q_len=8)
     close(part[:1], want[:1], torch.float32)
     close(part[41:], want[41:], torch.float32)
+
+
+# ---- every build this CPU can run, beside the native one ------------------------------------------------------
+def use_build(target: str, monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
+    """The kernel built for ``target`` (``cpu_kernel.targets()``), made the one the engine's calls use for this test;
+    skipped, with the reason, where this CPU cannot run that build (an AVX2 CPU and ``x86-64-v4``)."""
+    lib, reason = cpu_kernel.build(target)
+    if lib is None:
+        pytest.skip(f"the {target} build of the CPU kernel cannot run here: {reason}")
+    monkeypatch.setitem(cpu_kernel._state, "lib", lib)
+    monkeypatch.setitem(cpu_kernel._state, "reason", "")
+    return lib
+
+
+@pytest.fixture(params=cpu_kernel.targets())
+def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
+    return use_build(request.param, monkeypatch)
+
+
+@needs_kernel
+@pytest.mark.parametrize("target", cpu_kernel.targets())
+def test_each_build_is_its_own_library_and_runs_the_path_it_names(target, monkeypatch):
+    """What each build was compiled with, from the library itself: the native build has the AVX-512 tiles exactly
+    where the CPU has AVX-512F; x86-64-v4 has them; x86-64-v3 has AVX2 and not them; x86-64 neither."""
+    native = cpu_kernel.build("native")[0]
+    assert native is not None
+    lib = use_build(target, monkeypatch)
+    features, flags = lib.minipaged_features(), cpu_kernel._cpu_flags()
+    expected = {"x86-64": 0, "x86-64-v3": 2, "x86-64-v4": 3, "armv8-a": 4}
+    if target == "native":
+        assert lib._name == native._name
+        if flags and cpu_kernel._machine() == "x86_64":
+            assert bool(features & 1) == ("avx512f" in flags) and bool(features & 2) == ("avx2" in flags)
+        if cpu_kernel._machine() == "aarch64":
+            assert features == 4
+    else:
+        assert features == expected[target], cpu_kernel.tiles(lib)
+        assert lib._name != native._name and lib._handle != native._handle
+        assert f"cpu_paged_attention-{target}-" in Path(lib._name).name
+        monkeypatch.setenv(cpu_kernel.ARCH_ENV, target)  # the engine's own library, built for this target
+        built, reason = cpu_kernel._build()
+        assert built is not None and built._name == lib._name, reason
+    assert cpu_kernel.describe().endswith(f"{cpu_kernel.tiles(lib)})")
+
+
+def _mixed_batch(case: Case, seed: int):
+    """Decodes (one a block exactly, one a block and a token) and two short chunks: every row on the kernel."""
+    seq_lens, q_lens = [1, 7, case.block_size, case.block_size + 1, 100, 45, 70], [1, 1, 1, 1, 1, 30, 5]
+    kc, vc, tables, lens = paged_cache(case, seq_lens, seed=seed)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), case.num_q_heads, case.head_dim, generator=torch.Generator().manual_seed(seed))
+    return q, kc, vc, tables, cu, lens
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(torch.float32, 16, 3, 3, 64),  # head_dim 64: the AVX-512 tile where built in, else the portable one
+        Case(torch.bfloat16, 16, 3, 3, 64),
+        Case(torch.float32, 16, 4, 2, 128),  # head_dim 128: the other AVX-512 tile
+        Case(torch.bfloat16, 8, 4, 2, 128),
+        Case(torch.bfloat16, 32, 2, 2, 80),  # any other head_dim: the portable tile in every build
+    ],
+    ids=str,
+)
+def test_every_build_matches_the_reference(kernel_build, case):
+    """Each build against the reference, in the four dtype pairs the library takes (the cache's dtype with the
+    query's own or the other), over a NaN-filled pool."""
+    q, kc, vc, tables, cu, lens = _mixed_batch(case, seed=7)
+    scale = case.head_dim**-0.5
+    other = torch.bfloat16 if case.dtype == torch.float32 else torch.float32
+    for q_dtype in (case.dtype, other):
+        qd = q.to(q_dtype)
+        out = cpu_kernel.paged_attention(qd, kc, vc, tables, cu, lens, scale)
+        want = R.paged_prefill_attention(qd.float(), kc.float(), vc.float(), tables, cu, lens, scale).to(q_dtype)
+        assert out.dtype == q_dtype and not out.isnan().any()
+        # A bf16 cache rounds P to bf16 for P.V (as PyTorch's bf16 attention does): bf16's tolerance either way.
+        tol = TOL[torch.bfloat16 if torch.bfloat16 in (q_dtype, case.dtype) else torch.float32]
+        torch.testing.assert_close(out.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("target", ["x86-64-v4", "x86-64-v3"])
+def test_a_level_the_cpu_lacks_is_refused_with_what_it_lacks(target, monkeypatch):
+    """On an AVX2 CPU the AVX-512 build, on an older one the AVX2 build, would die of SIGILL: it is not built, and
+    the reason names the missing features; PyTorch's detection stands in where there is no /proc/cpuinfo (a Mac).
+    An Arm machine is never given an x86 level, and its native build is -mcpu=native (Apple's clang refuses
+    -march=native)."""
+    monkeypatch.setattr(cpu_kernel, "_machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_kernel, "_cpu_flags", lambda: {"sse2", "avx"})
+    flags, reason = cpu_kernel.target_flags(target)
+    assert flags is None and reason.startswith("this CPU lacks ") and "avx2" in reason and target in reason
+    assert cpu_kernel.target_flags("x86-64") == (["-march=x86-64"], "")
+    monkeypatch.setenv(cpu_kernel.ARCH_ENV, target)
+    lib, reason = cpu_kernel._build()
+    assert lib is None and reason.startswith(f"MINIPAGED_CPU_ARCH={target}: this CPU lacks ")
+
+    monkeypatch.setattr(cpu_kernel, "_cpu_flags", set)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert cpu_kernel.target_flags("x86-64-v3") == (["-march=x86-64-v3"], "")
+    assert (
+        cpu_kernel.target_flags("x86-64-v4")[1]
+        == "this CPU lacks x86-64-v4 (PyTorch finds AVX2), which x86-64-v4 code uses"
+    )
+
+    monkeypatch.setattr(cpu_kernel, "_machine", lambda: "aarch64")
+    assert cpu_kernel.targets() == ["native", "armv8-a"]
+    assert cpu_kernel.target_flags("native") == (["-mcpu=native"], "")
+    assert cpu_kernel.target_flags(target) == (None, f"{target} is an x86_64 target and this machine is aarch64")
+    assert cpu_kernel.target_flags("armv8-a") == (["-march=armv8-a"], "")
+
+
+AARCH64_CXX = "aarch64-linux-gnu-g++"
+
+
+@pytest.mark.skipif(
+    shutil.which(AARCH64_CXX) is None,
+    reason=f"no {AARCH64_CXX} here (Debian: apt-get install g++-aarch64-linux-gnu) to check the aarch64 build",
+)
+def test_the_kernel_compiles_for_aarch64(tmp_path):
+    """What a learner on an Arm machine (an Apple-silicon Mac, a Graviton) builds: the same flags as the engine's,
+    for the AArch64 baseline (a cross compiler cannot detect a CPU, so not -mcpu=native), and the library exports
+    every function the engine calls."""
+    out = tmp_path / "cpu_paged_attention-aarch64.so"
+    proc = subprocess.run(
+        [AARCH64_CXX, *cpu_kernel.FLAGS, "-march=armv8-a", str(cpu_kernel.SOURCE), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=cpu_kernel.COMPILE_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    elf = out.read_bytes()
+    assert elf[:4] == b"\x7fELF" and int.from_bytes(elf[18:20], "little") == 183  # e_machine: EM_AARCH64
+    for name in ("minipaged_paged_attention", "minipaged_rms_norm", "minipaged_rope_and_cache", "minipaged_features"):
+        assert name.encode() in elf, name
 
 
 def test_kernel_refuses_what_it_cannot_read():

@@ -1,33 +1,41 @@
 """The CPU step without PyTorch glue (issue 30): the compiled layer ops round as PyTorch's ops round, the merged
 QKV projection is the three projections, and the step program (``model/step_program.py``) gives the modules' own
 numbers bit for bit — padded to a row bucket or not, with long prefills on SDPA or not, after a weight changes —
-and stands aside when a learner's attention kernel is plugged in."""
+and stands aside when a learner's attention kernel is plugged in, or for a bf16 model where the CPU's oneDNN has
+no bf16 GEMMs (an AVX2-only CPU). The compiled ops are tested in every build of the kernel this CPU can run (native,
+AVX-512, AVX2, baseline x86-64: ``test_cpu_kernel.use_build``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_cpu_kernel import use_build
+from test_kernels import TOL
 
 from minipaged import hooks, profiling
 from minipaged.kernels import cpu_kernel
 from minipaged.kernels import torch_backend as TB
-from minipaged.model import AttentionMetadata, LlamaForCausalLM
-from minipaged.model.llama import Linear, MergedLinear, RMSNorm, RotaryEmbedding, onednn_ops, packed_rows
-from minipaged.model.step_program import StepProgram
+from minipaged.model import AttentionMetadata, LlamaForCausalLM, llama, step_program
+from minipaged.model.llama import Linear, MergedLinear, OneDNNOps, RMSNorm, RotaryEmbedding, onednn_ops, packed_rows
+from minipaged.model.step_program import StepProgram, onednn_runs
 from minipaged.model_loader import save_tiny_llama
 
 needs_kernel = pytest.mark.skipif(
     cpu_kernel.unavailable_reason() is not None,
     reason=f"the CPU kernel cannot be built here: {cpu_kernel.unavailable_reason()}",
 )
+needs_onednn = pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
 DTYPES = [torch.float32, torch.bfloat16]
+TARGETS = cpu_kernel.targets()  # native, then each x86-64 level (skipped, saying why, where the CPU lacks it)
 
 
 @needs_kernel
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rms_norm_is_pytorchs_rmsnorm(dtype):
+def test_rms_norm_is_pytorchs_rmsnorm(dtype, target, monkeypatch):
     """bf16: bit for bit (every rounding where PyTorch's ops round). fp32: the sum of squares is added in another
     order, so the last bit may differ; nothing more."""
+    use_build(target, monkeypatch)
     g = torch.Generator().manual_seed(0)
     norm = RMSNorm(576, 1e-5).to(dtype)
     with torch.no_grad():
@@ -47,8 +55,10 @@ def test_rms_norm_is_pytorchs_rmsnorm(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rope_and_cache_is_rotary_embedding_then_the_write(dtype):
+def test_rope_and_cache_is_rotary_embedding_then_the_write(dtype, target, monkeypatch):
+    use_build(target, monkeypatch)
     g = torch.Generator().manual_seed(1)
     hq, hkv, d, n = 9, 3, 64, 21
     cos, sin = RotaryEmbedding(d, 100000.0)(torch.randint(0, 3000, (n,), generator=g), dtype)
@@ -165,13 +175,17 @@ def context_of(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, Att
 
 
 @needs_kernel
-@pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
+@needs_onednn
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("long_prefill_on_sdpa", [False, True])
-def test_the_program_gives_the_modules_numbers_bit_for_bit(model_dir, dtype, long_prefill_on_sdpa, monkeypatch):
+def test_the_program_gives_the_modules_numbers_bit_for_bit(model_dir, dtype, long_prefill_on_sdpa, target, monkeypatch):
     """A mixed step of 45 rows (a GEMM bucket of 48: three padding rows) through the program and through the
-    modules: the same hidden states and the same cache, to the bit. With a low KERNEL_MAX_Q_LEN the 40-row chunk
-    goes to SDPA, and the program takes its unbound path (``attend``)."""
+    modules: the same hidden states and the same cache, to the bit, on every build of the kernel. With a low
+    KERNEL_MAX_Q_LEN the 40-row chunk goes to SDPA, and the program takes its unbound path (``attend``). A bf16
+    program runs exactly where the CPU's oneDNN has bf16 GEMMs (``onednn_runs``; not on an AVX2-only Zen 3, where
+    the modules run it: the branch the next test forces on every machine)."""
+    use_build(target, monkeypatch)
     assert packed_rows(45) == 48
     if long_prefill_on_sdpa:
         monkeypatch.setattr(TB, "KERNEL_MAX_Q_LEN", 8)
@@ -183,14 +197,67 @@ def test_the_program_gives_the_modules_numbers_bit_for_bit(model_dir, dtype, lon
     for program in (True, False):
         spy.clear()
         runs.append(run_step(model, program, dtype))
-        assert bool(spy) == program  # the program really ran (twice: context, step), and only when asked
+        # The program really ran (twice: context, step) where asked and its GEMMs exist; else the modules did.
+        assert bool(spy) == (program and onednn_runs(dtype))
     (h1, k1), (h2, k2) = runs
     assert h1.shape == (45, 192) and not h1.isnan().any()
     assert torch.equal(h1, h2) and torch.equal(k1, k2)
 
 
+BF16_REFUSED = (
+    "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+)
+
+
 @needs_kernel
-@pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
+@needs_onednn
+@pytest.mark.parametrize("onednn_refuses_bf16", [False, True], ids=["check off", "check off, bf16 GEMMs refused"])
+def test_without_onednn_bf16_gemms_a_bf16_model_runs_on_the_modules(
+    model_dir, onednn_refuses_bf16, monkeypatch, caplog
+):
+    """An AVX2-only CPU (a Zen 3) on every machine: ``onednn_runs`` forced to say no bf16 GEMMs. The program stands
+    aside for a bf16 model and the modules run it: with oneDNN's bf16 GEMMs still there, to the bit what the CPU's
+    own choice gives; with them refused too, as on a Zen 3 (a bf16 reorder raises oneDNN's error; one warning), on
+    PyTorch's GEMM, within bf16's rounding. A fp32 model keeps its program."""
+    bf16 = torch.bfloat16
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=bf16)
+    want, want_k = run_step(model, True, bf16)  # as this CPU decides: the program where it has bf16 GEMMs
+    monkeypatch.setattr(step_program, "onednn_runs", lambda dtype: dtype != bf16)
+    if onednn_refuses_bf16:
+        real = onednn_ops()
+        assert real is not None
+
+        def reorder(w: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
+            if w.dtype == bf16:
+                raise RuntimeError(BF16_REFUSED)
+            return real.reorder(w, batch_size_hint)
+
+        monkeypatch.setattr(llama, "_ONEDNN", True)
+        monkeypatch.setattr(llama, "_ONEDNN_OPS", OneDNNOps(reorder, real.pointwise, real.binary))
+        monkeypatch.setattr(llama, "_ONEDNN_FAILED_DTYPES", set())
+    ran = []
+    real_run = StepProgram.run
+    monkeypatch.setattr(StepProgram, "run", lambda self, *a: ran.append(1) or real_run(self, *a))
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=bf16)  # nothing packed yet
+    with caplog.at_level("WARNING", logger="minipaged"):
+        caplog.clear()  # only what the runs below log
+        asked, asked_k = run_step(model, True, bf16)
+        modules, modules_k = run_step(model, False, bf16)
+    assert not ran and torch.equal(asked, modules) and torch.equal(asked_k, modules_k)
+    assert asked.shape == (45, 192) and not asked.isnan().any()
+    refused = [r.getMessage() for r in caplog.records if "oneDNN packed linear off for bfloat16" in r.getMessage()]
+    if onednn_refuses_bf16:
+        assert len(refused) == 1 and BF16_REFUSED in refused[0] and llama._ONEDNN_FAILED_DTYPES == {bf16}
+        torch.testing.assert_close(asked, want, **TOL[bf16])
+        torch.testing.assert_close(asked_k, want_k, **TOL[bf16])
+    else:
+        assert not refused and torch.equal(asked, want) and torch.equal(asked_k, want_k)
+    run_step(LlamaForCausalLM.from_pretrained(model_dir), True, torch.float32)
+    assert ran  # fp32: the program
+
+
+@needs_kernel
+@needs_onednn
 def test_the_program_follows_a_weight_change_and_stands_aside_for_a_learners_kernel(model_dir, monkeypatch):
     model = LlamaForCausalLM.from_pretrained(model_dir)
     before, _ = run_step(model, True, torch.float32)
@@ -227,7 +294,7 @@ def test_the_program_follows_a_weight_change_and_stands_aside_for_a_learners_ker
 
 
 @needs_kernel
-@pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
+@needs_onednn
 def test_a_built_program_knows_when_its_weights_changed(model_dir):
     """The engine asks ``is_current`` every step instead of rebuilding: an in-place change (a new version), a
     swapped storage (a new address) and a replaced parameter each make it stale, and nothing else does."""
@@ -252,7 +319,7 @@ def test_a_built_program_knows_when_its_weights_changed(model_dir):
 
 
 @needs_kernel
-@pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
+@needs_onednn
 @pytest.mark.parametrize(
     "fast",
     [
@@ -296,7 +363,7 @@ def test_a_profile_names_the_model_its_attention_and_its_norms(model_dir, fast, 
 
 
 @needs_kernel
-@pytest.mark.skipif(onednn_ops() is None, reason="no oneDNN packed linear in this PyTorch build")
+@needs_onednn
 def test_minipaged_step_program_0_runs_the_modules(model_dir, monkeypatch):
     """The benchmark's lever switch: with MINIPAGED_STEP_PROGRAM=0 the program is not used, and the numbers stay."""
     model = LlamaForCausalLM.from_pretrained(model_dir)

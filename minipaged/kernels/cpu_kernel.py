@@ -16,8 +16,11 @@ the copy, read the copy). One layer of a 128-request decode step on SmolLM2's sh
 so the engine compiles this one file with the machine's C++ compiler (``$CXX`` when it is set
 and runs; else ``g++``, ``c++`` or ``clang++``, with one line saying why ``$CXX`` was passed over)
 the first time it needs it (about a second), for this CPU
-(``-march=native``: AVX-512 where there is one), and keeps the library in
-``~/.cache/minipaged/kernels`` keyed by the source, the compiler and the CPU. Its OpenMP
+(``-march=native``: AVX-512 where there is one; ``-mcpu=native`` on Arm, where Apple's clang refuses
+``-march=native``), and keeps the library in ``~/.cache/minipaged/kernels`` keyed by the source, the
+compiler, the target and the CPU. ``MINIPAGED_CPU_ARCH`` picks another target: ``x86-64-v4`` (AVX-512),
+``x86-64-v3`` (AVX2), ``x86-64`` (no SIMD past SSE2), ``armv8-a`` on Arm; each is its own
+library, so the tests load every one this CPU can run beside the native one (``build(target)``). Its OpenMP
 threads are PyTorch's own (the library links the ``libgomp`` PyTorch has already loaded).
 With no compiler, or a compiler that fails, the engine logs one line and runs the fallback
 (``MINIPAGED_CPU_KERNEL=0`` chooses the fallback quietly); ``kernels/reference.py`` stays the
@@ -32,6 +35,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -43,9 +47,9 @@ SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 # No -ffast-math: in a shared library GCC 12 links crtfastmath, which flushes denormals for the whole process.
 # -ffp-contract=off: a*b + c stays two roundings, as in PyTorch's elementwise ops (the layer ops must round
 # where PyTorch rounds); attention asks for its fused multiply-adds by name (std::fma).
+# The target (-march / -mcpu) is not here: ``target_flags`` adds it.
 FLAGS = [
     "-O3",
-    "-march=native",
     "-fno-math-errno",
     "-fno-trapping-math",
     "-ffp-contract=off",
@@ -60,7 +64,21 @@ log = logging.getLogger("minipaged")
 VERSION_TIMEOUT_S = 10.0  # `$CXX --version`
 COMPILE_TIMEOUT_S = 300.0  # one build of the kernel (about a second on a laptop)
 
-_state: dict[str, object] = {}  # "lib": ctypes.CDLL | None, "reason": why not
+_state: dict[str, object] = {}  # the engine's library: "lib": ctypes.CDLL | None, "reason": why not
+_builds: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # build(target)'s, one per target
+
+ARCH_ENV = "MINIPAGED_CPU_ARCH"
+# x86-64 micro-architecture levels (the psABI's; v2, SSE4.2, adds nothing the kernel's loops use), each with what it
+# asks of the CPU in /proc/cpuinfo's names (pni: SSE3, abm: LZCNT). Code built for a level the CPU lacks dies of
+# SIGILL, so a build checks first.
+_SSE4 = ("cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3")
+_AVX2 = (*_SSE4, "abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave")
+X86_LEVELS: dict[str, tuple[str, ...]] = {
+    "x86-64": (),
+    "x86-64-v3": _AVX2,
+    "x86-64-v4": (*_AVX2, "avx512bw", "avx512cd", "avx512dq", "avx512f", "avx512vl"),
+}
+ARM_LEVELS = ("armv8-a",)  # every AArch64 CPU: NEON, nothing newer
 
 
 def _compiler() -> tuple[str | None, str]:
@@ -90,6 +108,64 @@ def _version(compiler: str) -> str | None:
     return proc.stdout  # part of the library's cache key; a compiler that fails says so when it compiles
 
 
+def _machine() -> str:
+    """``x86_64``, ``aarch64`` (``arm64`` on a Mac counts as it) or whatever else ``uname`` says."""
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none to read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.split(":")[0].strip() in ("flags", "Features"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def targets() -> list[str]:
+    """The targets this machine can build for: ``native`` first, then its architecture's generic levels."""
+    levels = {"x86_64": list(X86_LEVELS)[::-1], "aarch64": list(ARM_LEVELS)}
+    return ["native", *levels.get(_machine(), [])]
+
+
+def target_flags(target: str) -> tuple[list[str] | None, str]:
+    """The compiler flags that pick ``target`` (``native`` or a level of ``targets()``), or None and why this
+    machine cannot build it or run what it builds (another architecture's level; a CPU without its features)."""
+    machine = _machine()
+    if target == "native":  # Apple's clang refuses -march=native on Arm; -mcpu=native is gcc's and clang's
+        return {"x86_64": ["-march=native"], "aarch64": ["-mcpu=native"]}.get(machine, []), ""
+    if target in X86_LEVELS or target in ARM_LEVELS:
+        family = "x86_64" if target in X86_LEVELS else "aarch64"
+        if machine != family:
+            return None, f"{target} is an {family} target and this machine is {machine}"
+        missing = _missing_features(target)
+        if missing:
+            return None, f"this CPU lacks {missing}, which {target} code uses"
+        return [f"-march={target}"], ""
+    return None, f"unknown CPU target {target!r} (native or one of {', '.join([*X86_LEVELS, *ARM_LEVELS])})"
+
+
+def _missing_features(target: str) -> str:
+    """What this CPU lacks of what the x86-64 level ``target`` uses ("" for none, and for Arm's levels)."""
+    needs = X86_LEVELS.get(target, ())
+    flags = _cpu_flags()
+    if flags or not needs:
+        return " ".join(f for f in needs if f not in flags)
+    # No /proc/cpuinfo (an Intel Mac): PyTorch's own detection, which tells AVX-512 and AVX2 from neither.
+    capability = torch.backends.cpu.get_cpu_capability()
+    reached = {"AVX512": 4, "AVX2": 3}.get(capability, 1)
+    return "" if int(target[-1]) <= reached else f"{target} (PyTorch finds {capability})"
+
+
+def engine_target() -> str:
+    """The target the engine's library is built for: ``$MINIPAGED_CPU_ARCH``, else ``native``."""
+    return os.environ.get(ARCH_ENV) or "native"
+
+
 def _cpu_signature() -> str:
     """What -march=native depends on: the CPU's model and feature flags."""
     try:
@@ -100,9 +176,15 @@ def _cpu_signature() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
-def _build() -> tuple[ctypes.CDLL | None, str]:
+def _build(target: str | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """Build (or find in the cache) and load the library for ``target`` (None: ``engine_target()``)."""
     if os.environ.get("MINIPAGED_CPU_KERNEL", "1") == "0":
         return None, "MINIPAGED_CPU_KERNEL=0"
+    from_env = target is None
+    target = engine_target() if target is None else target
+    arch, why_not = target_flags(target)
+    if arch is None:
+        return None, f"{ARCH_ENV}={target}: {why_not}" if from_env else why_not
     compiler, note = _compiler()
     if note:
         log.warning("minipaged: %s", note)
@@ -111,10 +193,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     version = _version(compiler)
     if version is None:
         return None, f"{compiler} --version could not run or did not return within {VERSION_TIMEOUT_S:g} s"
-    lib_path = library_path(version)
+    lib_path = library_path(version, target)
     for attempt in range(2):
         if not lib_path.is_file():
-            reason = _compile(compiler, lib_path)
+            reason = _compile(compiler, lib_path, arch)
             if reason:
                 return None, reason
         try:
@@ -144,16 +226,18 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
-def library_path(compiler_version: str) -> Path:
-    """Where the library built by this compiler, from this source, for this CPU is kept."""
+def library_path(compiler_version: str, target: str = "native") -> Path:
+    """Where the library built by this compiler, from this source, for this target (and CPU: native) is kept."""
     from ..model_loader import cache_dir
 
-    parts = [SOURCE.read_text(), compiler_version, *FLAGS, _cpu_signature()]
+    arch = target_flags(target)[0] or []
+    cpu = _cpu_signature() if target == "native" else ""  # a named level is the same code on every CPU
+    parts = [SOURCE.read_text(), compiler_version, *FLAGS, *arch, cpu]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
-    return cache_dir() / "kernels" / f"cpu_paged_attention-{key[:16]}.so"
+    return cache_dir() / "kernels" / f"cpu_paged_attention-{target}-{key[:16]}.so"
 
 
-def _compile(compiler: str, lib_path: Path) -> str:
+def _compile(compiler: str, lib_path: Path, arch: list[str]) -> str:
     """Build the library at ``lib_path``; "" on success, else why not (one line)."""
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)  # other processes may build it too
@@ -161,7 +245,7 @@ def _compile(compiler: str, lib_path: Path) -> str:
     try:
         try:
             proc = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", tmp],
+                [compiler, *FLAGS, *arch, str(SOURCE), "-o", tmp],
                 capture_output=True,
                 text=True,
                 timeout=COMPILE_TIMEOUT_S,
@@ -177,6 +261,18 @@ def _compile(compiler: str, lib_path: Path) -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def build(target: str) -> tuple[ctypes.CDLL | None, str]:
+    """The library for ``target`` (see ``targets()``) and "", or None and why not; built once per process, not
+    logged and not the engine's (``library()`` is). The tests load each build beside the native one with it:
+    a separate file and a separate handle, whose calls the wrappers below make once it is put in ``_state``."""
+    if target not in _builds:
+        try:
+            _builds[target] = _build(target)
+        except (OSError, subprocess.SubprocessError) as e:
+            _builds[target] = None, f"could not build or load {SOURCE.name} for {target}: {e}"
+    return _builds[target]
 
 
 def library() -> ctypes.CDLL | None:
@@ -203,8 +299,16 @@ def describe() -> str:
     lib = library()
     if lib is None:
         return f"gather + SDPA ({unavailable_reason()})"
-    tiles = "AVX-512 tiles" if lib.minipaged_features() & 1 else "portable C++ tiles"
-    return f"in place: compiled CPU kernel (kernels/cpu_paged_attention.cpp; {tiles})"
+    return f"in place: compiled CPU kernel (kernels/cpu_paged_attention.cpp; {tiles(lib)})"
+
+
+def tiles(lib: ctypes.CDLL) -> str:
+    """Which of the source's paths a build runs, from what it was compiled with (``minipaged_features``)."""
+    features = lib.minipaged_features()
+    if features & 1:
+        return "AVX-512 tiles"
+    simd = "AVX2" if features & 2 else "NEON" if features & 4 else "the baseline ISA (SSE2 on x86-64)"
+    return f"portable C++ tiles, compiled for {simd}"
 
 
 def usable(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

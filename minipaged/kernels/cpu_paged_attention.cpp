@@ -22,8 +22,14 @@
 // query rows are cu_seqlens_q[i] .. cu_seqlens_q[i+1]-1, the last q_len of its seq_lens[i]
 // tokens, so a decode is a sequence with one row. kernels/reference.py is the specification;
 // tests/test_cpu_kernel.py compares the two.
+//
+// Which code runs is fixed when the file is compiled (cpu_kernel.py picks -march / -mcpu): the AVX-512 tiles where
+// the target has AVX-512F (an x86 macro: never defined on Arm), else the portable C++ tiles, which the compiler
+// vectorises for whatever the target has (AVX2, SSE2, NEON). minipaged_features() says which; the tests build
+// and run every target the CPU can run.
 #include <algorithm>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && (defined(__x86_64__) || defined(_M_X64))
+#define MINIPAGED_AVX512 1
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -192,7 +198,7 @@ void attend_tile(const TQ* query_in, TQ* out, const T* key_cache, const T* value
 }
 
 
-#if defined(__AVX512F__)
+#if defined(MINIPAGED_AVX512)
 // ---- the same tile with AVX-512, for head_dim 64 and 128 (what Llama-family models use) ----------------------
 // The portable tile above scores one (row, head, token) at a time: every score ends in a horizontal sum of a
 // vector, and that, not memory, is what bounds it. Here a KV head's chunk of 16 tokens is scored for one query
@@ -328,7 +334,7 @@ void attend_tile_avx512(const TQ* query_in, TQ* out, const T* key_cache, const T
     for (int64_t i = 0; i < D; ++i) o[i] = narrow<TQ>(acc[j * D + i] * inv);
   }
 }
-#endif  // __AVX512F__
+#endif  // MINIPAGED_AVX512
 
 template <typename TQ, typename T>
 void paged_attention(const TQ* query, TQ* out, const T* key_cache, const T* value_cache,
@@ -351,7 +357,7 @@ void paged_attention(const TQ* query, TQ* out, const T* key_cache, const T* valu
     const int64_t rows = std::min(kRowsPerTile, cu_seqlens_q[i + 1] - row0);
     const int64_t first_pos = seq_lens[i] - q_len + (row0 - cu_seqlens_q[i]);
     const int32_t* table = block_tables + i * sh.table_stride;
-#if defined(__AVX512F__)
+#if defined(MINIPAGED_AVX512)
     if (sh.head_dim == 64) {
       attend_tile_avx512<TQ, T, 64>(query, out, key_cache, value_cache, table, row0, rows, first_pos, sh);
       continue;
@@ -457,13 +463,20 @@ void minipaged_paged_attention(const void* query, void* out, const void* key_cac
     paged_attention(qf, of, kf, vf, block_tables, cu_seqlens_q, seq_lens, num_seqs, max_q_len, sh);
 }
 
-// What this build has: bit 0 the AVX-512 tiles.
+// What this build has: bit 0 the AVX-512 tiles; bits 1 and 2 the vectors its portable loops were compiled
+// for, AVX2 or NEON (neither: the target's baseline, SSE2 on x86-64).
 int minipaged_features() {
-#if defined(__AVX512F__)
-  return 1;
-#else
-  return 0;
+  int features = 0;
+#if defined(MINIPAGED_AVX512)
+  features |= 1;
 #endif
+#if defined(__AVX2__)
+  features |= 2;
+#endif
+#if defined(__ARM_NEON)
+  features |= 4;
+#endif
+  return features;
 }
 
 void minipaged_rms_norm(const void* x, int64_t x_stride, const void* weight, void* out, int64_t rows, int64_t dim,

@@ -21,7 +21,8 @@ Same kernels, same weights, same padding as the modules' own path: the same numb
 (``tests/test_step_program.py``). The row buckets are the bounded set of shapes a step can have (about 70 up to
 2048 rows); they are what a CUDA-graph runner would capture once each. The program is rebuilt when a weight
 changes, and the modules' path runs wherever a piece is missing (no oneDNN, a GPU, tensor parallelism, a
-learner's attention kernel plugged in: ``PagedAttention.build_metadata`` says, in ``meta.fused``).
+learner's attention kernel plugged in: ``PagedAttention.build_metadata`` says, in ``meta.fused``; a bf16 model on
+a CPU whose oneDNN has no bf16 GEMMs, such as an AVX2-only Zen 3: ``onednn_runs``).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class StepProgram:
         decoder_layers = cast("list[LlamaDecoderLayer]", list(model.layers))
         first = decoder_layers[0].self_attn
         dtype = first.q_proj.weight.dtype
-        if ops is None or model.embed_tokens.tp is not None or cpu_kernel.library() is None:
+        if ops is None or model.embed_tokens.tp is not None or cpu_kernel.library() is None or not onednn_runs(dtype):
             return None
         probe = torch.zeros(1, model.embed_tokens.embedding_dim, dtype=dtype)
         layers = []
@@ -163,6 +164,20 @@ class StepProgram:
             g = pointwise(h, layer.gate, b_gate, "swish", [], "")
             x = binary(binary(h, g, layer.up, b_up, "mul"), x, layer.down, b_down, "add")
         return x[:n]
+
+
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """True where this CPU's oneDNN has packed GEMMs in ``dtype``, which the program is made of. fp32: wherever
+    oneDNN is. bf16: where PyTorch says so (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT on x86, bf16 on Arm), the check behind the error a bf16 weight's reorder raises elsewhere (an
+    AVX2-only CPU such as a Zen 3). There the modules run the model; their ``Linear`` layers meet that error once
+    and multiply with PyTorch's own bf16 GEMM from then on."""
+    if dtype != torch.bfloat16:
+        return True
+    try:  # a private operator: a PyTorch without it is taken to have no bf16 kernels
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 # Parameters registered on any module of this process, counted by a global hook: a program built before the
