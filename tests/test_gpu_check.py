@@ -49,3 +49,14 @@ def test_without_cuda_it_says_so_and_fails(monkeypatch, capsys):
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gpu_check.main(["--steps", "nonsense"])
+
+
+def test_setup_with_the_systems_torch_installs_everything_else_as_pinned():
+    import deps  # tools/deps.py, what `make setup TORCH=system` installs
+
+    every = deps.requirements(["dev"], set())
+    kept = deps.requirements(["dev"], {"torch", "triton"})
+    assert {r for r in every if r.startswith(("torch==", "triton=="))} == set(every) - set(kept)
+    assert "transformers==5.23.0" in kept and any(r.startswith("nbval") for r in kept)
+    makefile = (ROOT / "Makefile").read_text()
+    assert "--system-site-packages" in makefile and "tools/deps.py --extra dev --except torch,triton" in makefile
