@@ -7,7 +7,7 @@
 #                      saves screenshots to assets/screenshots/
 #   make lab    open the course in JupyterLab
 #   make grade  grade a folder of exercise notebooks (DIR=exercises by default)
-#   make kernels      compile every Triton kernel for sm_80/sm_90 (no GPU needed): registers, spills, occupancy
+#   make kernels      compile every Triton kernel for sm_75/sm_80/sm_90 (no GPU needed): registers, spills, occupancy
 #   make gpu-check    on a CUDA machine (set up with `make setup TORCH=system`): every notebook and exercise on
 #                     CUDA, the CUDA tests, the compile report, the GPU benchmarks (tools/gpu_check.py --dry-run lists them)
 PYTHON ?= python3
