@@ -11,7 +11,9 @@ The learner hands in two functions:
 ``report_card`` then serves one batch of chat prompts with each exercise's parts
 alone and with all of them together, and compares every output token with
 transformers' greedy ``generate`` (computed once, kept next to the converted
-model). A run that differs is run again with the parts checked call by call
+model). The engine serves float32 on any device (on a GPU ``dtype="auto"`` would be
+bfloat16, whose rounding two right implementations do not share), and the reference
+is computed on the engine's device in the engine's dtype. A run that differs is run again with the parts checked call by call
 (``parts.use(check=True)``), which names the first wrong call::
 
     ex04  slot_mapping, would_allocate      calls 48, 310   token-exact
@@ -99,19 +101,26 @@ def prompt_ids() -> list[list[int]]:
     return [chat_prompt_ids(tokenizer, p) for p in PROMPTS]
 
 
-def reference_outputs(prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    """transformers' greedy output for each prompt, one at a time; computed once, then read from a file
-    beside the converted model (it depends only on the weights, the prompts and ``max_tokens``)."""
+def reference_outputs(
+    prompts: list[list[int]], max_tokens: int = MAX_TOKENS, device: Any = "cpu", dtype: Any = None
+) -> list[list[int]]:
+    """transformers' greedy output for each prompt, one at a time, on ``device`` in ``dtype`` (float32 by default):
+    where and how the engine it is compared with runs. Computed once, then read from a file beside the converted
+    model (it depends only on the weights, the prompts, ``max_tokens``, the device type and the dtype)."""
+    import torch
+
     from ..model_loader import ensure_converted
 
+    dev, dt = torch.device(device), dtype or torch.float32
     model_dir = ensure_converted(progress=False)
-    key = hashlib.sha256(json.dumps([prompts, max_tokens]).encode()).hexdigest()[:16]
+    how = [] if (dev.type, dt) == ("cpu", torch.float32) else [dev.type, str(dt)]  # the CPU's keys as they were
+    key = hashlib.sha256(json.dumps([prompts, max_tokens, *how]).encode()).hexdigest()[:16]
     path = Path(model_dir) / "greedy_reference.json"
     saved = _read_json(path)
     if key not in saved:
         from ..model_loader import hf_greedy_token_ids, load_hf_model
 
-        saved[key] = hf_greedy_token_ids(load_hf_model(), prompts, max_tokens)
+        saved[key] = hf_greedy_token_ids(load_hf_model(dtype=dt, device=str(dev)), prompts, max_tokens)
         # Another process (a second grading run, a test worker) may write it too: write whole, then rename.
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**_read_json(path), **saved}))
@@ -288,12 +297,15 @@ def _verdict(
 
 
 def engine(settings: dict[str, Any]) -> Any:
-    """An ``LLM`` with ``settings`` whose ``max_model_len`` is what the batch needs (so a small pool is no warning)."""
+    """An ``LLM`` with ``settings`` whose ``max_model_len`` is what the batch needs (so a small pool is no warning).
+    ``dtype="auto"`` serves float32 here on any device: what it means on a CPU, and on a GPU (where it would be
+    bfloat16) the precision in which a right engine and transformers pick the same greedy tokens."""
     from ..engine import LLM
 
     block_size = settings.get("block_size", 16)
     longest = cdiv(max(len(p) for p in prompt_ids()) + MAX_TOKENS, block_size) * block_size
-    return LLM(**{"max_model_len": longest, **settings})
+    dtype = settings.get("dtype", "auto")
+    return LLM(**{"max_model_len": longest, **settings, "dtype": "float32" if dtype == "auto" else dtype})
 
 
 def report_card(
@@ -302,8 +314,8 @@ def report_card(
     """Each exercise's parts alone, then all together, against transformers (see the module docstring).
     The engine is built from ``settings``, or ``llm`` is used as it is (reset before every run)."""
     prompts = prompt_ids()
-    reference = reference_outputs(prompts)
     llm = llm or engine(settings or {})
+    reference = reference_outputs(prompts, device=llm.device, dtype=llm.dtype)  # where and how the engine runs
     rows = []
     for ex in EXERCISES:
         names = [n for n, p in capstone_parts().items() if p.exercise == ex]
@@ -422,7 +434,7 @@ def check_engine_settings(engine_settings: Callable[[], dict[str, Any]]) -> list
             hint="count the blocks each request needs for its prompt and its outputs (chapter 04)",
         ),
         Check(
-            "engine_settings().get('dtype', 'auto')  # on this CPU",
+            "engine_settings().get('dtype', 'auto')  # served in float32, on a GPU too",
             lambda: settings().get("dtype", "auto"),
             "auto",
             same=lambda got, want: got in ("auto", "float32"),
