@@ -28,7 +28,7 @@ from .cache_engine import CacheEngine
 from .config import Config
 from .events import Observers, step_event
 from .executor import make_runner
-from .inputs import InputProcessor, ParamsLike, Prompt, Prompts, check_params, has_tokenizer
+from .inputs import ParamsLike, Prompt, Prompts, check_params, model_inputs
 from .kv_connector import KVConnector
 from .model import LlamaForCausalLM
 from .outputs import RequestOutput, is_done, num_output_tokens, request_output, samples
@@ -42,19 +42,31 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+SHUT_DOWN = "this LLM was shut down (llm.shutdown()): its weights and KV pool are gone; build a new LLM"
+
+
 def _serialised(method: Callable[Concatenate[LLM, P], R]) -> Callable[Concatenate[LLM, P], R]:
     """Hold the engine's lock for the call: one step, add, abort or hand-back at a time, whichever thread asks."""
 
     @functools.wraps(method)
     def locked(self: LLM, *args: P.args, **kwargs: P.kwargs) -> R:
         with self._lock:
-            if self._closed:
-                raise RuntimeError(
-                    "this LLM was shut down (llm.shutdown()): its weights and KV pool are gone; build a new LLM"
-                )
+            if self.runner.released:
+                raise RuntimeError(SHUT_DOWN)
             return method(self, *args, **kwargs)
 
     return locked
+
+
+def _held(name: str) -> Any:
+    """An ``LLM`` attribute that is the runner's (its weights, its cache): refused once ``shutdown()`` gave it back."""
+
+    def get(llm: LLM) -> Any:
+        if llm.runner.released:
+            raise RuntimeError(SHUT_DOWN)
+        return getattr(llm.runner, name)
+
+    return property(get, doc=f"The runner's {name} (gone after ``shutdown()``).")
 
 
 class LLM:
@@ -66,44 +78,20 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
-        from .model_loader import load_tokenizer
-
         self.config = Config.from_kwargs(model, kwargs)
         self.runner = r = make_runner(self.config)  # with tensor_parallel_size > 1, rank 0 of a group (executor)
         self.spec, self.dtype, self.device = r.spec, r.dtype, r.device
-        self._closed = False
-        # Dropped without shutdown(): the runner gives its device memory back all the same (it holds no reference
-        # to this LLM, so the finalizer does not keep it alive). Not at exit: the process frees everything then.
-        self._free_memory = weakref.finalize(self, r.free_memory)
-        self._free_memory.atexit = False
+        weakref.finalize(self, r.free_memory).atexit = False  # dropped without shutdown(): the memory goes back too
         self.block_size, self.num_blocks, self.max_model_len = r.block_size, r.num_blocks, r.max_model_len
-        self.tokenizer = load_tokenizer(r.path) if has_tokenizer(r.path) else None  # a bare test model has none
-        self.processor = InputProcessor(self.tokenizer, self.model.config.vocab_size)
-        eos = getattr(self.model.config, "eos_token_id", None)
-        self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+        self.tokenizer, self.processor, self.eos_token_id = model_inputs(r.path, r.model.config)
         self._t0 = time.perf_counter()
         self._lock = threading.RLock()
         self.observers = Observers()  # watchers of every step (events.py); they outlive reset()
         self.kv_connector_factory: Callable[[], KVConnector] | None = None  # makes one per reset() (disagg.py)
         self.reset()
-        if self.device.type == "cuda":  # how much of the card this engine took (a GPU pool is sized to the card)
-            print(f"minipaged: {self.describe()}", flush=True)
 
-    @property
-    def model(self) -> LlamaForCausalLM:
-        """The model the engine serves (gone after ``shutdown()``)."""
-        self._check_open("model")
-        return self.runner.model
-
-    @property
-    def cache(self) -> CacheEngine:
-        """The KV cache tensors (gone after ``shutdown()``)."""
-        self._check_open("cache")
-        return self.runner.cache
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"this LLM was shut down (llm.shutdown()): its {what} is gone; build a new LLM")
+    model: LlamaForCausalLM = _held("model")
+    cache: CacheEngine = _held("cache")
 
     @_serialised
     def reset(self) -> None:
@@ -125,20 +113,11 @@ class LLM:
         return self.runner.describe()
 
     def shutdown(self) -> None:
-        """Give back everything the engine holds, now: its requests, the tensor-parallel workers, and the device
-        memory of its weights, KV pool, input buffers and CUDA graphs (PyTorch's caches emptied after them).
-        Dropping the last reference to the ``LLM`` does the same at garbage collection; ``shutdown()`` does it
-        even while something else (a notebook's output history, a traceback) still refers to the engine. Safe
-        to call twice; every later call but ``describe()`` raises."""
+        """Give back the workers and the device memory now (``ModelRunner.shutdown``), even while something (a
+        notebook's history) still refers to the engine; dropping it does the same. Later calls raise."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             self._requests.clear()
-            try:
-                self.runner.shutdown()
-            finally:
-                self._free_memory()  # runner.free_memory(), once
+            self.runner.shutdown()
 
     # ---- requests -------------------------------------------------------------------------------
     @_serialised
@@ -229,8 +208,7 @@ class LLM:
 
     def stream(self, prompts: Prompts, sampling_params: ParamsLike = None) -> Iterator[RequestOutput]:
         """Yield a ``RequestOutput`` snapshot every time a request gains tokens or finishes. Closing the generator
-        early aborts its requests; one dropped inside a reference cycle is closed only when Python's cycle
-        collector runs (``gc.collect()``): until then its requests run on. ``close()`` it, or let it end."""
+        early aborts its requests (one dropped in a reference cycle: at ``gc.collect()``); ``close()`` it, or end it."""
         ids = self._add_all(prompts, sampling_params)
         try:
             pending = {rid: -1 for rid in ids}  # output tokens seen so far
@@ -266,10 +244,8 @@ class LLM:
         finally:  # Ctrl-C or a failed step: abort this call's requests, free their blocks
             self.abort([rid for rid in ids if rid in self._requests])
 
-    def chat(
-        self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: ParamsLike = None,
-        use_tqdm: bool | None = None,
-    ) -> list[RequestOutput]:  # fmt: skip
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: ParamsLike = None,
+             use_tqdm: bool | None = None) -> list[RequestOutput]:  # fmt: skip
         """One conversation (a list of ``{"role", "content"}`` messages) or a batch of them, through the chat template."""
         return self.generate(messages, sampling_params, use_tqdm=use_tqdm)
 

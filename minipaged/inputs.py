@@ -33,6 +33,15 @@ def has_tokenizer(path: str | os.PathLike) -> bool:
     return any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
 
+def model_inputs(path: str | os.PathLike, hf_config: Any) -> tuple[Any, InputProcessor, int | None]:
+    """A model folder's tokenizer (None for a bare test model), its ``InputProcessor`` and its end-of-sequence id."""
+    from .model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
+    eos = getattr(hf_config, "eos_token_id", None)
+    return tokenizer, InputProcessor(tokenizer, hf_config.vocab_size), eos[0] if isinstance(eos, (list, tuple)) else eos
+
+
 class InputProcessor:
     """Prompts to token ids and back, for one model (its tokenizer, or None, and its vocabulary size)."""
 

@@ -335,6 +335,8 @@ class ModelRunner:
             )
         _LIVE.add(self)
         self.reset()
+        if self.device.type == "cuda" and (tp is None or tp.rank == 0):  # how much of the card it took
+            print(f"minipaged: {self.describe()}", flush=True)
 
     def reset(self) -> None:
         """Forget every request: a new sampler (no random streams) and zeroed timers. The cache tensors stay:
@@ -570,9 +572,12 @@ class ModelRunner:
 
     # ---- tensor parallelism: what rank 0 may ask every rank -----------------------------------
     def shutdown(self) -> None:
-        """End the other ranks (tensor parallelism; nothing to do without it)."""
-        if self.executor is not None:
-            self.executor.shutdown()
+        """End the other ranks (tensor parallelism), then give back this rank's device memory (``free_memory``)."""
+        try:
+            if self.executor is not None:
+                self.executor.shutdown()
+        finally:
+            self.free_memory()
 
     def ranks(self) -> list[dict[str, Any]]:
         """What each rank holds: its device, KV heads, bytes per block, the pool its memory gave and the one all

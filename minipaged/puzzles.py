@@ -203,20 +203,6 @@ def verdict(result: Result) -> str:
     return "right"
 
 
-def show(puzzle: str, kernel: Any, case: int = 0) -> Any:
-    """One case of a puzzle, drawn: ``viz.trace_figure`` of what the kernel touched, where the interpreter runs it.
-    Compiled on a GPU a kernel leaves no trace, and a figure would show every cell missed: the verdict is printed
-    instead (``None`` returned)."""
-    result = run(puzzle, kernel, case)
-    if launch.kernel_device().type != "cpu":
-        print(f"{result.case.label}: {verdict(result)}")
-        print("(compiled on a GPU: Triton records an access trace only in its interpreter, on a CPU)")
-        return None
-    from .viz.trace_viz import trace_figure
-
-    return trace_figure(result)
-
-
 def signature(puzzle: str) -> str:
     """The kernel's first line, to copy: ``def gather_kernel(cache_ptr, ...):``."""
     return f"def {puzzle}_kernel({', '.join(PUZZLES[puzzle].params)}):"
@@ -804,4 +790,4 @@ def describe(puzzle: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PUZZLES", "Case", "Puzzle", "Result", "describe", "run", "show", "signature", "verdict"]
+__all__ = ["PUZZLES", "Case", "Puzzle", "Result", "describe", "run", "signature", "verdict"]

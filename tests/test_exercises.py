@@ -5,7 +5,7 @@ printed check lines with the stored ones, which must all read "n/n checks
 passed"; here we run each starter and prove no check passes on the stub. A
 starter stores no check output (a learner must not read "n/n checks passed"
 before writing anything): what each check cell must print is in its metadata,
-and exercises/conftest.py gives it to nbval, proven here on ex01.
+and the package's pytest plugin (minipaged/grading/nbval_plugin.py) gives it to nbval, proven here on ex01.
 """
 
 import re
@@ -58,10 +58,10 @@ def test_starter_expects_what_the_solution_prints(starter):
     assert stubs >= 1
 
 
-def _nbval(notebook: Path) -> dict[int, str]:
+def _nbval(notebook: Path, *options: str) -> dict[int, str]:
     """``pytest --nbval-lax NOTEBOOK`` in a fresh process, from the notebook's folder: each code cell's outcome."""
     cmd = [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-rA",
-           "-q", notebook.name]  # fmt: skip
+           "-q", *options, notebook.name]  # fmt: skip
     proc = subprocess.run(cmd, cwd=notebook.parent, capture_output=True, text=True, timeout=600)
     found = re.findall(r"^(PASSED|FAILED|ERROR) \S+::Cell (\d+)", proc.stdout, re.M)
     assert found, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -69,9 +69,10 @@ def _nbval(notebook: Path) -> dict[int, str]:
 
 
 def test_nbval_grades_a_starter_against_its_hidden_expected_lines(tmp_path):
-    """ex01 under nbval, in a folder of its own with exercises/conftest.py: the starter fails every check cell;
-    the same notebook with the solution's code in its stubs passes every cell, the check cells compared with the
-    lines their metadata keeps; without the conftest, a right answer still fails (never a false pass)."""
+    """ex01 under nbval, in a folder of its own (the package's pytest plugin, grading/nbval_plugin.py, loaded by its
+    entry point): the starter fails every check cell; the same notebook with the solution's code in its stubs
+    passes every cell, the check cells compared with the lines their metadata keeps; without the plugin, a right
+    answer still fails (never a false pass)."""
     starter = EXERCISES / "ex01_kv_bytes.ipynb"
     solution = nbformat.read(EXERCISES / "solutions" / starter.name, as_version=4)
     nb = nbformat.read(starter, as_version=4)
@@ -85,12 +86,11 @@ def test_nbval_grades_a_starter_against_its_hidden_expected_lines(tmp_path):
         (tmp_path / folder / "pytest.ini").write_text("[pytest]\n")  # its own rootdir: no repository addopts
         shutil.copy(starter, tmp_path / folder / starter.name)
         nbformat.write(nb, tmp_path / folder / "solved.ipynb")
-    shutil.copy(EXERCISES / "conftest.py", tmp_path / "with" / "conftest.py")
 
     as_given = _nbval(tmp_path / "with" / starter.name)
     assert checks and all(as_given[i] == "FAILED" for i in checks), as_given
     assert _nbval(tmp_path / "with" / "solved.ipynb") == {i: "PASSED" for i in code}
-    without = _nbval(tmp_path / "without" / "solved.ipynb")
+    without = _nbval(tmp_path / "without" / "solved.ipynb", "-p", "no:minipaged")
     assert all(without[i] == "FAILED" for i in checks), without
 
 

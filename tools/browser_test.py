@@ -129,6 +129,13 @@ class Live:
     shot_when: str | None = None
 
 
+# A browser on a loaded machine draws a widget's updates late: it may still be drawing what the engine sent during
+# the cell after the cell is done. So a live widget is watched past its cell's end, until it has drawn enough
+# pictures, or has shown the same thing for LIVE_SETTLE_S, or LIVE_GRACE_S have passed since the cell ended.
+LIVE_SETTLE_S = 5.0
+LIVE_GRACE_S = 90.0
+
+
 @dataclass
 class LiveWatch:
     """What a ``Live`` widget showed during one Run All."""
@@ -140,8 +147,17 @@ class LiveWatch:
     figs: list[set[str]] = field(default_factory=list)  # per figure: the distinct pictures (data + SVG)
     polls: int = 0
     watched: list[float] = field(default_factory=list)  # when the first and the last look were taken
-    done: bool = False  # the cell finished
+    done: bool = False  # the cell finished, and the widget has drawn enough or settled since
     shot: bool = False  # its screenshot was taken while the cell ran
+    ended: float | None = None  # when its cell was first seen done
+    changed: float = 0.0  # when its text or a figure last changed
+
+    def enough(self, pictures: int, figures: int) -> bool:
+        return (
+            len(set(self.texts)) >= pictures
+            and len(self.figs) == figures
+            and all(len(f) >= pictures for f in self.figs)
+        )
 
 
 @dataclass
@@ -836,7 +852,10 @@ class NotebookRun:
             if st.get("status") == "dead":
                 raise RuntimeError("the kernel died")
             if st["ready"] and st["status"] == "idle" and st["done"] == st["total"]:
-                return
+                if not self._poll_live(path):  # every live widget watched to its end (LIVE_GRACE_S at most)
+                    return
+                self.page.wait_for_timeout(150)
+                continue
             if st["ready"] and st["status"] == "idle" and st["errors"]:
                 # Run All stops at a cell that raised: nothing more will run
                 cells = self.js("p => window.__bt.cells(p)", path)
@@ -861,23 +880,35 @@ class NotebookRun:
         watching = False
         for watch in self._live:
             if counts[watch.shown_in] is None or watch.done:
-                continue  # not displayed yet, or its cell is done
-            if counts[watch.runs_in] is not None:
-                watch.done = True
-                continue
+                continue  # not displayed yet, or watched to the end
+            now = time.monotonic()
+            live = watch.widget.live
+            assert live is not None
+            if counts[watch.runs_in] is not None:  # the cell is done: the browser may still be drawing it
+                watch.ended = watch.ended or now
+                if (
+                    watch.enough(live.pictures, watch.widget.figures)
+                    or now - watch.changed >= LIVE_SETTLE_S
+                    or now - watch.ended >= LIVE_GRACE_S
+                ):
+                    watch.done = True
+                    continue
             root = self._root({"index": watch.shown_in})
             if root.count() != 1:
                 continue
             look = self._look(root)
             watching = True
-            now = time.monotonic()
             watch.watched = [watch.watched[0] if watch.watched else now, now]
             watch.polls += 1
             if not watch.texts or watch.texts[-1] != look["text"]:
                 watch.texts.append(look["text"])
+                watch.changed = now
             watch.figs += [set() for _ in range(len(look["figs"]) - len(watch.figs))]
             for seen, f in zip(watch.figs, look["figs"]):
-                seen.add(f["view"] + "\x00" + f["svg"])
+                picture = f["view"] + "\x00" + f["svg"]
+                if picture not in seen:
+                    seen.add(picture)
+                    watch.changed = now
             shoot = watch.widget.screenshot and watch.widget.live and watch.widget.live.shot_when
             if shoot and not watch.shot and not self.args.no_screenshots and re.search(shoot, look["text"]):
                 self._save_shot(root, watch.widget.screenshot)
@@ -893,11 +924,11 @@ class NotebookRun:
                 self.problems.append(f"{where}: never on screen while that cell ran (it ran too fast to watch?)")
                 continue
             texts, figs = len(set(watch.texts)), [len(s) for s in watch.figs]
-            if texts < live.pictures or len(figs) != w.figures or any(n < live.pictures for n in figs):
+            if not watch.enough(live.pictures, w.figures):
                 self.problems.append(
                     f"{where}: {texts} distinct texts and {figs} distinct pictures of its {w.figures} figure(s) in "
-                    f"{watch.polls} looks; each needs >= {live.pictures} (do updates from the observer thread "
-                    f"reach the browser?)"
+                    f"{watch.polls} looks, watched until it had shown the same for {LIVE_SETTLE_S:.0f} s after the "
+                    f"cell; each needs >= {live.pictures} (do updates from the observer thread reach the browser?)"
                 )
             after = self._look(self._root({"index": watch.shown_in}))
             if live.final not in after["text"]:

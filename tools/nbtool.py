@@ -11,7 +11,7 @@ its solution (``exercises/solutions/exNN_*.ipynb``), run first: a starter is
 expected to print what a correct solution prints. A starter keeps them out of sight,
 in the check cell's metadata (``metadata["minipaged"]["expected"]``, no output stored:
 a learner must not read "8/8 checks passed" before writing anything);
-``exercises/conftest.py`` gives them to nbval.
+the package's pytest plugin (``minipaged/grading/nbval_plugin.py``) gives them to nbval.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def refresh(path: Path) -> None:
         if len(checks) != len(expected):
             raise SystemExit(f"{path}: {len(checks)} check cells but the solution has {len(expected)}")
         for cell, outs in zip(checks, expected):
-            cell.metadata[METADATA_KEY] = {"expected": outs}  # for nbval (exercises/conftest.py), not on show
+            cell.metadata[METADATA_KEY] = {"expected": outs}  # for nbval (grading/nbval_plugin.py), not on show
             cell.outputs = []
         strip_unchecked(nb)  # keeps the check cells' execution counts: nbval skips a cell it takes for unrun
     else:

@@ -68,8 +68,8 @@ def _engine_tokens(step_inputs: Callable[..., Any]) -> Any:
     from .ex10 import MAX_TOKENS, engine, prompt_ids, reference_outputs
 
     prompts = prompt_ids()
-    want = reference_outputs(prompts)
     llm = engine(dict(max_num_batched_tokens=24, dtype="float32"))
+    want = reference_outputs(prompts, device=llm.device, dtype=llm.dtype)  # where and how the engine runs
     with parts.use(step_inputs=step_inputs):
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     got = [list(o.outputs[0].token_ids) for o in outs]

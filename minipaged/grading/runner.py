@@ -60,7 +60,8 @@ else:  # Python 3.10 has no contextlib.chdir
 CHECK_MARK = "NBVAL_CHECK_OUTPUT"
 # A starter's check cell stores no output (a learner opening it must not read "8/8 checks passed" before writing
 # anything): what it must print is kept in its metadata, cell.metadata["minipaged"]["expected"], and
-# exercises/conftest.py hands that to nbval as the cell's expected output. A solution stores it as its output.
+# grading/nbval_plugin.py (a pytest plugin) hands that to nbval as the cell's expected output. A solution stores
+# it as its output.
 METADATA_KEY = "minipaged"
 DEFAULT_TIMEOUT_S = 300  # per notebook; the slowest solution (ex10) takes about 40 s on 2 cores
 # A check cell calls one of the grading modules' check functions; such a cell is never run as the learner's code,

@@ -107,3 +107,18 @@ def trace_figure(result: Any, tensor: str | None = None, kind: Kind | None = Non
         plot_bgcolor="white",
     )
     return fig
+
+
+def show_puzzle(puzzle: str, kernel: Any, case: int = 0) -> go.Figure | None:
+    """One case of a puzzle (``puzzles.run``), drawn: ``trace_figure`` of what the kernel touched, where the
+    interpreter runs it. Compiled on a GPU a kernel leaves no trace, and a figure would show every cell missed:
+    the verdict is printed instead (``None`` returned)."""
+    from ..kernels.launch import kernel_device
+    from ..puzzles import run, verdict
+
+    result = run(puzzle, kernel, case)
+    if kernel_device().type != "cpu":
+        print(f"{result.case.label}: {verdict(result)}")
+        print("(compiled on a GPU: Triton records an access trace only in its interpreter, on a CPU)")
+        return None
+    return trace_figure(result)
