@@ -445,4 +445,6 @@ def parse_memory(value: int | float | str, name: str = "memory size") -> int:
         raise ValueError(f"{name} must be a number of bytes or a string such as '2GiB', got {value!r}")
     if not math.isfinite(num) or num < 0:
         raise ValueError(f"{name} must be a non-negative number of bytes, got {value!r}")
+    if 0 < num < 1:  # would read as 0, which turns some stores off: say so instead
+        raise ValueError(f"{name}={value!r} is less than one byte: give 0 to turn it off, or a size such as '1GiB'")
     return int(num)

@@ -133,6 +133,10 @@ class KVCacheCoordinator:
             found = []
             for manager in self.managers:
                 found.append(manager.find_longest_cache_hit(request, hit))
+                if len(found[-1]) > hit:  # asked again with the same cap, it would answer the same: for ever
+                    raise ValueError(
+                        f"{type(manager).__name__} found {len(found[-1])} blocks, more than the {hit} asked for"
+                    )
                 hit = min(hit, len(found[-1]))
             if all(len(f) == hit for f in found):
                 return KVCacheBlocks(tuple(found))

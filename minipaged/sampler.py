@@ -25,6 +25,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # drop a token when the tokens before it already reach top_p (the first one always stays)
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        drop_sorted[..., 0] = False  # rounding can leave the first above a tiny top_p: it stays whatever top_p is
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     return logits
 

@@ -50,9 +50,9 @@ class SamplingParams:
         _real("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None:
-            check_int("seed", self.seed)
         check_int("n", self.n, 1)
+        if self.seed is not None:  # sample i of n draws from seed + i: torch takes -2**63 .. 2**64 - 1
+            check_int("seed", self.seed, -(2**63), 2**64 - self.n)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         stops = self.stop_token_ids

@@ -194,6 +194,11 @@ def admit_waiting(
         hits, num_hit_tokens = kv.get_computed_blocks(req)
         num_external = kv.get_num_external_tokens(req, num_hit_tokens)  # 0 without a KV connector
         num_new = prefill_chunk(req, num_hit_tokens + num_external, token_budget, policy)
+        if num_hit_tokens + num_external >= req.num_tokens:  # vLLM's invariant: its logits are the first output
+            raise RuntimeError(
+                f"request {req.request_id!r}: {num_hit_tokens} cached and {num_external} external tokens cover all "
+                f"{req.num_tokens} of its prompt, leaving nothing to compute: the last prompt token must always be"
+            )
         if kv.allocate_slots(req, num_new, num_hit_tokens, hits, num_external_computed_tokens=num_external) is None:
             break
         req.num_computed_tokens = num_hit_tokens + num_external

@@ -85,6 +85,12 @@ class SingleTypeKVCacheManager:
         args = (self.block_pool, hashes, num_tokens, self.block_size)
         learners = hooks.plugged("find_prefix_hits")
         hit_ids = learners(*args) if learners is not None else find_prefix_hits(*args)
+        if len(hit_ids) > max_num_blocks:  # a request left with nothing to compute could never be scheduled
+            raise ValueError(
+                f"find_prefix_hits returned {len(hit_ids)} blocks for a {num_tokens}-token prompt in blocks of "
+                f"{self.block_size}: at most (num_tokens - 1) // block_size = {max_num_blocks}. The prompt's last "
+                "token is always computed, to give the logits of the first output token"
+            )
         return [self.block_pool.blocks[i] for i in hit_ids]
 
     def cache_blocks(self, request: Request, num_cached: int, num_full_blocks: int) -> list[KVCacheBlock]:

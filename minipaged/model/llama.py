@@ -49,6 +49,9 @@ def sliding_windows(config: Any) -> list[int | None]:
         Mistral-7B-v0.1 (sliding_window 4096)                      [4096, 4096, ..., 4096]
     """
     n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        if getattr(config, "layer_types", None) is not None or getattr(config, "model_type", "llama") == "mistral":
+            raise ValueError(f"config.json: sliding_window must be a positive number of positions, got {window!r}")
     types = getattr(config, "layer_types", None)
     if types is not None:
         return [window if t == "sliding_attention" else None for t in types[:n]]
