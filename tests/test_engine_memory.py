@@ -74,7 +74,10 @@ def test_the_memory_report_names_the_engine_holding_the_device(tiny_model, monke
     assert text.splitlines()[0] == "cpu has 1.00 GiB free of 80.00 GiB, and this engine needs 70.00 GiB"
     assert "held by the engine built at " + str(Path(__file__).with_name("conftest.py")) + ":" in text  # who built it
     assert "KV pool 28.00 KiB (14 blocks), weights 289.25 KiB" in text and "llm.shutdown()" in text
+    held = text.count("held by")  # this engine, and any other test's still alive in this process
     llm.shutdown()
+    assert model_runner.gpu_memory_report(torch.device("cpu")).count("held by") == held - 1
+    monkeypatch.setattr(model_runner, "_LIVE", weakref.WeakSet())
     text = model_runner.gpu_memory_report(torch.device("cpu"))
     assert "held by" not in text and "another process" in text
 
