@@ -5,9 +5,10 @@
 * ``generate "..." ["..."]``: answer prompts (chat template unless ``--raw``; ``--stream`` for one).
 * ``chat``: an interactive, streamed chat.
 * ``bench``: throughput on a seeded mixed-length batch (the full comparison is benchmarks/bench_engine.py).
-* ``serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME] [engine knobs]``: an
-  OpenAI-compatible HTTP server (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-  ``/metrics``); every field of ``Config`` is a flag (``--max-num-seqs 64``, ``--no-enable-prefix-caching``).
+* ``serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME] [--max-body-bytes N]
+  [engine knobs]``: an OpenAI-compatible HTTP server (``/v1/completions``, ``/v1/chat/completions``,
+  ``/v1/models``, ``/health``, ``/metrics``); every field of ``Config`` is a flag (``--max-num-seqs 64``,
+  ``--no-enable-prefix-caching``).
 * ``worker --master-addr A --master-port P --node-rank K``: this machine's share of the ranks of a tensor-parallel
   engine started elsewhere with ``nnodes`` > 1 (``--tensor-parallel-size N`` on the commands above and on ``serve``
   splits the model over N processes of this machine).
@@ -270,7 +271,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
     from .config import Config
+    from .serving.api_server import DEFAULT_BODY_TIMEOUT_S, check_server_options
 
+    # An empty --api-key (an unset variable) or a bad limit fails here, in a one-line ValueError, as a bad knob.
+    check_server_options(args.api_key, args.max_body_bytes, DEFAULT_BODY_TIMEOUT_S)
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError(f"--served-model-name must not be empty, got {args.served_model_name!r}")
     knobs = {f.name: getattr(args, f.name) for f in fields(Config) if f.init and hasattr(args, f.name)}
     model = knobs.pop("model", None)
     Config.from_kwargs(model, knobs)  # a bad knob fails here, in a one-line ValueError, before the model loads
@@ -279,7 +285,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     llm = LLM(model, **knobs)
     try:
-        server = start_server(llm, args.host, args.port, args.api_key, args.served_model_name)
+        server = start_server(llm, args.host, args.port, args.api_key, args.served_model_name,
+                              max_body_bytes=args.max_body_bytes)  # fmt: skip
     except RuntimeError as exc:  # the port is taken, say (uvicorn's own line is above)
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -335,6 +342,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number (0..65535), got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0..65535; 0: a free one), got {value}")
     return value
 
 
@@ -420,9 +437,18 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--seed", type=int, default=0)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine (FastAPI + uvicorn)")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="default 8000; 0 takes a free port")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    serve.add_argument("--port", type=_port, default=8000, help="default 8000; 0 takes a free port")
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health); must not be empty"
+    )
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    serve.add_argument(
+        "--max-body-bytes",
+        type=_positive,
+        default=4 * 1024 * 1024,
+        metavar="BYTES",
+        help="refuse larger request bodies (413) before reading them (default 4194304: 4 MiB)",
+    )
     _add_knob_flags(serve)
     worker = sub.add_parser(
         "worker",

@@ -1,14 +1,19 @@
 """``minipaged serve`` on SmolLM2: the official ``openai`` client gets what ``LLM.generate`` gives, every bad
 request is a 400 naming its field, a client that leaves has its request aborted and its blocks freed, a small
-load leaves the pool empty, ``/metrics`` is Prometheus text, the command line checks its knobs first.
+load leaves the pool empty, ``/metrics`` is Prometheus text, the command line checks its knobs first. Nothing
+hangs and nothing lies: a big prompt leaves ``/health`` answering, a body over the limit or of the wrong type is
+refused before it is read, ``/health`` says why an engine cannot serve (its loop died, it was shut down, a
+tensor-parallel worker was killed), an empty API key is refused at start.
 
-One server for the module (port 0, 127.0.0.1); outputs are kept short so the module runs in seconds.
+One server for the module (port 0, 127.0.0.1); outputs are kept short so the module runs in seconds. The tests
+of broken engines break a tiny model's engine of their own (no tokenizer: token-id prompts).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -17,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
 from typing import Any
 
 import httpx
@@ -24,6 +30,7 @@ import openai
 import pytest
 
 from minipaged.engine import LLM
+from minipaged.model_loader import save_tiny_llama
 from minipaged.sampling_params import SamplingParams
 from minipaged.serving import AsyncEngine, ServerHandle, build_app, start_server
 from minipaged.serving.serving_engine import TextDeltas
@@ -213,6 +220,7 @@ BAD = [
     ("/v1/completions", {"prompt": [[1, 2], []]}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt"),
     ("/v1/completions", {"prompt": [-1]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1]] * 2049}, "prompt"),  # more prompts than one request may hold
     ("/v1/completions", {"prompt": "Hi", "stop": ["\n"]}, "stop"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 1}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),
@@ -286,6 +294,90 @@ def test_api_key(server, client):
             openai.OpenAI(base_url=keyed.url + "/v1", api_key="nope", max_retries=0).models.list()
     assert server.engine.is_alive  # the keyed front end did not stop the shared engine loop
     assert client.models.list().data
+
+
+# ---- what is wrong with the request itself: its size, its type, a body that stops ----------------------------
+def raw_post(server: ServerHandle, headers: dict[str, str], body: bytes = b"", timeout: float = 10.0):
+    """POST /v1/completions with exactly these headers and only ``body`` sent (however long the Content-Length
+    says it is): ``(status, error message, seconds to the answer)``. A server that waits for the rest raises
+    ``TimeoutError`` after ``timeout``."""
+    conn = HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        conn.putrequest("POST", "/v1/completions", skip_accept_encoding=True)
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        t0 = time.monotonic()
+        if body:
+            conn.send(body)
+        r = conn.getresponse()
+        answer = json.loads(r.read())
+        return r.status, answer["error"]["message"] if "error" in answer else "", time.monotonic() - t0
+    finally:
+        conn.close()
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server):
+    """Its Content-Length says 5 MiB and not a byte of it is sent: the answer comes anyway, naming the limit."""
+    status, message, _ = raw_post(server, {"Content-Type": "application/json", "Content-Length": str(5 * 2**20)})
+    assert status == 413 and "4194304 bytes" in message and "--max-body-bytes" in message, message
+
+
+def test_a_chunked_body_is_counted_as_it_comes_and_a_stalled_one_times_out(server, client):
+    with start_server(server.engine, max_body_bytes=1000, body_timeout_s=1.0) as small:
+        chunks = [b'{"prompt": "', *[b"x" * 100] * 12, b'", "max_tokens": 1}']  # no Content-Length: chunked
+        with httpx.Client(base_url=small.url, timeout=30) as c:
+            r = c.post("/v1/completions", content=iter(chunks), headers={"content-type": "application/json"})
+            assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"], r.text
+            # Under the limit is served (after a refused body, on the same client).
+            r = c.post("/v1/completions", content=iter([b'{"prompt": "Hi", ', b'"max_tokens": 1}']),
+                       headers={"content-type": "application/json"})  # fmt: skip
+            assert r.status_code == 200, r.text
+        # A client that sends 10 bytes of the 100 it announced, then nothing (stopped, or gone silent).
+        status, message, seconds = raw_post(small, {"Content-Type": "application/json", "Content-Length": "100"},
+                                            b'{"prompt":')  # fmt: skip
+        assert status == 408 and "stopped arriving" in message and seconds < 5, (status, message, seconds)
+    assert client.models.list().data  # the shared engine loop goes on
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_body_that_is_not_json_names_the_content_type_header(server, content_type):
+    """``curl -d '{...}'`` without ``-H`` sends a form's Content-Type; the answer says which header to send."""
+    headers = {"Content-Length": "15"} | ({} if content_type is None else {"Content-Type": content_type})
+    status, message, _ = raw_post(server, headers, b'{"prompt":"Hi"}')
+    assert status == 415 and "Content-Type" in message and "application/json" in message, message
+    if content_type is not None:
+        assert content_type in message
+    body = b'{"prompt": "Hi", "max_tokens": 1}'
+    for json_type in ("application/json; charset=utf-8", "Application/JSON"):
+        assert raw_post(server, {"Content-Type": json_type, "Content-Length": str(len(body))}, body)[0] == 200
+
+
+def test_a_large_prompt_does_not_stall_health(server):
+    """A 1.6 MB prompt (under the 4 MiB limit, far over the context: a 400 once tokenized) takes a second or more
+    to tokenize; meanwhile /health answers as fast as ever, because tokenizing runs off the event loop."""
+    body = json.dumps({"prompt": "All work and no play makes Jack a dull boy. " * 36_000, "max_tokens": 1}).encode()
+    answer: dict[str, Any] = {}
+
+    def send() -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            answer["r"] = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+
+    waits = []
+    sender = threading.Thread(target=send, daemon=True)
+    t0 = time.monotonic()
+    sender.start()
+    with httpx.Client(base_url=server.url, timeout=30) as probe:
+        while sender.is_alive() and time.monotonic() - t0 < 60:
+            t1 = time.monotonic()
+            assert probe.get("/health").status_code == 200
+            waits.append(time.monotonic() - t1)
+            time.sleep(0.01)
+    sender.join(5)
+    took = time.monotonic() - t0
+    r = answer["r"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text  # it was tokenized
+    assert len(waits) >= 3 and max(waits) < 0.5, f"/health waited {max(waits):.2f} s; the prompt took {took:.1f} s"
 
 
 # ---- clients that leave -----------------------------------------------------------------------------------
@@ -364,6 +456,95 @@ def test_health_is_503_and_requests_get_503_without_an_engine_loop(llm):
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
 
 
+# ---- /health says why an engine cannot serve; the pool's gauges from the start --------------------------------
+def tiny_llm(path, **kw) -> LLM:
+    return LLM(model=path, block_size=4, num_gpu_blocks_override=16, max_model_len=48, **kw)
+
+
+def health(url: str) -> tuple[int, str]:
+    r = httpx.get(url + "/health", timeout=10)
+    return r.status_code, r.json()["error"]["message"] if r.status_code != 200 else ""
+
+
+def test_metrics_show_the_pool_before_the_first_request(tiny_model):
+    llm = tiny_llm(tiny_model)
+    with start_server(llm) as s, httpx.Client(base_url=s.url, timeout=10) as c:
+        assert metric(c, "kv_blocks_total") == llm.num_blocks - 1 == metric(c, "kv_blocks_free")
+        assert metric(c, "kv_blocks_in_use") == 0
+    llm.shutdown()
+
+
+def test_health_says_the_engine_loop_died_and_requests_get_its_reason(tiny_model, monkeypatch):
+    llm = tiny_llm(tiny_model)
+    with start_server(llm) as s, httpx.Client(base_url=s.url, timeout=10) as c:
+
+        def boom() -> None:
+            raise RuntimeError("injected loop fault")
+
+        monkeypatch.setattr(s.engine, "_snapshot", boom)  # called by the loop after every batch of commands
+        r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 503 and "injected loop fault" in r.json()["error"]["message"], r.text
+        assert wait_for(lambda: not s.engine.is_alive, 10)
+        status, why = health(s.url)
+        assert status == 503 and "engine loop has stopped" in why and "injected loop fault" in why, why
+        r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 503 and "injected loop fault" in r.json()["error"]["message"], r.text
+        assert llm.kv_cache_manager.get_num_free_blocks() == llm.num_blocks - 1  # nothing left held
+    llm.shutdown()
+
+
+def test_health_says_the_engine_was_shut_down(tiny_model):
+    llm = tiny_llm(tiny_model)
+    with start_server(llm) as s, httpx.Client(base_url=s.url, timeout=10) as c:
+        assert health(s.url) == (200, "")
+        llm.shutdown()  # someone frees the engine under a running server
+        status, why = health(s.url)
+        assert status == 503 and "shut down" in why, why
+        r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 503 and "shut down" in r.json()["error"]["message"], r.text
+    with pytest.raises(RuntimeError, match="shut down"):  # and no new server starts on it
+        start_server(llm)
+
+
+def test_health_is_503_naming_a_killed_tensor_parallel_worker(tmp_path):
+    model = save_tiny_llama(tmp_path, num_attention_heads=8, num_key_value_heads=4, vocab_size=97)
+    llm = tiny_llm(model, tensor_parallel_size=2)
+    (pid,) = llm.runner.executor.pids
+    try:
+        with start_server(llm) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+            r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            if sys.platform == "linux":  # stopped: a step would wait for it; /health says so, and recovers
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    assert wait_for(lambda: health(s.url)[0] == 503, 10), "a stopped worker left /health at 200"
+                    assert "rank 1" in health(s.url)[1] and "stopped" in health(s.url)[1]
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                assert wait_for(lambda: health(s.url)[0] == 200, 10)
+            os.kill(pid, signal.SIGKILL)
+            assert wait_for(lambda: health(s.url)[0] == 503, 10), "a dead worker left /health at 200"
+            _, why = health(s.url)
+            assert "rank 1" in why and str(pid) in why, why
+            r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+            assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"], r.text
+    finally:
+        llm.shutdown()
+
+
+def test_an_empty_api_key_is_refused_at_start(server, llm):
+    for key in ("", " sekret", "sek\nret"):
+        with pytest.raises(ValueError, match=r"api_key \(--api-key\)"):
+            start_server(server.engine, api_key=key)
+        with pytest.raises(ValueError, match="api_key"):
+            build_app(server.engine, "m", api_key=key)
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        start_server(server.engine, max_body_bytes=0)
+    with pytest.raises(ValueError, match="port"):
+        start_server(server.engine, port=70000)
+    assert server.engine.is_alive
+
+
 # ---- /metrics ----------------------------------------------------------------------------------------------
 def test_metrics_is_prometheus_text(client, http, llm):
     client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4, temperature=0)
@@ -424,6 +605,20 @@ def test_cli_checks_the_knobs_before_loading_the_model():
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and "max_num_seqs" in proc.stderr
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--api-key", ""], "api_key (--api-key) is empty"),
+        (["--max-body-bytes", "0"], "--max-body-bytes: must be a positive integer"),
+        (["--port", "70000"], "--port: must be a port number"),
+    ],
+)
+def test_cli_refuses_an_empty_api_key_and_bad_limits_before_loading_the_model(flags, words):
+    proc = subprocess.run([sys.executable, "-m", "minipaged", "serve", *flags], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == "" and words in proc.stderr, proc.stderr
 
 
 def _sigint_default() -> None:

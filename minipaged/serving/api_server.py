@@ -2,48 +2,67 @@
 the routes to one ``AsyncEngine``::
 
     POST /v1/completions        serving_completion      GET /v1/models    the one served model
-    POST /v1/chat/completions   serving_chat            GET /health       200 while the engine loop lives
+    POST /v1/chat/completions   serving_chat            GET /health       200 while the engine can serve, else
+                                                                          503 saying why (AsyncEngine.health)
                                                         GET /metrics      Prometheus text (metrics.py)
 
-Every client error is a 400 in OpenAI's shape with ``param`` naming the field: FastAPI's own validation error
-(a 422 with its own body) is replaced, so OpenAI's clients raise their usual ``BadRequestError``.
+Every error is in OpenAI's shape. A bad field is a 400 with ``param`` naming it (``parse_body`` validates the
+body in the engine's CPU pool; FastAPI's own 422 is replaced too), so OpenAI's clients raise their usual
+``BadRequestError``. Before any
+body is read, ``RequestGuard`` answers what is wrong with the request itself: a body over ``max_body_bytes``
+(413, from its Content-Length, or counted as it arrives), a Content-Type that is not JSON (415), a body that
+stops arriving for ``body_timeout_s`` (408). ``ApiKeyMiddleware`` (401) runs before both.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import secrets
 import time
-from typing import Any
+from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .async_engine import AsyncEngine
 from .metrics import CONTENT_TYPE
-from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from .protocol import PROMPT_TYPES, ChatCompletionRequest, CompletionRequest, OpenAIError
 from .serving_chat import create_chat_completion
 from .serving_completion import create_completion
 
-PROMPT_TYPES = "prompt must be a string, a list of strings, a list of token ids, or a list of lists of token ids"
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (a load balancer's probe has none)
+JSON_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # the routes that read a JSON body
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: a long context's prompt many times over; --max-body-bytes
+DEFAULT_BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a body that has started arriving
+M = TypeVar("M", bound=BaseModel)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+) -> FastAPI:  # fmt: skip
     """The FastAPI app over ``engine`` (started by the caller). ``api_key``: every route but ``/health``
-    then wants ``Authorization: Bearer <api_key>``."""
+    then wants ``Authorization: Bearer <api_key>``. ``max_body_bytes``: a larger request body is refused (413)
+    before it is read; ``body_timeout_s``: a body that stops arriving for that long is refused (408)."""
+    check_server_options(api_key, max_body_bytes, body_timeout_s)
     app = FastAPI(title="minipaged", summary="An OpenAI-compatible server on the minipaged engine")
     app.state.engine = engine
     created = int(time.time())
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
+    async def completions(raw: Request) -> Response:
+        req = await parse_body(raw, CompletionRequest, engine)
         return await create_completion(req, raw, engine, served_model_name)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+    async def chat_completions(raw: Request) -> Response:
+        req = await parse_body(raw, ChatCompletionRequest, engine)
         return await create_chat_completion(req, raw, engine, served_model_name)
 
     @app.get("/v1/models")
@@ -54,7 +73,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_alive else 503)
+        why = engine.health()
+        if why is None:
+            return Response(status_code=200)
+        return openai_error_response(OpenAIError(why, status=503, type="server_error", code="engine_unavailable"))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -73,9 +95,52 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return openai_error_response(OpenAIError(str(exc.detail), status=exc.status_code, type=kind))
 
-    if api_key is not None:
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    if api_key is not None:  # added last, so it runs first: a stranger learns nothing about the limits
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
+
+
+def check_server_options(api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
+    """Refuse, at start-up and naming the option, what would make the server answer every request wrongly."""
+    if api_key is not None:
+        if not isinstance(api_key, str):
+            raise ValueError(f"api_key (--api-key) must be a string, got {type(api_key).__name__}")
+        if not api_key:
+            raise ValueError(
+                f"api_key (--api-key) is empty, got {api_key!r}: every request would be refused with 401. Give a "
+                "key, or no --api-key for a server without one (was the variable you passed unset?)"
+            )
+        if api_key != api_key.strip() or not api_key.isascii() or not api_key.isprintable():
+            raise ValueError(
+                "api_key (--api-key) must be printable ASCII without leading or trailing spaces (no client can send "
+                "another in an 'Authorization: Bearer' header)"
+            )
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes (--max-body-bytes) must be a positive integer, got {max_body_bytes!r}")
+    if (
+        isinstance(body_timeout_s, bool)
+        or not isinstance(body_timeout_s, (int, float))
+        or not (0 < body_timeout_s < math.inf)
+    ):
+        raise ValueError(f"body_timeout_s must be a positive number of seconds, got {body_timeout_s!r}")
+
+
+async def parse_body(raw: Request, model: type[M], engine: AsyncEngine) -> M:
+    """The request body as ``model``: read (``RequestGuard`` bounds its size and its pauses), then parsed and checked
+    in the engine's CPU pool, not by FastAPI on the event loop: 4 MiB of nested token-id lists take seconds to
+    validate, and every stream and ``/health`` must go on meanwhile. Errors as FastAPI's would be (``param``)."""
+    try:
+        body = await raw.body()
+    except ClientDisconnect:
+        raise OpenAIError("The client closed the connection before its request body arrived") from None
+    if not body.strip():
+        raise OpenAIError("The request needs a JSON body", param=None)
+    try:
+        return await engine.run_cpu(model.model_validate_json, body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        raise validation_to_openai([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
 
 
 def openai_error_response(error: OpenAIError) -> JSONResponse:
@@ -123,3 +188,75 @@ class ApiKeyMiddleware:
             code="invalid_api_key",
         )
         await openai_error_response(error)(scope, receive, send)
+
+
+class RequestGuard:
+    """What is wrong with a request itself, answered before its body is read (pure ASGI, as ``ApiKeyMiddleware``):
+
+    * a body over ``max_body_bytes``: 413 at once when its Content-Length says so (nothing of it is read), else
+      counted as it arrives (a chunked upload) and refused as soon as it passes the limit;
+    * on the JSON routes, a Content-Type that is not JSON (``curl -d`` sends a form's): 415 naming the header;
+    * a body that stops arriving (a client stopped or gone silent): 408 after ``body_timeout_s`` without a byte.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    def too_large(self) -> str:
+        return (
+            f"The request body is larger than this server's limit of {self.max_body_bytes} bytes "
+            f"({self.max_body_bytes / 2**20:.1f} MiB): send less, or start the server with a larger "
+            "--max-body-bytes (max_body_bytes)"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        if scope["path"] in JSON_PATHS and not _is_json(headers.get(b"content-type")):
+            given = headers.get(b"content-type")
+            got = "none was sent" if given is None else f"got {given.decode('latin-1')!r}"
+            error = OpenAIError(
+                f"The Content-Type header must be application/json ({got}): send the header "
+                "'Content-Type: application/json' (curl: -H 'Content-Type: application/json')",
+                status=415,
+            )
+            await openai_error_response(error)(scope, receive, send)
+            return
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            # Answered without reading the body: uvicorn discards the rest as it comes, keeping the connection.
+            await openai_error_response(OpenAIError(self.too_large(), status=413))(scope, receive, send)
+            return
+        received, complete = 0, False
+
+        async def guarded() -> Message:
+            nonlocal received, complete
+            if complete:  # the body is in: what comes now is a disconnect, and may take any time
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"The request body stopped arriving: nothing for {self.body_timeout_s:g} s "
+                                         f"after {received} bytes") from None  # fmt: skip
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
+                if received > self.max_body_bytes:  # raised in the handler's body read: answered as a 413
+                    raise HTTPException(413, self.too_large())
+            else:
+                complete = True
+            return message
+
+        await self.app(scope, guarded, send)
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    """``application/json`` or ``application/<anything>+json``, parameters (charset) allowed, any case."""
+    if content_type is None:
+        return False
+    kind = content_type.split(b";", 1)[0].strip().lower()
+    return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))

@@ -13,7 +13,9 @@ leave) at step boundaries::
     asyncio.Queue per request ◀── call_soon_threadsafe ── llm._poll(id): new tokens, or finished
 
 The engine thread sleeps on a condition when there is no work, and is the only caller of the ``LLM``'s
-methods while it runs: one engine loop per ``LLM``.
+methods while it runs: one engine loop per ``LLM``. The event loop's own CPU-heavy work (tokenizing a long
+prompt, a chat template) goes to a small thread pool (``run_cpu``), so a big prompt does not freeze the other
+streams and ``/health`` while it is tokenized.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -35,7 +38,19 @@ if TYPE_CHECKING:
     from ..engine import LLM
 
 log = logging.getLogger("minipaged.serving")
+T = TypeVar("T")
+CPU_THREADS = 2  # tokenizers at once: a small request is not stuck behind a big one, the loop keeps its share
+SHUT_DOWN = "the engine was shut down (llm.shutdown()): its weights and KV pool are gone; restart the server"
 _DRIVEN: weakref.WeakSet[Any] = weakref.WeakSet()  # the LLMs an engine loop runs now: one loop each
+
+
+def _stopped(pid: int) -> bool:
+    """Whether a process is stopped (SIGSTOP, a debugger), from Linux's /proc; False where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 class EngineError(RuntimeError):
@@ -73,10 +88,44 @@ class AsyncEngine:
         # Owned by the engine thread alone: the requests it serves, and the output tokens _poll has seen.
         self._live: dict[str, _Stream] = {}
         self._pending: dict[str, int] = {}
+        self._stopped_because: str | None = None  # why the loop ended: shut down, or the error that killed it
+        self._cpu = ThreadPoolExecutor(CPU_THREADS, thread_name_prefix="minipaged-cpu")
 
     @property
     def is_alive(self) -> bool:
+        """The engine loop runs (it may still be unable to serve: see ``health``)."""
         return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    def health(self) -> str | None:
+        """None while the engine can serve; else why not, in words (``/health``'s 503 says it). Read from any
+        thread without the engine's lock: flags, an error string, and a ``waitpid`` and a /proc read per worker."""
+        if self._thread is None:
+            return "the engine loop was never started (AsyncEngine.start())"
+        runner = self.llm.runner
+        if runner.released:
+            return SHUT_DOWN
+        executor = getattr(runner, "executor", None)
+        if executor is not None:  # tensor parallelism: rank 0 cannot step without every worker
+            if executor.closed_because is not None:
+                return f"the engine's tensor-parallel ranks are gone ({executor.closed_because}); restart the server"
+            alive = set(executor.alive())
+            dead = [f"rank {rank} (pid {pid})" for rank, pid in enumerate(executor.pids, start=1) if pid not in alive]
+            stopped = [f"rank {rank} (pid {pid})" for rank, pid in enumerate(executor.pids, start=1) if _stopped(pid)]
+            if stopped:  # alive, but a step waits for it until distributed_timeout_s ends every rank
+                return f"tensor-parallel {', '.join(stopped)} {'is' if len(stopped) == 1 else 'are'} stopped (SIGSTOP or a debugger): steps wait for it"
+            if dead:
+                return f"tensor-parallel {', '.join(dead)} {'is' if len(dead) == 1 else 'are'} not running; restart the server"
+        if self._closed or self._stopping or not self._thread.is_alive():
+            return f"the engine loop has stopped ({self._stopped_because or 'it is shutting down'})"
+        return None
+
+    async def run_cpu(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the engine's small thread pool, awaited: CPU work that must not hold the event loop."""
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+        except RuntimeError:  # the pool was shut down with the engine loop
+            raise EngineDeadError(self.health() or "the engine loop is not running") from None
+        return await future
 
     # ---- life cycle ----------------------------------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -84,6 +133,9 @@ class AsyncEngine:
             raise RuntimeError("this AsyncEngine was started already (make a new one)")
         if self.llm in _DRIVEN:
             raise RuntimeError("another AsyncEngine drives this LLM: shut it down first (one engine loop per LLM)")
+        if self.llm.runner.released:
+            raise RuntimeError(SHUT_DOWN.replace("restart the server", "build a new LLM"))
+        self._snapshot()  # /metrics shows the pool from the first scrape, not zeros until the first step
         _DRIVEN.add(self.llm)
         self._thread = threading.Thread(target=self._run, name="minipaged-engine", daemon=True)
         self._thread.start()
@@ -94,7 +146,9 @@ class AsyncEngine:
         aborted, so the ``LLM`` is left empty (another engine loop may take it over)."""
         with self._wake:
             self._stopping = True
+            self._stopped_because = self._stopped_because or "it was shut down"
             self._wake.notify_all()
+        self._cpu.shutdown(wait=False)  # what it runs now finishes; nothing new is taken
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -106,7 +160,11 @@ class AsyncEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Queue a checked prompt; yield a ``RequestOutput`` snapshot whenever it gains tokens, the last one
         finished. A rejected or failed request raises ``EngineError``. Leaving early (a client that disconnects,
-        a cancelled task, ``aclose()``) aborts the request: its blocks are free after the next step boundary."""
+        a cancelled task, ``aclose()``) aborts the request: its blocks are free after the next step boundary.
+        An engine that cannot serve (``health``) raises ``EngineDeadError`` with the reason, before anything is queued."""
+        why = self.health()
+        if why is not None:
+            raise EngineDeadError(why)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._send(("add", request_id, list(prompt_token_ids), params, _Stream(asyncio.get_running_loop(), queue)))
         finished = False
@@ -140,7 +198,7 @@ class AsyncEngine:
     def _send(self, command: tuple[Any, ...]) -> None:
         with self._wake:
             if self._closed or self._stopping or self._thread is None:
-                raise EngineDeadError("the engine loop is not running")
+                raise EngineDeadError(self.health() or "the engine loop is not running")
             self._commands.append(command)
             self._wake.notify()
 
@@ -157,17 +215,23 @@ class AsyncEngine:
                     log.exception("minipaged: the engine loop failed: %s", exc)
                     self._fail_all(EngineError(f"internal error in the engine loop: {type(exc).__name__}: {exc}"))
                 self._snapshot()
+        except BaseException as exc:  # the loop itself died (a bug): logged here, and /health says so from now on
+            self._stopped_because = f"it died: {type(exc).__name__}: {exc}"
+            log.exception("minipaged: the engine loop died: %s", exc)
         finally:  # shut down, or killed: no stream is left waiting, no block left held
             with self._wake:
                 self._closed = True
                 left = [c for c in self._commands if c[0] == "add"]
                 self._commands.clear()
-            dead = EngineDeadError("the engine loop stopped")
+            dead = EngineDeadError(f"the engine loop has stopped ({self._stopped_because or 'it was shut down'})")
             for command in left:
                 self._deliver(command[4], dead)
             self._fail_all(dead, aborted=True)
-            self._snapshot()
-            _DRIVEN.discard(self.llm)
+            try:
+                self._snapshot()
+            except Exception:  # the figures of a broken engine: not worth a second traceback
+                log.debug("minipaged: no last snapshot of the engine", exc_info=True)
+            _DRIVEN.discard(self.llm)  # last: another loop may take the LLM over now
 
     def _next_commands(self) -> list[tuple[Any, ...]] | None:
         """The commands sent since the last step (sleeping while there is nothing to do); None: stop."""
@@ -204,7 +268,9 @@ class AsyncEngine:
             except Exception as exc:  # the step did not happen (step.run_step): fail its requests, keep serving
                 log.error("minipaged: a step failed (%s: %s); failing %d request(s)", type(exc).__name__, exc,
                           len(self._live))  # fmt: skip
-                self._fail_all(EngineError(f"the engine failed a step: {type(exc).__name__}: {exc}"))
+                why = self.health()  # an engine that can never step again (its ranks gone): 503, with the reason
+                failed = f"the engine failed a step: {type(exc).__name__}: {exc}"
+                self._fail_all(EngineError(failed) if why is None else EngineDeadError(why))
                 return
         for rid, stream in list(self._live.items()):
             try:
@@ -241,6 +307,8 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException, aborted: bool = False) -> None:
         """Every live request ends with ``error`` and is aborted, so its blocks go back to the pool."""
         streams, ids = list(self._live.values()), list(self._live)
+        if not ids:
+            return
         self._live.clear()
         self._pending.clear()
         try:

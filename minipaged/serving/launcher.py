@@ -13,6 +13,7 @@ accepting, ends the engine loop (streams still open end with an error), and wait
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import threading
 import time
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from .api_server import build_app
+from .api_server import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, build_app, check_server_options
 from .async_engine import AsyncEngine
 
 if TYPE_CHECKING:
@@ -86,17 +87,40 @@ def start_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     startup_timeout: float = 30.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> ServerHandle:
     """Serve ``llm`` over HTTP in a daemon thread; returns once ``/health`` answers 200.
 
     ``port=0`` takes a free port (``handle.url`` has it). Given an ``AsyncEngine`` instead of an ``LLM``, the
     server shares that engine loop (another front end on the same engine, say with an API key) and leaves it
     running when it stops; given an ``LLM``, it starts its own loop and shuts it down in ``stop()``.
+    ``max_body_bytes``: larger request bodies are refused (413) before they are read. Every option is checked
+    before anything starts; an engine that cannot serve (``AsyncEngine.health``) is refused with the reason.
     """
+    check_server_options(api_key, max_body_bytes, body_timeout_s)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an integer in 0..65535 (0: a free one), got {port!r}")
+    if served_model_name is not None and (not isinstance(served_model_name, str) or not served_model_name.strip()):
+        raise ValueError(
+            f"served_model_name (--served-model-name) must be a non-empty string, got {served_model_name!r}"
+        )
+    if not 0 < startup_timeout < float("inf"):
+        raise ValueError(f"startup_timeout must be a positive number of seconds, got {startup_timeout!r}")
     owns = not isinstance(llm, AsyncEngine)
     engine = AsyncEngine(llm).start() if not isinstance(llm, AsyncEngine) else llm
+    why = engine.health()
+    if why is not None:
+        if owns:
+            engine.shutdown()
+        raise RuntimeError(f"cannot serve: {why}")
     name = served_model_name or default_model_name(engine.llm)
-    app = build_app(engine, name, api_key)
+    try:
+        app = build_app(engine, name, api_key, max_body_bytes, body_timeout_s)
+    except BaseException:
+        if owns:
+            engine.shutdown()
+        raise
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="minipaged-server", daemon=True)
@@ -121,18 +145,29 @@ def start_server(
 
 
 def _wait_healthy(handle: ServerHandle, deadline: float) -> None:
-    """Ask ``/health`` until it says 200 (a bounded wait, then a clear error)."""
+    """Ask ``/health`` until it says 200 (a bounded wait, then a clear error). A 503 is the engine's own word
+    that it cannot serve (it was checked just before): said at once, with its reason, not after the wait."""
     status: object = None
     while time.monotonic() < deadline:
         conn = http.client.HTTPConnection(handle.host, handle.port, timeout=2.0)
         try:
             conn.request("GET", "/health")
-            status = conn.getresponse().status
+            response = conn.getresponse()
+            status = response.status
             if status == 200:
                 return
+            if status == 503:
+                raise RuntimeError(f"cannot serve: {_error_message(response.read())}")
         except OSError as exc:
             status = exc
         finally:
             conn.close()
         time.sleep(0.05)
     raise RuntimeError(f"{handle.url}/health did not answer 200 in time (last answer: {status})")
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")[:300] or "no reason given"

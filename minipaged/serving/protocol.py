@@ -10,9 +10,11 @@ not an "unknown field". Responses are built as plain dicts by ``serving_completi
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator
+
+PROMPT_TYPES = "prompt must be a string, a list of strings, a list of token ids, or a list of lists of token ids"
 
 
 class OpenAIError(Exception):
@@ -109,10 +111,29 @@ class SamplingRequest(OpenAIBaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def check_prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
+    """A prompt's four shapes, told apart by the first item and checked in Python. pydantic's union of the four would
+    try each shape on every item of a long list and build an error for each (seconds for a 4 MiB body, all of
+    them holding the GIL: the event loop would stall although validation runs in another thread)."""
+    if type(value) is str:
+        return value
+    if type(value) is list:
+        if not value:
+            return value  # "empty prompt", said by the tokenizing step
+        first = value[0]
+        if type(first) is int and all(type(t) is int for t in value):  # bool is not a token id
+            return value
+        if type(first) is str and all(type(t) is str for t in value):
+            return value
+        if type(first) is list and all(type(p) is list and all(type(t) is int for t in p) for p in value):
+            return value
+    raise ValueError(PROMPT_TYPES)
+
+
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt or a batch (strings or token ids)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], PlainValidator(check_prompt)]
     logprobs: Any = None
     echo: Any = None
     suffix: Any = None

@@ -46,7 +46,7 @@ async def create_chat_completion(
         raise OpenAIError("give max_completion_tokens or max_tokens, not both", param="max_tokens")
     field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
     asked = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-    ids = tokenize(engine, [m.model_dump() for m in req.messages], "messages")
+    (ids,) = await tokenize(engine, lambda: [[m.model_dump() for m in req.messages]], "messages")
     params = sampling_params(req, max_tokens_for(req, asked, field, len(ids), engine, "messages", None), field)
     rid, created = request_id("chatcmpl"), now()
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served_model_name}

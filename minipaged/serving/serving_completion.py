@@ -36,6 +36,7 @@ from .serving_engine import (
 )
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_PROMPTS = 2048  # prompts in one request: each is an engine request and a task (a 4 MiB body holds 800,000)
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
@@ -43,14 +44,20 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prom
         return [prompt]
     if not prompt:
         raise OpenAIError("prompt: empty prompt", param="prompt")
-    return [prompt] if isinstance(prompt[0], int) else list(prompt)
+    if isinstance(prompt[0], int):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise OpenAIError(f"prompt: a batch of {len(prompt)} prompts is more than one request may hold "
+                          f"({MAX_PROMPTS}): send it in several requests", param="prompt")  # fmt: skip
+    return list(prompt)
 
 
 async def create_completion(
     req: CompletionRequest, raw: Request, engine: AsyncEngine, served_model_name: str
 ) -> Response:
     check_common(req, served_model_name, engine)
-    token_ids = [tokenize(engine, p, "prompt") for p in _prompts(req.prompt)]
+    prompts = _prompts(req.prompt)
+    token_ids = await tokenize(engine, lambda: prompts, "prompt")
     budgets = [max_tokens_for(req, req.max_tokens, "max_tokens", len(ids), engine, "prompt", DEFAULT_MAX_TOKENS)
                for ids in token_ids]  # fmt: skip
     params = [sampling_params(req, budget) for budget in budgets]

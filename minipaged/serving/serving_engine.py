@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -56,10 +56,17 @@ def check_common(req: SamplingRequest, served_model_name: str, engine: AsyncEngi
         raise OpenAIError(f"seed must be in [-2**63, 2**64 - n], got {req.seed}", param="seed")
 
 
-def tokenize(engine: AsyncEngine, prompt: Prompt, field: str) -> list[int]:
-    """Checked token ids (not empty, inside the vocabulary); the tokenizer takes no engine lock."""
+async def tokenize(engine: AsyncEngine, prompts: Callable[[], Sequence[Prompt]], field: str) -> list[list[int]]:
+    """Each prompt's checked token ids (not empty, inside the vocabulary). ``prompts()`` and the tokenizer run in
+    the engine's CPU pool, not on the event loop: a 2 MB prompt takes seconds, and every other stream and
+    ``/health`` must go on meanwhile. The tokenizer takes no engine lock."""
+    processor = engine.llm.processor
+
+    def run() -> list[list[int]]:
+        return [processor.token_ids(prompt, field) for prompt in prompts()]
+
     try:
-        return engine.llm.processor.token_ids(prompt, field)
+        return await engine.run_cpu(run)
     except ValueError as exc:
         raise OpenAIError(str(exc).replace(f"request {field!r}: ", f"{field}: "), param=field) from None
 
