@@ -9,13 +9,22 @@ plugged in, calls it instead of its own piece::
 The engine knows nothing else about learners: what is plugged in, how calls are checked and what a wrong
 answer says all live in ``minipaged.parts`` (the classroom), which fills this module through ``push``/``pop``.
 Keeping the seam here, below everything, is what lets the engine's modules import it without an import circle.
+
+``bounded(fn, seconds)`` runs a learner's code on a leash (exercise 10b's policy, a policy file's import): on a
+worker thread, waited for at most ``seconds``, stopped if it does not answer (see ``bounded`` for why a thread).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
+import queue
+import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # What is plugged in now, by part name; and, per active ``parts.use`` block (innermost last), what to run when it
 # ends, by key (an engine forgetting its prefix cache).
@@ -84,3 +93,113 @@ def pop() -> None:
     _plugged.update(saved)
     for action in actions.values():
         action()
+
+
+# ---- learner's code on a leash ---------------------------------------------------------------------------
+STOP_GRACE_S = 0.5  # how long code that ran out of time is given to unwind once told to stop
+
+
+class TimeUp(BaseException):
+    """Raised inside learner's code that ran out of time. A BaseException, so that neither the code's own
+    ``except Exception`` nor the wrapper that names a part's errors (``parts.Plugged``) takes it for an answer."""
+
+
+class Overdue(Exception):
+    """``bounded``'s call did not answer in time. ``stopped``: it was stopped; False: it is stuck outside Python
+    code (a sleep, a lock, ``input()``) or ignored the stop, and was left behind on its daemon thread."""
+
+    def __init__(self, seconds: float, stopped: bool) -> None:
+        how = (
+            "it was stopped (an endless loop?)"
+            if stopped
+            else "it would not stop (stuck in a sleep, a lock or input(), or it caught the stop) and was left "
+            "behind on a background thread"
+        )
+        super().__init__(f"did not answer within {seconds:.3g} s: {how}")
+        self.seconds, self.stopped = seconds, stopped
+
+
+class _Job:
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.done = fn, threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # handed to the caller, whatever it is
+            self.error = exc
+        self.done.set()
+
+
+class _Worker:
+    """A daemon thread that runs one calling thread's jobs in turn; retired once a job ran out of time."""
+
+    def __init__(self) -> None:
+        self.owner, self.pid, self.retired = threading.current_thread(), os.getpid(), False
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=f"minipaged-leash-{self.owner.name}", daemon=True)
+        self.thread.start()
+
+    def usable(self) -> bool:
+        return not self.retired and self.pid == os.getpid() and self.thread.is_alive()  # a fork keeps no threads
+
+    def _serve(self) -> None:
+        try:
+            while not self.retired:
+                try:
+                    job = self.jobs.get(timeout=10.0)
+                except queue.Empty:
+                    if self.owner.is_alive():
+                        continue
+                    return  # the thread it served is gone: so is it
+                if job is None:
+                    return
+                job.run()
+        except BaseException:  # a stop that landed after its job ended: this worker is retired already
+            return
+
+    def retire(self, job: _Job) -> bool:
+        """Stop ``job``'s code (a ``TimeUp`` raised in it, again every 50 ms for ``STOP_GRACE_S``) and end this
+        worker; True if the job ended."""
+        self.retired = True
+        self.jobs.put(None)
+        api, ident = getattr(ctypes, "pythonapi", None), self.thread.ident
+        for _ in range(max(1, round(STOP_GRACE_S / 0.05))):
+            if job.done.is_set() or not self.thread.is_alive():
+                return True
+            if api is not None and ident is not None:
+                api.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(TimeUp))
+            job.done.wait(0.05)
+        return job.done.is_set() or not self.thread.is_alive()
+
+
+_leash = threading.local()  # each calling thread's worker
+
+
+def bounded(fn: Callable[[], T], seconds: float) -> T:
+    """``fn()``, run on a worker thread while this thread waits at most ``seconds`` for it; ``Overdue`` if it does
+    not answer, after a ``TimeUp`` raised inside it has stopped it (``stopped``) or it was left behind. What
+    ``fn`` raises is raised here, whatever it is: callers turn a learner's errors into their own first.
+
+    Why a thread: the engine steps on the main thread in a notebook but on the server's engine thread when it
+    serves, and a signal (``SIGALRM``) reaches the main thread only; tracing (``sys.settrace``) slows every line
+    of the learner's code and cannot end a call stuck in C (``time.sleep``). Waiting on a thread is bounded in
+    any thread, whatever the code does; the exception raised in it (``PyThreadState_SetAsyncExc``) ends a Python
+    loop, so nothing is left spinning in the usual case. A Ctrl-C while it runs stops it too, then goes on."""
+    worker = getattr(_leash, "worker", None)
+    if worker is None or not worker.usable():
+        worker = _leash.worker = _Worker()
+    job = _Job(fn)
+    worker.jobs.put(job)
+    try:
+        answered = job.done.wait(max(seconds, 0.0))
+    except BaseException:  # interrupted while waiting: the learner's code must not run on
+        worker.retire(job)
+        raise
+    if not answered:
+        raise Overdue(seconds, worker.retire(job))
+    if job.error is not None:
+        raise job.error
+    return job.result

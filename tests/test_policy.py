@@ -1,18 +1,28 @@
-"""Scheduling policies (exercise 10b): asked before a step changes anything, every answer checked, the engine's
-tokens unchanged, and the report card's leaderboard ranking the example policies."""
+"""Scheduling policies (exercise 10b): asked before a step changes anything, every answer checked, shown
+read-only copies of the requests, stopped and named when they do not answer in time or raise anything, the
+engine's tokens unchanged, and the report card's leaderboard ranking the example policies (and no other)."""
 
 from __future__ import annotations
 
+import copy
+import gc
+import re
 import shutil
+import signal
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from conftest import PREEMPTING_PROMPTS, small_engine
 
-from minipaged import parts, step
+from minipaged import hooks, parts, scheduler, step
 from minipaged.grading import ex10b
 from minipaged.parts import PartError
 from minipaged.sampling_params import SamplingParams
+from minipaged.scheduler import RequestView
+from minipaged.simulator import SimRequest
 from minipaged.testing import Driver
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "exercises" / "policies"
@@ -137,3 +147,355 @@ def test_policy_parts_refuses_unknown_names():
     with pytest.raises(ValueError, match="unknown policy function"):
         ex10b.policy_parts({"admission_orders": lambda w: []})
     assert ex10b.policy_parts({"prefill_cap": None}) == {}
+
+
+# ---- read-only views, a leash, BaseExceptions (issue 42) -------------------------------------------------
+def _meddle_waiting(waiting):
+    for r in waiting:
+        r.sampling_params = SamplingParams(max_tokens=1)  # the issue's winning "policy"
+    return [r.request_id for r in waiting]
+
+
+def _meddle_max_tokens(running):
+    running[0].sampling_params.max_tokens = 1
+    return [r.request_id for r in running]
+
+
+def _meddle_computed(request):
+    request.num_computed_tokens = 0
+    return 4
+
+
+def _meddle_delete(waiting):
+    del waiting[0].request_id
+    return [r.request_id for r in waiting]
+
+
+@pytest.mark.parametrize(
+    ("name", "meddler"),
+    [
+        ("admission_order", _meddle_waiting),
+        ("preemption_order", _meddle_max_tokens),
+        ("prefill_cap", _meddle_computed),
+        ("admission_order", _meddle_delete),
+    ],
+)
+def test_a_policy_sees_read_only_copies_and_changing_one_is_named(name, meddler):
+    """The issue: a policy set every request's max_tokens to 1 and ranked first. It is shown copies now, and a
+    change raises a PartError naming it; the step never happened."""
+    d = busy_driver()
+    for _ in range(3):
+        d.step()
+    before = fingerprint(d)
+    with pytest.raises(PartError, match="a policy cannot change") as caught:
+        with parts.use(**{name: meddler}):
+            for _ in range(60):
+                d.step()
+    assert caught.value.part == name and "exercise 10b" in str(caught.value)
+    assert fingerprint(d) == before and all(r.sampling_params.max_tokens == 12 for r in d.requests.values())
+    d.check_invariants()
+
+
+def test_a_view_has_the_documented_attributes_and_a_hack_into_it_changes_nothing():
+    """What ex10b's notebook promises a policy, and nothing more; object.__setattr__ writes to the copy alone."""
+    seen = []
+
+    def prefill_cap(request):
+        seen.append(request)
+        object.__setattr__(request, "num_computed_tokens", 0)  # a determined hack: the copy's own slot
+        return 4
+
+    def run(policy):
+        d = Driver(block_size=4, num_blocks=64, caching=False, budget=64, max_num_seqs=4)
+        for i, n in enumerate((30, 3, 17)):
+            d.add(f"r{i}", list(range(1, n + 1)), max_tokens=5, ignore_eos=True)
+        with parts.use(prefill_cap=policy):
+            d.run(max_steps=200)
+        return sorted((r.request_id, r.output_token_ids) for r in d.finished)
+
+    assert run(prefill_cap) == run(lambda request: 4)
+    view = seen[0]
+    assert isinstance(view, RequestView) and set(RequestView.__slots__) == {
+        "request_id", "num_prompt_tokens", "num_tokens", "num_computed_tokens", "arrival_time", "num_preemptions",
+        "sampling_params",
+    }  # fmt: skip
+    assert view.sampling_params.max_tokens == 5 and copy.deepcopy(view) is view and "RequestView(" in repr(view)
+    with pytest.raises(AttributeError, match="a policy sees request_id, .* not 'prompt_token_ids'"):
+        _ = view.prompt_token_ids
+    with pytest.raises(AttributeError, match="cannot change a request's sampling params"):
+        view.sampling_params.max_tokens = 1
+
+
+@pytest.fixture
+def quick_leash(monkeypatch):
+    """A policy gets 0.3 s a step here (3 s in the package), so a test of a stuck one ends fast."""
+    monkeypatch.setattr(scheduler, "POLICY_STEP_S", 0.3)
+    monkeypatch.setattr(hooks, "STOP_GRACE_S", 0.3)
+
+
+def _spin(log):
+    def admission_order(waiting):
+        while True:
+            log.append(1)
+            log[:] = log[-1:]  # keep it small: it counts that it still runs
+
+    return admission_order
+
+
+@pytest.mark.parametrize("where", ["main thread", "a server's thread"])
+def test_a_looping_policy_is_stopped_and_named_within_its_time(where, quick_leash):
+    """The issue: a policy that loops forever hung simulate, serve, the report card and the leaderboard. Each
+    step's answers get POLICY_STEP_S seconds, on the main thread or any other (the server steps the engine on
+    its own); the loop is stopped, not left spinning, and the scheduler is as it was."""
+    d = busy_driver()
+    for _ in range(3):
+        d.step()
+    before, log, caught = fingerprint(d), [], []
+
+    def run() -> None:
+        try:
+            with parts.use(admission_order=_spin(log)):
+                d.step()
+        except PartError as exc:
+            caught.append(exc)
+
+    start = time.perf_counter()
+    if where == "main thread":
+        run()
+    else:
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive()
+    assert time.perf_counter() - start < 2.0
+    (exc,) = caught
+    assert exc.part == "admission_order" and "did not answer within 0.3 s: it was stopped" in str(exc)
+    assert fingerprint(d) == before
+    n = len(log)
+    log.append(0)
+    time.sleep(0.1)
+    assert len(log) == n + 1  # the loop no longer runs
+    with parts.use(admission_order=lambda waiting: [r.request_id for r in waiting][::-1]):
+        d.step()  # a policy is asked again (on a fresh thread) and the step happens
+    assert fingerprint(d) != before
+
+
+def test_a_policy_stuck_outside_python_is_left_behind_and_named(quick_leash):
+    """A sleep cannot be interrupted from another thread: the step gives up on it, names it, and goes on."""
+    d = busy_driver()
+    d.step()
+    before = fingerprint(d)
+    start = time.perf_counter()
+    with pytest.raises(PartError, match="left behind") as caught:
+        with parts.use(prefill_cap=lambda request: time.sleep(1.5) or 4):
+            d.step()
+    assert time.perf_counter() - start < 1.4 and caught.value.part == "prefill_cap"
+    assert fingerprint(d) == before
+
+
+def test_a_run_bounds_its_policys_time_in_all(quick_leash):
+    """Each step's answers well within their 0.3 s, but 0.1 s each: a run allowing 0.25 s stops the third."""
+
+    def slow(running):
+        time.sleep(0.1)
+        return [r.request_id for r in running]
+
+    d = busy_driver()
+    with pytest.raises(PartError, match="policy time this run allows") as caught:
+        with scheduler.policy_time_limit(0.25), parts.use(preemption_order=slow):
+            for _ in range(60):
+                d.step()
+    assert caught.value.part == "preemption_order"
+    with pytest.raises(ValueError, match="seconds must be a positive number"):
+        with scheduler.policy_time_limit(0):
+            pass
+
+
+class _Escape(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt(), GeneratorExit(), _Escape("out")])
+@pytest.mark.parametrize("name", ["admission_order", "preemption_order", "prefill_cap"])
+def test_a_base_exception_from_a_policy_is_a_part_error_naming_it(name, raised):
+    """The issue: SystemExit from a policy ended the report card and left the engine's requests waiting."""
+    d = busy_driver()
+    for _ in range(3):
+        d.step()
+    before = fingerprint(d)
+
+    def policy(arg):
+        raise raised
+
+    with pytest.raises(PartError, match=f"raised {type(raised).__name__}") as caught:
+        with parts.use(**{name: policy}):
+            for _ in range(60):
+                d.step()
+    assert caught.value.part == name and fingerprint(d) == before
+
+
+def test_ctrl_c_while_a_policy_runs_stops_it_and_interrupts_the_step(quick_leash, monkeypatch):
+    monkeypatch.setattr(scheduler, "POLICY_STEP_S", 5.0)
+    d = busy_driver()
+    d.step()
+    before, started, log = fingerprint(d), threading.Event(), []
+    spin = _spin(log)
+
+    def admission_order(waiting):
+        started.set()
+        return spin(waiting)
+
+    def press_ctrl_c() -> None:  # a real SIGINT, to the main thread: it wakes a wait, as a terminal's Ctrl-C does
+        if started.wait(5):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=press_ctrl_c).start()
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        with parts.use(admission_order=admission_order):
+            d.step()
+    assert time.perf_counter() - start < 3.0 and fingerprint(d) == before
+    n = len(log)
+    log.append(0)
+    time.sleep(0.1)
+    assert len(log) == n + 1  # stopped too
+
+
+# ---- ex10b's runs, report card and leaderboard ---------------------------------------------------------
+SMALL_TRACE = [SimRequest(f"s{i}", 0.002 * i, 40 + 37 * (i % 5), 6 + i % 4) for i in range(24)]
+
+
+@pytest.fixture
+def small_sim(monkeypatch):
+    """ex10b's simulator workload, shrunk to 24 requests with a pool that preempts (the baseline too)."""
+    from minipaged.simulator import CostModel, SimConfig
+
+    def setup():
+        cost = CostModel.for_model("llama-3-8b", "h100", step_overhead=0.002)
+        return SMALL_TRACE, cost, SimConfig(num_gpu_blocks_override=30, max_num_batched_tokens=256, max_num_seqs=8)
+
+    monkeypatch.setattr(ex10b, "_sim_setup", setup)
+    monkeypatch.setattr(ex10b, "_BASELINE", {})
+    monkeypatch.setattr(ex10b, "SIM_REQUESTS", len(SMALL_TRACE))
+
+
+def test_the_simulator_scores_no_run_whose_requests_were_changed(small_sim):
+    """Should a policy reach the scheduler's own requests anyway (here through the garbage collector), the run
+    has an error instead of a score: every request must be served the tokens the workload asks."""
+    from minipaged.request import Request
+
+    def admission_order(waiting):
+        ids = {r.request_id for r in waiting} if not hacked else set()
+        hacked.append(ids)
+        for obj in gc.get_objects() if ids else ():
+            if type(obj) is Request and obj.request_id in ids:
+                obj.sampling_params = SamplingParams(max_tokens=1, ignore_eos=True)
+        return [r.request_id for r in waiting]
+
+    hacked: list[set[str]] = []
+    base = ex10b.baseline_sim()
+    assert base.error is None and base.finished == len(SMALL_TRACE) and base.preemptions > 0
+    run = ex10b.simulate({"admission_order": admission_order})
+    assert len(hacked[0]) >= 2  # it did reach the scheduler's requests
+    assert run.error and "the policy changed request" in run.error and ex10b.score(run, base) == 0.0
+
+
+POLICY_FILES = {
+    "loops.py": "def admission_order(waiting):\n    while True:\n        pass\n",
+    "exits.py": "import sys\n\ndef admission_order(waiting):\n    sys.exit(1)\n",
+    "meddles.py": "def prefill_cap(request):\n    request.sampling_params = None\n    return 8\n",
+    "exits_on_import.py": "import sys\nsys.exit(2)\n\ndef prefill_cap(request):\n    return 8\n",
+    "loops_on_import.py": "while True:\n    pass\n",
+    "fine.py": "def preemption_order(running):\n    return [r.request_id for r in running]\n",
+}
+
+
+def test_the_leaderboard_ranks_no_policy_that_loops_exits_or_meddles(tmp_path, small_sim, quick_leash, monkeypatch):
+    """The issue's three findings in one folder: the leaderboard comes back, in bounded time, with each listed
+    last and unranked, saying why."""
+    monkeypatch.setattr(ex10b, "LOAD_S", 0.3)
+    for name, text in POLICY_FILES.items():
+        (tmp_path / name).write_text(text)
+    start = time.perf_counter()
+    board = ex10b.leaderboard(tmp_path, with_engine=False)
+    assert time.perf_counter() - start < 10
+    ranked = {e.name for e in board.entries if not e.failure}
+    assert ranked == {"first come, first served", "fine"} and len(board.entries) == 7
+    why = {e.name: e.failure for e in board.entries if e.failure}
+    assert "'admission_order'" in why["loops"] and "did not answer within 0.3 s" in why["loops"]
+    assert "'admission_order'" in why["exits"] and "raised SystemExit: 1" in why["exits"]
+    assert "'prefill_cap'" in why["meddles"] and "a policy cannot change" in why["meddles"]
+    assert "importing exits_on_import.py raised SystemExit: 2" in why["exits_on_import"]
+    assert "importing loops_on_import.py did not answer within 0.3 s" in why["loops_on_import"]
+    text = str(board)
+    assert all(line.split()[0] == "-" for line in text.splitlines()[3:])  # the failed ones carry no rank
+
+
+def _tiny_workload(monkeypatch, tiny_model):
+    monkeypatch.setattr(ex10b, "engine_prompts", lambda: [list(p) for p in PREEMPTING_PROMPTS])
+    monkeypatch.setattr(ex10b, "ENGINE_MAX_TOKENS", 6)
+    return small_engine(tiny_model)
+
+
+def _engine_is_empty(llm) -> bool:
+    s = llm.scheduler
+    free = llm.kv_cache_manager.get_num_free_blocks() == llm.kv_cache_manager.num_blocks - 1
+    return not (llm._requests or s.waiting or s.running or s.swapped or s.requests) and free
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ({"admission_order": lambda waiting: sys.exit(1)}, "'admission_order' .*raised SystemExit: 1"),
+        ({"preemption_order": _spin([])}, "'preemption_order' .*did not answer within 0.3 s"),
+        ({"admission_order": _meddle_waiting}, "'admission_order' .*a policy cannot change"),
+    ],
+)
+def test_serve_reports_a_failing_policy_and_leaves_the_engine_empty(tiny_model, monkeypatch, quick_leash, policy,
+                                                                    message):  # fmt: skip
+    llm = _tiny_workload(monkeypatch, tiny_model)
+    run = ex10b.serve(policy, llm)
+    assert run.error and re.search(message, run.error)
+    assert _engine_is_empty(llm)
+    good = ex10b.serve(ex10b.FCFS, llm)  # and the engine serves on
+    assert good.error is None and good.finished == len(PREEMPTING_PROMPTS) and _engine_is_empty(llm)
+
+
+def test_serve_interrupted_leaves_the_engine_empty(tiny_model, monkeypatch):
+    """Ctrl-C in the middle of the run (here: in its third step) goes on up, the run's requests aborted."""
+    llm = _tiny_workload(monkeypatch, tiny_model)
+    step, calls = llm.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ex10b.serve(ex10b.FCFS, llm)
+    assert _engine_is_empty(llm)
+
+
+def test_the_report_card_and_the_leaderboard_refuse_bad_arguments_by_name(tmp_path):
+    with pytest.raises(TypeError, match="policy must be a dict of functions"):
+        ex10b.simulate(42)
+    with pytest.raises(TypeError, match=r"policy\['prefill_cap'\] must be a function"):
+        ex10b.serve({"prefill_cap": 256})
+    with pytest.raises(TypeError, match="name must be a string"):
+        ex10b.report_card({}, name=3)
+    with pytest.raises(TypeError, match="llm must be an LLM"):
+        ex10b.report_card({}, llm="smollm2")
+    with pytest.raises(ValueError, match="is not a directory"):
+        ex10b.leaderboard(tmp_path / "nowhere", with_engine=False)
+    with pytest.raises(TypeError, match=r"extra\['mine'\]: policy must be"):
+        ex10b.leaderboard(tmp_path, extra={"mine": None}, with_engine=False)
+    with pytest.raises(TypeError, match="with_engine must be True or False"):
+        ex10b.leaderboard(tmp_path, with_engine="no")
+    with pytest.raises(ValueError, match="is not a Python file"):
+        ex10b.load_policy(tmp_path / "policy.txt")
+    with pytest.raises(TypeError, match="path must be the path of a .py file"):
+        ex10b.load_policy(3)
+    with pytest.raises(TypeError, match="folder must be the path of a directory"):
+        ex10b.leaderboard(None, with_engine=False)

@@ -4,8 +4,8 @@ A long prompt then takes several steps, and the decodes that share each step wai
 inter-token latency), at the price of that prompt's own first token coming later.
 """
 
-from minipaged.request import Request
+from minipaged.scheduler import RequestView
 
 
-def prefill_cap(request: Request) -> int:
+def prefill_cap(request: RequestView) -> int:
     return 256

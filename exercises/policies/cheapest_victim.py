@@ -4,9 +4,9 @@ FCFS preempts the newest, whatever it holds. A request that has computed little 
 so the pool is freed at the smallest recompute cost; a long request that has computed a lot keeps its place.
 """
 
-from minipaged.request import Request
+from minipaged.scheduler import RequestView
 
 
-def preemption_order(running: list[Request]) -> list[str]:
+def preemption_order(running: list[RequestView]) -> list[str]:
     cheapest_first = sorted(running, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
     return [r.request_id for r in cheapest_first]

@@ -4,9 +4,9 @@ Short requests reach their first token sooner and leave sooner, which frees thei
 prompt may wait behind a stream of short ones (starvation), which p99 TTFT shows.
 """
 
-from minipaged.request import Request
+from minipaged.scheduler import RequestView
 
 
-def admission_order(waiting: list[Request]) -> list[str]:
+def admission_order(waiting: list[RequestView]) -> list[str]:
     by_work = sorted(waiting, key=lambda r: (r.num_tokens - r.num_computed_tokens, r.arrival_time))
     return [r.request_id for r in by_work]

@@ -8,8 +8,11 @@ rule, vLLM's default)::
     prefill_cap(request) -> int                 the most prompt tokens it takes in one step  (no cap but the budget)
 
 The scheduler asks them once a step, before it changes anything, and keeps everything else (allocation, the
-token budget, the seats); every answer is checked as it returns. So a policy can make serving slower or faster
-but never wrong: the greedy tokens stay the package's, which the report card proves on SmolLM2. It then scores the policy against the package's own on
+token budget, the seats); every answer is checked as it returns. A policy is shown read-only copies of the
+requests (``scheduler.RequestView``: request_id, num_prompt_tokens, num_tokens, num_computed_tokens,
+arrival_time, num_preemptions, sampling_params.max_tokens) and answers within ``scheduler.POLICY_STEP_S`` seconds
+a step and ``SIM_POLICY_S`` / ``ENGINE_POLICY_S`` a run, or it is stopped and named. So a policy can make serving
+slower or faster but never wrong: the greedy tokens stay the package's, which the report card proves on SmolLM2. It then scores the policy against the package's own on
 one fixed workload, on the simulator (600 ShareGPT-like requests arriving over time, a Llama-3-8B on an H100,
 a pool that preemption has to make room in) and on the real engine (SmolLM2, 10 prompts at once, a 19-block
 pool), by throughput, p99 time to first token and preemptions. ``leaderboard(folder)`` ranks every policy file
@@ -23,13 +26,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import parts
+from .. import hooks, parts
+from ..scheduler import policy_time_limit
 from .core import Check, CheckOutcome, report
 
 POLICY_PARTS = ("admission_order", "preemption_order", "prefill_cap")
@@ -38,14 +43,23 @@ FCFS: dict[str, Callable[..., Any]] = {}  # the package's own rules: nothing plu
 
 
 def policy_parts(policy: Any) -> dict[str, Callable[..., Any]]:
-    """A policy as a dict of its functions: from a dict, or from a module / namespace defining any of
-    ``admission_order``, ``preemption_order``, ``prefill_cap``."""
+    """A policy as a dict of its functions: from a dict (``{}`` is first come first served), or from a module /
+    namespace defining any of ``admission_order``, ``preemption_order``, ``prefill_cap``."""
     if isinstance(policy, Mapping):
-        unknown = sorted(set(policy) - set(POLICY_PARTS))
+        unknown = sorted(set(policy) - set(POLICY_PARTS), key=repr)
         if unknown:
             raise ValueError(f"unknown policy function(s) {unknown}; a policy defines some of {list(POLICY_PARTS)}")
+        for k, v in policy.items():
+            if v is not None and not callable(v):
+                raise TypeError(f"policy[{k!r}] must be a function, got {type(v).__name__}")
         return {k: v for k, v in policy.items() if v is not None}
-    return {k: getattr(policy, k) for k in POLICY_PARTS if callable(getattr(policy, k, None))}
+    found = {k: getattr(policy, k) for k in POLICY_PARTS if callable(getattr(policy, k, None))}
+    if not found:
+        raise TypeError(
+            f"policy must be a dict of functions or a module defining some of {', '.join(POLICY_PARTS)}; "
+            f"got {type(policy).__name__} {policy!r:.60}"
+        )
+    return found
 
 
 def _plug(policy: Any) -> dict[str, Any]:
@@ -54,6 +68,10 @@ def _plug(policy: Any) -> dict[str, Any]:
 
 # ---- the simulator's workload ---------------------------------------------------------------------------
 SIM_REQUESTS, SIM_SEED, SIM_RATE, SIM_BLOCKS = 600, 11, 0.5, 1201
+# The most seconds a policy's answers may take in one run, in all (each step's: scheduler.POLICY_STEP_S): the
+# examples take about a second of the simulator's ~5,000 steps, and a tenth of that on the engine's ~100.
+SIM_POLICY_S, ENGINE_POLICY_S = 60.0, 20.0
+LOAD_S = 10.0  # the most seconds a policy file may take to import
 
 
 def _sim_setup() -> tuple[Any, Any, Any]:
@@ -80,17 +98,31 @@ class Run:
     error: str | None = None
 
 
+def _error(exc: BaseException) -> Run:
+    return Run(error=f"{type(exc).__name__}: {exc}"[:600])
+
+
 def simulate(policy: Policy) -> Run:
-    """The policy on the simulator's workload: the real scheduler, a cost model for the clock."""
+    """The policy on the simulator's workload: the real scheduler, a cost model for the clock. A policy that
+    fails, runs out of time or (it should not be able to) changed a request is a run with an ``error``."""
     from ..simulator import simulate_continuous
 
+    plugged = _plug(policy)
     trace, cost, config = _sim_setup()
     start = time.perf_counter()
     try:
-        with parts.use(True, **_plug(policy)):
+        with policy_time_limit(SIM_POLICY_S), parts.use(True, **plugged):
             res = simulate_continuous(trace, cost, config, record_events=True)
     except Exception as exc:  # a PartError names the function and the call; anything else, in words
-        return Run(error=f"{type(exc).__name__}: {exc}"[:600])
+        return _error(exc)
+    for want, got in zip(trace, res.requests):  # every request served as the workload asked, or no score
+        served = (got.prompt_len, got.output_len, len(got.token_times))
+        if not got.rejected and served != (want.prompt_len, want.output_len, want.output_len):
+            return Run(
+                error=f"the policy changed request {want.req_id!r}: it was served {served[2]} of "
+                f"{served[1]} output tokens after a {served[0]}-token prompt; the workload asks "
+                f"{want.output_len} after {want.prompt_len} (a policy only orders and caps)"
+            )
     s = res.summary()
     return Run(
         throughput=s["throughput_tok_s"],
@@ -115,6 +147,7 @@ ENGINE_SETTINGS: dict[str, Any] = dict(
     max_model_len=256,
 )
 ENGINE_MAX_TOKENS = 10
+ENGINE_MAX_STEPS = 2000  # the workload takes about 100
 
 
 def engine_prompts() -> list[list[int]]:
@@ -131,38 +164,68 @@ def engine() -> Any:
     return LLM(**ENGINE_SETTINGS)
 
 
+def _engine_arg(llm: Any) -> Any:
+    """``llm`` (an ``LLM``, ideally built by ``engine()``), or a new ``engine()`` for None."""
+    from ..engine import LLM
+
+    if llm is None:
+        return engine()
+    if not isinstance(llm, LLM):
+        raise TypeError(f"llm must be an LLM (ex10b.engine()) or None, got {type(llm).__name__}")
+    return llm
+
+
 def serve(policy: Policy, llm: Any = None) -> Run:
     """The policy on the engine: all prompts at once, stepped here so time to first token is counted in steps
-    (deterministic, unlike the wall clock)."""
+    (deterministic, unlike the wall clock). ``llm`` is reset first; whatever happens, the run's requests leave
+    it (aborted if they did not finish), so its pool and queues end as they began."""
     from ..sampling_params import SamplingParams
-
-    llm = llm or engine()
-    llm.reset()
-    params = SamplingParams(max_tokens=ENGINE_MAX_TOKENS, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    first: dict[str, int] = {}
-    try:
-        with parts.use(True, **_plug(policy)):
-            ids = [llm.add_request(p, params) for p in engine_prompts()]
-            steps, done = 0, set[str]()
-            while len(done) < len(ids) and steps < 2000:
-                done.update(llm.step())
-                steps += 1
-                for rid in ids:
-                    if rid not in first and llm.get_output(rid).outputs[0].token_ids:
-                        first[rid] = steps
-            outs = [llm.get_output(rid) for rid in ids]
-    except Exception as exc:
-        llm.reset()
-        return Run(error=f"{type(exc).__name__}: {exc}"[:600])
     from ..serving.load import percentile
 
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    plugged = _plug(policy)
+    llm = _engine_arg(llm)
+    llm.reset()
+    params = SamplingParams(max_tokens=ENGINE_MAX_TOKENS, temperature=0, ignore_eos=True)
+    prompts = engine_prompts()
+    start = time.perf_counter()
+    ids: list[str] = []
+    outs: dict[str, Any] = {}  # finished, handed back by the engine once
+    first: dict[str, int] = {}  # the step each request's first token came in
+    steps = 0
+    try:
+        with policy_time_limit(ENGINE_POLICY_S), parts.use(True, **plugged):
+            for prompt in prompts:
+                ids.append(llm.add_request(prompt, params))
+            while len(outs) < len(ids) and steps < ENGINE_MAX_STEPS:
+                llm.step()
+                steps += 1
+                for rid in ids:
+                    if rid not in outs:
+                        out = llm.get_output(rid)
+                        if out.outputs[0].token_ids:
+                            first.setdefault(rid, steps)
+                        if out.finished:
+                            outs[rid] = out
+    except Exception as exc:
+        return _error(exc)
+    finally:  # failed, stopped or interrupted (Ctrl-C): the run's requests leave, their blocks go back
+        llm.abort([rid for rid in ids if rid not in outs])
+    if len(outs) < len(ids):
+        return Run(error=f"{len(ids) - len(outs)} of {len(ids)} requests unfinished after {steps} steps")
+    for rid, prompt in zip(ids, prompts):  # every request served as the workload asked, or no score
+        out = outs[rid]
+        if out.error or out.prompt_token_ids != prompt or len(out.outputs[0].token_ids) != ENGINE_MAX_TOKENS:
+            return Run(
+                error=f"request {rid!r} was not served as the workload asks ({len(prompt)} prompt tokens, "
+                f"{ENGINE_MAX_TOKENS} output tokens): {len(out.prompt_token_ids)} and "
+                f"{len(out.outputs[0].token_ids)}{f', {out.error}' if out.error else ''}"
+            )
+    tokens = [list(outs[r].outputs[0].token_ids) for r in ids]
     return Run(
         throughput=sum(map(len, tokens)) / steps,
         ttft_p99=float(percentile([float(first[r]) for r in ids if r in first], 99) or 0.0),
         preemptions=llm.scheduler.num_preemptions,
-        finished=sum(o.finished for o in outs),
+        finished=len(outs),
         tokens=tokens,
         wall_s=time.perf_counter() - start,
     )
@@ -187,7 +250,7 @@ def baseline_serve(llm: Any) -> Run:
 
 def score(run: Run, base: Run) -> float:
     """Geometric mean of throughput (yours ÷ base) and p99 TTFT (base ÷ yours): 1.0 is the base's."""
-    if run.error or not run.throughput or not run.ttft_p99:
+    if run.error or base.error or not (run.throughput and run.ttft_p99 and base.throughput):
         return 0.0
     return math.sqrt(run.throughput / base.throughput * base.ttft_p99 / run.ttft_p99)
 
@@ -232,20 +295,47 @@ class ReportCard:
 
 
 def report_card(policy: Policy, name: str = "your policy", llm: Any = None) -> ReportCard:
-    llm = llm or engine()
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string, got {type(name).__name__}")
+    policy_parts(policy)  # refused here, by name, not as two failed runs
+    llm = _engine_arg(llm)
     return ReportCard(name, simulate(policy), baseline_sim(), serve(policy, llm), baseline_serve(llm))
 
 
 # ---- the leaderboard ------------------------------------------------------------------------------------
+def _learners(what: str, fn: Callable[[], Any], seconds: float) -> Any:
+    """``fn()``, a learner's code, within ``seconds`` (``hooks.bounded``); whatever it raises (``SystemExit``
+    too) or a timeout is a ``ValueError`` naming ``what``."""
+
+    def run() -> Any:
+        try:
+            return fn()
+        except hooks.TimeUp:
+            raise
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt... raised by the learner's code: its error
+            raise ValueError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+    try:
+        return hooks.bounded(run, seconds)
+    except hooks.Overdue as late:
+        raise ValueError(f"{what} {late}") from None
+
+
 def load_policy(path: str | Path) -> dict[str, Callable[..., Any]]:
-    """The policy a ``.py`` file defines (any of the three functions)."""
+    """The policy a ``.py`` file defines (any of the three functions). Its import may take ``LOAD_S`` seconds;
+    one that fails, exits or runs past that is a ``ValueError`` naming the file."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be the path of a .py file, got {type(path).__name__}")
     path = Path(path)
     spec = importlib.util.spec_from_file_location(f"policy_{path.stem}", path)
-    if spec is None or spec.loader is None:
+    if path.suffix != ".py" or spec is None or spec.loader is None:
         raise ValueError(f"{path} is not a Python file")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    found = policy_parts(module)
+    loader = spec.loader
+    _learners(f"importing {path.name}", lambda: loader.exec_module(module), LOAD_S)
+    found = {k: getattr(module, k) for k in POLICY_PARTS if callable(getattr(module, k, None))}
     if not found:
         raise ValueError(f"{path.name} defines none of {', '.join(POLICY_PARTS)}")
     return found
@@ -260,19 +350,30 @@ class Entry:
     score: float
     doc: str = ""
 
+    @property
+    def failure(self) -> str | None:
+        """Why it is not ranked: its simulator run or its engine run failed, or the engine's tokens changed."""
+        if self.sim.error:
+            return self.sim.error
+        if self.eng is not None and self.eng.error:
+            return f"on the engine: {self.eng.error}"
+        if self.exact is False:
+            return "on the engine: NOT token for token the package's greedy output"
+        return None
+
 
 @dataclass
 class Leaderboard:
-    entries: list[Entry]  # best first
+    entries: list[Entry]  # best first; those that failed last, unranked
 
     def __str__(self) -> str:
         head = f"{'#':>2}  {'policy':<26}{'score':>7}{'tok/s':>8}{'p99 TTFT':>10}{'preempt':>9}  engine"
         lines = [head]
         for i, e in enumerate(self.entries, 1):
-            if e.sim.error:
-                lines.append(f"{i:>2}  {e.name:<26} failed: {e.sim.error[:80]}")
+            if e.failure:
+                lines.append(f"{'-':>2}  {e.name:<26} failed: {e.failure[:100]}")
                 continue
-            eng = "not run" if e.exact is None else ("token-exact" if e.exact else "NOT token-exact")
+            eng = "not run" if e.exact is None else "token-exact"
             lines.append(
                 f"{i:>2}  {e.name:<26}{e.score:>7.3f}{e.sim.throughput:>8.0f}{e.sim.ttft_p99:>9.2f}s"
                 f"{e.sim.preemptions:>9}  {eng}"
@@ -288,16 +389,33 @@ def leaderboard(
 ) -> Leaderboard:
     """Every policy file in ``folder`` (and ``extra``, e.g. yours), with first come first served, ranked by
     score on the simulator; each is also run on the engine and marked token-exact or not (``with_engine``).
-    A file that fails to load or to serve is listed last, with its error."""
+    A file that fails to load, a policy that fails or runs out of time on either workload, and one whose engine
+    tokens are not the package's are not ranked: they are listed last, with why."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be the path of a directory of policy files, got {type(folder).__name__}")
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"folder {str(folder)!r} is not a directory of policy files")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a dict from name to policy, got {type(extra).__name__}")
+    for key, value in (extra or {}).items():
+        if not isinstance(key, str):
+            raise TypeError(f"extra's names must be strings, got {key!r}")
+        try:
+            policy_parts(value)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"extra[{key!r}]: {exc}") from None
+    if not isinstance(with_engine, bool):
+        raise TypeError(f"with_engine must be True or False, got {with_engine!r}")
     policies: dict[str, Any] = {"first come, first served": FCFS}
-    for path in sorted(Path(folder).glob("*.py")):
+    for path in sorted(folder.glob("*.py")):
         try:
             policies[path.stem] = load_policy(path)
         except Exception as exc:
             policies[path.stem] = exc
     policies.update(extra or {})
     base = baseline_sim()
-    llm = (llm or engine()) if with_engine else None
+    llm = _engine_arg(llm) if with_engine else None
     eng_base = baseline_serve(llm) if llm is not None else None
     entries = []
     for name, policy in policies.items():
@@ -307,8 +425,10 @@ def leaderboard(
         sim = base if policy is FCFS else simulate(policy)
         eng = None if llm is None else (eng_base if policy is FCFS else serve(policy, llm))
         exact = None if eng is None or eng_base is None else (not eng.error and eng.tokens == eng_base.tokens)
-        entries.append(Entry(name, sim, eng, exact, score(sim, base) if exact is not False else 0.0))
-    entries.sort(key=lambda e: (e.sim.error is not None, -e.score))
+        entry = Entry(name, sim, eng, exact, 0.0)
+        entry.score = 0.0 if entry.failure else score(sim, base)
+        entries.append(entry)
+    entries.sort(key=lambda e: (e.failure is not None, -e.score))
     return Leaderboard(entries)
 
 
@@ -318,13 +438,14 @@ def check_policy(my_policy: Callable[[], Policy]) -> list[CheckOutcome]:
     from first come first served, and the engine's tokens stay the package's."""
     hint = (
         "each function must answer as its signature says (a permutation of the waiting ids; a permutation of the "
-        "running ids; a cap of at least 1 token); the error names the function and the call"
+        "running ids; a cap of at least 1 token), within a few seconds, reading the requests it is shown and "
+        "changing none; the error names the function and the call"
     )
     cache: dict[str, Any] = {}
 
     def got() -> dict[str, Callable[..., Any]]:
         if "policy" not in cache:
-            cache["policy"] = policy_parts(my_policy())
+            cache["policy"] = policy_parts(_learners("my_policy()", my_policy, LOAD_S))
             with parts.use(True, **_plug(cache["policy"])):  # the signatures, checked by parts.use
                 pass
         return cache["policy"]
