@@ -11,9 +11,11 @@ and samples. Ranks 1 … N−1 are workers that only run the model on their shar
      NCCL on CUDA)
 
 They wait differently. A worker waits for the next step for as long as the caller takes to send one (a notebook
-may sit idle for an hour): the wait group never times out, and all it ever carries is a length. Once a message
-has begun every rank is busy, so a collective on the other two that takes longer than ``timeout_s`` means a rank
-hung or died: it times out, and rank 0 turns that into an error (``executor``). mini-sglang and vLLM also keep
+may sit idle for an hour): once joined, its wait group never times out, and all it ever carries is a length.
+Everything else is bounded by ``timeout_s``: joining any of the groups (a rank that never comes must not hold the
+others forever), rank 0's every wait, and every collective on the other two groups — once a message has begun
+every rank is busy, so a collective that takes longer means a rank hung or died: it times out, and rank 0 turns
+that into an error that names the rank (``executor``). mini-sglang and vLLM also keep
 control (a gloo group) apart from the tensors (NCCL on a GPU).
 
 The groups are *not* torch's default group (``init_process_group``): they are objects this engine owns, built on
@@ -38,7 +40,8 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-FOREVER = datetime.timedelta(days=365)  # the wait group's timeout: a worker may wait that long for a step
+FOREVER = datetime.timedelta(days=365)  # a joined worker's wait for the next step (its wait group only)
+START_S = 60.0  # more than ``timeout_s`` that ranks may be apart at start-up: importing torch, loading weights
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -62,6 +65,11 @@ def _collective(method: F) -> F:
     return cast(F, wrapped)
 
 
+def seconds(timeout_s: float) -> datetime.timedelta:
+    """``timeout_s`` as torch's timeouts take it; a year at most (more overflows a timedelta, and means never)."""
+    return datetime.timedelta(seconds=min(timeout_s, FOREVER.total_seconds()))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -77,7 +85,7 @@ def open_store(host: str, port: int, world_size: int | None, is_master: bool, ti
         port,
         world_size,
         is_master=is_master,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=seconds(timeout_s),
         wait_for_workers=False,
     )
 
@@ -94,9 +102,9 @@ class TPGroup:
     size: int
     device_group: Any  # torch.distributed.ProcessGroup: all-reduce and gather of tensors
     cpu_group: Any  # gloo: pickled objects (scheduler outputs, answers)
-    wait_group: Any  # gloo, no timeout: "a message is coming", which a worker may wait for for hours
+    wait_group: Any  # gloo: "a message is coming", which a worker may wait for for hours (rank 0: ``timeout``)
     store: dist.TCPStore
-    timeout: datetime.timedelta  # rank 0's wait for the others, in any collective
+    timeout: datetime.timedelta  # every wait for a rank once started (``settle``); before, START_S more
     comm_s: float = 0.0
     num_all_reduces: int = 0
     bytes_all_reduced: int = 0
@@ -135,12 +143,14 @@ class TPGroup:
 
     # ---- objects (cpu group) --------------------------------------------------------------------
     @_collective
-    def broadcast_object(self, obj: Any = None) -> Any:
+    def broadcast_object(self, obj: Any = None, timeout: datetime.timedelta | None = None) -> Any:
         """Rank 0 sends ``obj`` (pickled) to every rank; every rank returns it.
 
         The length goes first, on the wait group, which never times out for a worker: it may wait there for the
-        next step as long as the caller likes (rank 0 waits ``timeout`` for the workers to take it). The bytes follow on the cpu group, which times out like the device
-        group: once a message has begun, every rank is expected to take part at once."""
+        next step as long as the caller likes (rank 0 waits ``timeout``, default ``self.timeout``, for the
+        workers to take it). The bytes
+        follow on the cpu group, which times out like the device group: once a message has begun, every rank is
+        expected to take part at once."""
         if self.is_driver:
             data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
             length = torch.tensor([data.numel()], dtype=torch.int64)
@@ -148,7 +158,7 @@ class TPGroup:
             length = torch.zeros(1, dtype=torch.int64)
         sent = dist.broadcast(length, group_src=0, group=self.wait_group, async_op=True)
         # gloo's sender waits for each receiver to be ready: a hung worker would hold rank 0 here forever
-        sent.wait(self.timeout) if self.is_driver else sent.wait()
+        sent.wait(timeout or self.timeout) if self.is_driver else sent.wait()
         if not self.is_driver:
             data = torch.empty(int(length.item()), dtype=torch.uint8)
         dist.broadcast(data, group_src=0, group=self.cpu_group)
@@ -174,6 +184,15 @@ class TPGroup:
             out.append(pickle.loads(p[8 : 8 + length].numpy().tobytes()))
         return out
 
+    def settle(self) -> None:
+        """Start-up is over (every rank built its runner): from now on a collective waits ``timeout`` at most, not
+        the start-up's ``START_S`` more. A worker's wait group keeps waiting for the next step without end."""
+        for g in (self.device_group, self.cpu_group) + ((self.wait_group,) if self.is_driver else ()):
+            try:
+                g.set_timeout(self.timeout)
+            except (AttributeError, RuntimeError):  # a backend that cannot: it keeps the start-up's bound
+                pass
+
     def destroy(self, abort: bool = False) -> None:
         """Let go of the groups (their sockets close; a peer still waiting on one gets an error). ``abort``: do
         not wait for anything in flight (a peer died or hung)."""
@@ -187,21 +206,26 @@ class TPGroup:
 def init_tp_group(
     rank: int, size: int, store: dist.TCPStore, device: torch.device, timeout_s: float, prefix: str = "tp"
 ) -> TPGroup:
-    """Build this rank's two groups on ``store``; returns once every rank has joined (or raises after
-    ``timeout_s``). Every rank of the engine calls it with the same ``prefix``."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    wait = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/wait", store), rank, size, FOREVER)
-    cpu = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/cpu", store), rank, size, timeout)
+    """Build this rank's three groups on ``store``; returns once every rank has joined (or raises after
+    ``timeout_s`` + ``START_S``). Every rank of the engine calls it with the same ``prefix``. Until ``settle()``
+    the groups allow ``START_S`` more than ``timeout_s``: ranks load their weights at their own pace."""
+    start = seconds(timeout_s + START_S)
+    # Joining is bounded on every group: gloo waits for the other ranks' addresses with the group's timeout, and
+    # a wait group built with FOREVER held rank 0 for a year when a worker died before it joined.
+    wait = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/wait", store), rank, size, start)
+    cpu = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/cpu", store), rank, size, start)
     dev: Any
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        options._timeout = start
         dev = dist.ProcessGroupNCCL(dist.PrefixStore(f"{prefix}/nccl", store), rank, size, options)
     else:
-        dev = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/gloo", store), rank, size, timeout)
-    group = TPGroup(rank, size, dev, cpu, wait, store, timeout)
+        dev = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/gloo", store), rank, size, start)
+    group = TPGroup(rank, size, dev, cpu, wait, store, seconds(timeout_s))
     group.min_int(0)  # a first collective on each group: returns once every rank is there
     dist.all_reduce(torch.zeros(1, device=device), group=dev)
+    if rank != 0:  # joined: from now on a worker waits for the next step as long as the caller takes
+        wait.set_timeout(FOREVER)
     return group
 
 

@@ -3,8 +3,8 @@ step, and ends them — cleanly, or all at once when one of them fails (vLLM's `
 
 ::
 
-    caller's process (rank 0)                      worker processes (ranks 1 … N−1), spawned
-    ─────────────────────────                      ──────────────────────────────────────────
+    caller's process (rank 0)                      worker processes (ranks 1 … N−1), fresh interpreters
+    ─────────────────────────                      ──────────────────────────────────────────────────────
     Scheduler.schedule() ─▶ SchedulerOutput
     executor.step: broadcast it ─────────────────▶ worker_main: receive it
     forward_step (its shard) ◀── all-reduce ──────▶ forward_step (its shard)
@@ -16,38 +16,54 @@ is plain data (``scheduler_output``), small enough to pickle every step. The wor
 only their shard of the weights and of the KV cache. That is also why their block tables need no syncing: rank 0
 sends the same block ids to everyone.
 
-Failures end everything. A worker that dies closes its sockets, and rank 0's next collective raises at once; one
-that hangs leaves rank 0 waiting ``distributed_timeout_s`` at most. Either way rank 0 names the rank and what
-happened to it (its exit signal, the last line of its traceback), ends every other rank, and raises; the engine
-is then closed, and a new ``LLM`` can be built in the same session. Ctrl-C in the caller does the same: a step
-cut in half leaves the ranks in different places of their collectives, and no rank can be brought back in step.
-Workers never outlive the caller: each watches its parent and leaves if it disappears, and they are daemonic, so
-Python ends them at exit too.
+A worker is ``python -c "from minipaged.executor import worker_main; …"``, which reads the engine's config from the
+rendezvous store, as a worker started by hand on another machine does (``run_node``). It is not multiprocessing's
+spawn: spawn re-runs the caller's main script in every worker, which fails for a script read from stdin
+(``python - < script.py``) and builds a second engine in a script without an ``if __name__ == "__main__":`` guard.
+
+Failures end everything, and every wait for a worker is bounded. At start-up each worker checks in on the store
+before the groups are built, so one that dies first is named at once (its exit code or signal), one stopped after
+``distributed_timeout_s``, and one that never comes a minute (``START_S``: importing torch) after that; the ranks
+then load their weights at their own pace, ``START_S`` apart at most. After that a worker that dies closes its sockets, and rank 0's next
+collective raises at once; one that hangs (or is stopped: SIGSTOP, a debugger) leaves rank 0 waiting
+``distributed_timeout_s`` at most. Either way rank 0 names the rank at fault — its exit signal or the last line of
+its traceback, or that it is stopped — before the ranks that merely gave up waiting for it, ends every other rank,
+and raises; the engine is then closed, and a new ``LLM`` can be built in the same session. Ctrl-C in the caller
+does the same: a step cut in half leaves the ranks in different places of their collectives, and no rank can be
+brought back in step. Workers never outlive the caller: each watches its parent and leaves if it disappears, and
+the engine's finalizer ends them when it is collected or Python exits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
+import multiprocessing.spawn
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import torch.multiprocessing as mp
+import torch.distributed as dist
 
 from .config import Config
-from .distributed import TPGroup, check_tp_size, free_port, init_tp_group, open_store
+from .distributed import START_S, TPGroup, check_tp_size, free_port, init_tp_group, open_store
 from .model.llama import read_config
 from .model_runner import GPUMemoryError, ModelRunner, free_device_memory, gpu_memory_report
 
 T = TypeVar("T")
 JOIN_S = 5.0  # a worker asked to stop gets this long to exit before it is killed
+POLL_S = 0.05  # how often rank 0 looks at its workers while it waits for them to join
 
 
 class TensorParallelError(RuntimeError):
@@ -58,8 +74,21 @@ def rendezvous(config: Config) -> tuple[str, int]:
     """Where the ranks meet: ``master_addr`` / ``master_port``, else ``$MASTER_ADDR`` / ``$MASTER_PORT``, else
     127.0.0.1 and a free port (one machine)."""
     host = config.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = config.master_port or int(os.environ.get("MASTER_PORT") or 0) or free_port(host)
+    port = config.master_port or _env_port() or free_port(host)
     return host, port
+
+
+def _env_port() -> int | None:
+    text = os.environ.get("MASTER_PORT", "").strip()
+    if not text:
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise ValueError(f"$MASTER_PORT={text!r} is not a port (1 … 65535): fix it, or pass master_port")
+    return port
 
 
 def make_runner(config: Config) -> ModelRunner:
@@ -73,7 +102,9 @@ def make_runner(config: Config) -> ModelRunner:
     check_tp_size(path, config.tensor_parallel_size)
     config = dataclasses.replace(config, model=path)  # the workers load the same folder
     executor = MultiprocExecutor(config, read_config(path).to_dict())
-    return executor.guard("start-up", lambda: ModelRunner(config, tp=executor.group, executor=executor))
+    runner = executor.guard("start-up", lambda: ModelRunner(config, tp=executor.group, executor=executor))
+    executor.group.settle()  # every rank has its runner: a step waits distributed_timeout_s at most
+    return runner
 
 
 def build_on_device(build: Callable[[], T], device: torch.device) -> T:
@@ -92,12 +123,79 @@ def build_on_device(build: Callable[[], T], device: torch.device) -> T:
     raise GPUMemoryError(f"building the engine ran out of GPU memory ({why}).\n" + gpu_memory_report(device))
 
 
+class Worker:
+    """One worker process of this machine: a ``subprocess.Popen`` with the few verbs the executor needs."""
+
+    def __init__(self, rank: int, popen: subprocess.Popen[bytes]) -> None:
+        self.rank, self.popen = rank, popen
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; its exit status, or −N when signal N ended it (as ``multiprocessing``)."""
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stopped(self) -> bool:
+        """Alive but frozen: SIGSTOP, Ctrl-Z, a debugger (state T or t in ``/proc``; False where there is none)."""
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state in ("T", "t") and self.is_alive()
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL (it ends a stopped process too), then reap it (a killed process in the kernel's hands — a GPU
+        driver call — may take a moment; ``JOIN_S`` at most)."""
+        if self.is_alive():
+            self.popen.kill()
+        self.join(JOIN_S)
+
+    def describe(self) -> str:
+        code = self.exitcode
+        if code is None:
+            how = "is stopped (SIGSTOP or a debugger: alive, but it answers nothing)" if self.stopped() else "runs"
+        elif code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited ({code})"
+        return f"rank {self.rank} (pid {self.pid}) {how}"
+
+
+def launch_worker(rank: int, local_rank: int, local_size: int, host: str, port: int, timeout_s: float) -> Worker:
+    """Start rank ``rank`` as a fresh Python that imports minipaged and nothing of the caller's (neither its script
+    nor its notebook): it reads the engine's config from the store at ``host:port``."""
+    args = (rank, local_rank, local_size, host, port, timeout_s, os.getpid())
+    code = (
+        "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"  # Ctrl-C belongs to the caller
+        f"import sys; sys.path[:] = {sys.path!r}\n"  # as spawn does: a folder the caller added finds minipaged
+        f"from minipaged.executor import worker_main; worker_main(*{args!r})\n"
+    )
+    executable = multiprocessing.spawn.get_executable()  # sys.executable, or what set_executable chose
+    argv = [os.fspath(executable), "-c", code, f"minipaged-tp-rank{rank}"]  # the last: a name ``ps`` shows
+    return Worker(rank, subprocess.Popen(argv, stdin=subprocess.DEVNULL))
+
+
 class _Ranks:
     """What must be ended however the engine ends (kept apart from the executor, so that a ``weakref.finalize``
     can end them when the engine is garbage-collected)."""
 
     def __init__(self) -> None:
-        self.procs: list[Any] = []  # multiprocessing.Process, by rank - 1
+        self.procs: list[Worker] = []  # by rank − 1
         self.group: TPGroup | None = None
         self.store: Any = None
         self.ended = False
@@ -106,17 +204,20 @@ class _Ranks:
         if self.ended:
             return
         self.ended = True
-        if graceful and self.group is not None:
-            try:  # "stop": each worker leaves its loop and exits 0 (workers on other machines too)
-                self.group.broadcast_object(None)
+        # A stopped or dead worker would hold the "stop" message for the whole timeout: end them all at once.
+        if graceful and self.group is not None and all(p.is_alive() and not p.stopped() for p in self.procs):
+            try:  # "stop": each worker leaves its loop and exits 0 (workers on other machines too); an idle worker
+                # takes it at once, so a worker that does not take it within JOIN_S is as good as hung
+                self.group.broadcast_object(None, timeout=datetime.timedelta(seconds=JOIN_S))
             except Exception:
                 graceful = False
+        else:
+            graceful = False
+        deadline = time.monotonic() + (JOIN_S if graceful else 0.2)
         for p in self.procs:
-            p.join(JOIN_S if graceful else 0.2)
+            p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:  # a worker keeps nothing worth a clean exit: one that is still there is killed
-            if p.is_alive():
-                p.kill()
-                p.join()
+            p.kill()
         if self.group is not None:
             self.group.destroy(abort=not graceful)
         self.group, self.store = None, None  # dropping the store stops its server
@@ -129,36 +230,66 @@ class MultiprocExecutor:
         self.size = config.tensor_parallel_size
         self.timeout_s = config.distributed_timeout_s
         self.host, self.port = rendezvous(config)
+        self.local = self.size // config.nnodes  # ranks 0 … local − 1 run on this machine
         self.closed_because: str | None = None
         self._ranks = _Ranks()
         self._lock = threading.RLock()  # one message sequence at a time, whichever thread asks
         weakref.finalize(self, self._ranks.end, True)
-        store = open_store(self.host, self.port, self.size, True, self.timeout_s)
+        try:
+            store = open_store(self.host, self.port, self.size, True, self.timeout_s)
+        except dist.DistError as e:  # the port is taken, or the address is not this machine's
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise TensorParallelError(
+                f"cannot serve the ranks' rendezvous store at master_addr={self.host!r}, master_port={self.port} "
+                f"({first}): pick another master_port, or leave it out for a free one"
+            ) from None
         self._ranks.store = store
-        # for workers started by hand on other machines (bytes are fine: the stubs say str)
+        # for the workers, here and on other machines (bytes are fine: the stubs say str)
         store.set("config", pickle.dumps((config, hf_config)))  # type: ignore[arg-type]
-        ctx = mp.get_context("spawn")
-        local = self.size // config.nnodes
-        for rank in range(1, local):
-            p = ctx.Process(
-                target=worker_main,
-                args=(config, hf_config, rank, rank, local, self.host, self.port, os.getpid()),
-                name=f"minipaged-tp-rank{rank}",
-                daemon=True,
-            )
-            self._start(p)
-        self.group: TPGroup = self.guard(
-            "start-up", lambda: init_tp_group(0, self.size, store, config.torch_device, self.timeout_s)
-        )
+        for rank in range(1, self.local):
+            self._start(rank)
+        self.group: TPGroup = self.guard("start-up", lambda: self._join(store, config))
         self._ranks.group = self.group
 
-    def _start(self, p: Any) -> None:
+    def _start(self, rank: int) -> None:
         try:
-            p.start()
+            p = launch_worker(rank, rank, self.local, self.host, self.port, self.timeout_s)
         except BaseException:
             self._ranks.end(graceful=False)
             raise
         self._ranks.procs.append(p)
+
+    def _join(self, store: Any, config: Config) -> TPGroup:
+        """Wait until every rank has checked in on the store, then build the groups with them. gloo's join is one
+        C++ call that cannot look at the workers while it waits: a worker that dies first (a bad import, a kill)
+        is caught here, at once; one stopped, after ``distributed_timeout_s``; one that runs but never checks in,
+        after ``START_S`` more (importing torch may take longer than a step's timeout, which may be short)."""
+        keys = {rank: f"ready/{rank}" for rank in range(1, self.size)}
+        t0 = time.monotonic()
+        while not store.check(list(keys.values())):
+            if self._dead():
+                raise TensorParallelError("a worker ended before it joined the group")
+            waited = time.monotonic() - t0
+            if waited > self.timeout_s and (waited > self.timeout_s + START_S or self._faulty()):
+                late = [rank for rank, key in keys.items() if not store.check([key])]
+                raise TensorParallelError(self._late(late, waited))
+            time.sleep(POLL_S)
+        return init_tp_group(0, self.size, store, config.torch_device, self.timeout_s)
+
+    def _late(self, ranks: list[int], waited: float) -> str:
+        """What to say about ranks that never checked in."""
+        procs = {p.rank: p for p in self._ranks.procs}
+        parts = [f"rank {r} (pid {procs[r].pid}, running)" if r in procs else f"rank {r}" for r in ranks]
+        why = (
+            f"{', '.join(parts)} did not join within {waited:.0f} s (distributed_timeout_s={self.timeout_s:g} s, "
+            f"and {START_S:g} s more to start)"
+        )
+        if any(r not in procs for r in ranks):  # ranks of another machine: has it been started?
+            why += (
+                f" (ranks on another machine join when it runs `python -m minipaged worker --master-addr {self.host}"
+                f" --master-port {self.port} --node-rank K`)"
+            )
+        return why
 
     @property
     def pids(self) -> list[int]:
@@ -225,71 +356,106 @@ class MultiprocExecutor:
                     f"tensor parallelism failed during {what}: {why}. Every rank was ended; build a new LLM to go on"
                 ) from e
 
-    def _dead(self) -> list[tuple[int, Any]]:
-        return [(rank, p) for rank, p in enumerate(self._ranks.procs, start=1) if p.exitcode is not None]
+    def _dead(self) -> list[Worker]:
+        return [p for p in self._ranks.procs if p.exitcode is not None]
+
+    def _faulty(self) -> list[Worker]:
+        return [p for p in self._ranks.procs if p.exitcode is not None or p.stopped()]
 
     def _why(self, exc: BaseException) -> str:
-        """Which rank failed and how: its exit, its own error (written to the store), or the timeout."""
+        """Which rank failed and how, the rank at fault first: one killed, one that raised an error of its own,
+        or one stopped; then the ranks that only gave up waiting for it (their collective timed out or broke)."""
         if isinstance(exc, KeyboardInterrupt):
             return "interrupted (Ctrl-C) in the caller"
         deadline = time.monotonic() + 2.0  # a dead peer's sockets close before its exit code is known
-        while not self._dead() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while not self._faulty() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
         errors = self._worker_errors()
-        parts = []
-        for rank, p in self._dead():
-            how = f"was killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exited ({p.exitcode})"
-            parts.append(f"rank {rank} (pid {p.pid}) {how}" + (f": {errors.pop(rank)}" if rank in errors else ""))
-        parts += [f"rank {rank} raised {err}" for rank, err in errors.items()]  # ranks on other machines
-        if not parts:
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            parts.append(
-                f"a rank did not answer within distributed_timeout_s={self.timeout_s:g} s, or a rank on another "
-                f"machine went away ({first})"
-            )
-        return "; ".join(parts)
+        at_fault, gave_up = [], []
+        for p in self._faulty():
+            text, waiting = errors.pop(p.rank, (None, False))
+            if waiting:
+                gave_up.append(f"{p.describe()}: it gave up waiting for the others ({_gave_up(text or '')})")
+            elif text is not None:
+                at_fault.append(f"{p.describe()}: {text}")
+            elif p.exitcode is not None and p.exitcode > 0:  # before it could write to the store: an import
+                at_fault.append(f"{p.describe()} (its traceback is on its stderr)")
+            else:
+                at_fault.append(p.describe())
+        for rank, (text, waiting) in errors.items():  # ranks on other machines
+            if waiting:
+                gave_up.append(f"rank {rank} gave up waiting for the others ({_gave_up(text)})")
+            else:
+                at_fault.append(f"rank {rank} raised {text}")
+        if at_fault:
+            return "; ".join(at_fault + gave_up)
+        if isinstance(exc, TensorParallelError):  # it names what it saw (ranks that did not join)
+            return "; ".join([str(exc), *gave_up])
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        return "; ".join(
+            [
+                f"no rank died or was stopped, but one did not answer within distributed_timeout_s="
+                f"{self.timeout_s:g} s (a rank slower than that, or one on another machine went away: {first})",
+                *gave_up,
+            ]
+        )
 
-    def _worker_errors(self) -> dict[int, str]:
+    def _worker_errors(self) -> dict[int, tuple[str, bool]]:
+        """What each rank wrote to the store as it failed: the last line of its traceback, and whether it was a
+        collective's failure (the rank gave up on another, rather than failing itself)."""
         store, found = self._ranks.store, {}
         for rank in range(1, self.size):
             key = f"error/{rank}"
             try:
-                if store is not None and store.check([key]):
-                    found[rank] = store.get(key).decode(errors="replace")
+                if store is None or not store.check([key]):
+                    continue
+                raw = store.get(key).decode(errors="replace")
             except Exception:  # the store itself is gone: nothing more to learn
                 break
+            try:
+                report = json.loads(raw)
+                found[rank] = (str(report["error"]), bool(report["waiting"]))
+            except (ValueError, KeyError, TypeError):
+                found[rank] = (raw, False)
         return found
+
+
+def _gave_up(error: str) -> str:
+    """A collective's failure in a few words (gloo's own message runs to several lines of advice)."""
+    low = error.lower()
+    return "its wait timed out" if "timed out" in low or "timeout" in low else "a peer closed its connection"
 
 
 def _collective_failed(e: BaseException) -> bool:
     """A collective broke (a peer closed its sockets, or a timeout), or a rank was found dead."""
-    return isinstance(e, (TensorParallelError, torch.distributed.DistError))
+    return isinstance(e, (TensorParallelError, dist.DistError))
 
 
 # ---- the worker side ---------------------------------------------------------------------------------------
 def worker_main(
-    config: Config,
-    hf_config: dict[str, Any],
     rank: int,
     local_rank: int,
     local_size: int,
     host: str,
     port: int,
+    timeout_s: float,
     parent_pid: int | None,
 ) -> None:
-    """A worker's whole life: join the group, build its runner (its shard), then run what rank 0 sends."""
+    """A worker's whole life: read the engine's config from its store, check in, join the group, build its runner
+    (its shard), then run what rank 0 sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the caller, which then ends every rank
     if parent_pid is not None:
         threading.Thread(target=_leave_when_orphaned, args=(parent_pid,), daemon=True).start()
-    if config.torch_device.type == "cpu":  # share this machine's cores between its ranks
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
     store = tp = None
     try:
-        store = open_store(host, port, config.tensor_parallel_size, False, config.distributed_timeout_s)
-        tp = init_tp_group(
-            rank, config.tensor_parallel_size, store, _device(config, local_rank), config.distributed_timeout_s
-        )
+        store = open_store(host, port, None, False, timeout_s)
+        config, hf_config = pickle.loads(store.get("config"))
+        if config.torch_device.type == "cpu":  # share this machine's cores between its ranks
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+        store.set(f"ready/{rank}", str(os.getpid()))
+        tp = init_tp_group(rank, config.tensor_parallel_size, store, _device(config, local_rank), timeout_s)
         runner = ModelRunner(config, tp=tp, local_rank=local_rank, hf_config=hf_config)
+        tp.settle()
         while (msg := tp.broadcast_object()) is not None:
             if msg[0] == "step":
                 runner.forward_step(msg[1])
@@ -299,8 +465,8 @@ def worker_main(
     except BaseException as e:
         last = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()[-1][:500]
         try:
-            if store is not None:
-                store.set(f"error/{rank}", last)
+            if store is not None:  # a collective's failure means another rank failed first: rank 0 names that one
+                store.set(f"error/{rank}", json.dumps({"error": last, "waiting": isinstance(e, dist.DistError)}))
         except Exception:
             pass
         traceback.print_exc()
@@ -324,28 +490,25 @@ def run_node(host: str, port: int, node_rank: int, timeout_s: float = 600.0) -> 
     """Run this machine's ranks of an engine whose rank 0 is elsewhere (``python -m minipaged worker``): fetch the
     engine's config from its rendezvous store, start ranks ``node_rank · k … node_rank · k + k − 1``, wait for
     them. Returns 0 when rank 0 shut them down cleanly, else 1."""
+    if not 0 < port < 65536:
+        raise ValueError(f"master_port must be 1 … 65535, got {port}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout_s}")
     store = open_store(host, port, None, False, timeout_s)  # waits for the engine's store to appear
-    config, hf_config = pickle.loads(store.get("config"))
+    config, _ = pickle.loads(store.get("config"))
     local = config.tensor_parallel_size // config.nnodes
     if not 0 < node_rank < config.nnodes:
         raise ValueError(f"node_rank must be 1 … {config.nnodes - 1} (the engine's machine is node 0), got {node_rank}")
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=worker_main,
-            args=(config, hf_config, node_rank * local + i, i, local, host, port, os.getpid()),
-            name=f"minipaged-tp-rank{node_rank * local + i}",
-        )
-        for i in range(local)
-    ]
+    procs: list[Worker] = []
     try:
+        for i in range(local):
+            procs.append(launch_worker(node_rank * local + i, i, local, host, port, config.distributed_timeout_s))
         for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
+            p.popen.wait()  # as long as the engine serves
     finally:
         for p in procs:
             if p.is_alive():
-                p.terminate()
-                p.join()
+                p.popen.terminate()
+                p.join(JOIN_S)
+            p.kill()
     return 0 if all(p.exitcode == 0 for p in procs) else 1

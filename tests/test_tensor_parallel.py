@@ -1,6 +1,6 @@
 """Tensor parallelism: the engine split over N processes gives the tokens of one process, and fails cleanly.
 
-Every test here starts real worker processes (torch.multiprocessing, spawn) joined by gloo groups on 127.0.0.1,
+Every test here starts real worker processes (fresh interpreters) joined by gloo groups on 127.0.0.1,
 on a tiny Llama with 8 query heads, 4 KV heads and a 97-token vocabulary (so the vocabulary's last slice is padded
 at N = 2 and 4). SmolLM2 at N = 3 is checked against transformers in ``test_engine.py``.
 
@@ -12,7 +12,6 @@ both sequences: check whether the two top logits were all but tied there before 
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import PREEMPTING_PROMPTS, small_engine
@@ -82,6 +82,11 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def children() -> set[int]:
+    """This process's live child processes (the workers are subprocesses, not multiprocessing's children)."""
+    return {c.pid for c in psutil.Process().children(recursive=True) if _alive(c.pid)}
 
 
 def shm_entries() -> set[str]:
@@ -164,24 +169,24 @@ def test_tp_swap_preemption_and_an_engine_nobody_holds(tp_model) -> None:
 
 # ---- refused before anything starts -------------------------------------------------------------------------
 def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_process(tp_model) -> None:
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), children()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide num_key_value_heads=4") as e:
         LLM(model=tp_model, tensor_parallel_size=3)
     assert "Sizes that work for this model: 1, 2, 4" in str(e.value)
-    assert not multiprocessing.active_children() and time.perf_counter() - t0 < 5
+    assert children() <= before and time.perf_counter() - t0 < 5
 
 
 def test_smollm2_splits_over_1_or_3_ranks() -> None:
     from minipaged.model_loader import ensure_converted
 
-    path = ensure_converted()
+    path, before = ensure_converted(), children()
     assert Shape.of(path).sizes_that_work(9) == [1, 3] and check_tp_size(path, 3).num_key_value_heads == 3
     with pytest.raises(ValueError) as e:
         LLM(tensor_parallel_size=2)
     assert "num_key_value_heads=3 and num_attention_heads=9" in str(e.value) and "work for this model: 1, 3" in str(
         e.value
     )
-    assert not multiprocessing.active_children()
+    assert children() <= before
 
 
 @pytest.mark.parametrize(
@@ -221,24 +226,6 @@ def test_a_killed_worker_fails_the_step_within_seconds_and_ends_every_rank(tp_mo
     again = small_engine(tp_model, tensor_parallel_size=2)
     assert run(again)["tokens"] == reference["tokens"]
     again.shutdown()
-
-
-def test_a_hung_worker_fails_the_step_after_the_timeout(tp_model) -> None:
-    llm = small_engine(tp_model, tensor_parallel_size=2, distributed_timeout_s=2)
-    pids = llm.runner.executor.pids
-    llm.add_request(PROMPTS[0], GREEDY)
-    llm.step()
-    os.kill(pids[0], signal.SIGSTOP)  # alive, but answering nothing
-    t0 = time.perf_counter()
-    try:
-        with pytest.raises(TensorParallelError, match=r"did not answer within distributed_timeout_s=2 s"):
-            for _ in range(100):
-                llm.step()
-        assert time.perf_counter() - t0 < 30
-        assert gone(pids)  # a stopped process is killed, not left stopped
-    finally:
-        if _alive(pids[0]):
-            os.kill(pids[0], signal.SIGKILL)
 
 
 def test_an_interrupted_step_ends_every_rank(tp_model, monkeypatch) -> None:
