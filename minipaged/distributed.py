@@ -190,7 +190,7 @@ class TPGroup:
         for g in (self.device_group, self.cpu_group) + ((self.wait_group,) if self.is_driver else ()):
             try:
                 g.set_timeout(self.timeout)
-            except (AttributeError, RuntimeError):  # a backend that cannot: it keeps the start-up's bound
+            except Exception:  # a backend (or a torch) that cannot: it keeps the start-up's bound, no worse
                 pass
 
     def destroy(self, abort: bool = False) -> None:

@@ -74,8 +74,16 @@ def rendezvous(config: Config) -> tuple[str, int]:
     """Where the ranks meet: ``master_addr`` / ``master_port``, else ``$MASTER_ADDR`` / ``$MASTER_PORT``, else
     127.0.0.1 and a free port (one machine)."""
     host = config.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = config.master_port or _env_port() or free_port(host)
-    return host, port
+    port = config.master_port or _env_port()
+    if port:
+        return host, port
+    try:
+        return host, free_port(host)
+    except OSError as e:  # a name nobody resolves, an address of another machine
+        where = "master_addr" if config.master_addr else "$MASTER_ADDR"
+        raise ValueError(
+            f"{where}={host!r} is not an address of this machine ({e}): rank 0 serves the ranks' rendezvous there"
+        ) from None
 
 
 def _env_port() -> int | None:
@@ -267,7 +275,7 @@ class MultiprocExecutor:
         keys = {rank: f"ready/{rank}" for rank in range(1, self.size)}
         t0 = time.monotonic()
         while not store.check(list(keys.values())):
-            if self._dead():
+            if self._dead() or self._worker_errors():  # the latter: a rank on another machine failed
                 raise TensorParallelError("a worker ended before it joined the group")
             waited = time.monotonic() - t0
             if waited > self.timeout_s and (waited > self.timeout_s + START_S or self._faulty()):
@@ -394,8 +402,9 @@ class MultiprocExecutor:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         return "; ".join(
             [
-                f"no rank died or was stopped, but one did not answer within distributed_timeout_s="
-                f"{self.timeout_s:g} s (a rank slower than that, or one on another machine went away: {first})",
+                f"no rank was killed, failed on its own or was stopped, but one did not answer within "
+                f"distributed_timeout_s={self.timeout_s:g} s (rank 0 itself, a rank slower than that, or one on "
+                f"another machine that went away: {first})",
                 *gave_up,
             ]
         )
@@ -494,8 +503,15 @@ def run_node(host: str, port: int, node_rank: int, timeout_s: float = 600.0) -> 
         raise ValueError(f"master_port must be 1 … 65535, got {port}")
     if not timeout_s > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout_s}")
-    store = open_store(host, port, None, False, timeout_s)  # waits for the engine's store to appear
-    config, _ = pickle.loads(store.get("config"))
+    try:  # waits for the engine's store to appear
+        store = open_store(host, port, None, False, timeout_s)
+        config, _ = pickle.loads(store.get("config"))
+    except dist.DistError as e:
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise TensorParallelError(
+            f"no engine answered at master_addr={host!r}, master_port={port} within {timeout_s:g} s ({first}): "
+            "start the engine (nnodes > 1) first, or wait longer"
+        ) from None
     local = config.tensor_parallel_size // config.nnodes
     if not 0 < node_rank < config.nnodes:
         raise ValueError(f"node_rank must be 1 … {config.nnodes - 1} (the engine's machine is node 0), got {node_rank}")

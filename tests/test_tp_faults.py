@@ -171,7 +171,7 @@ def test_shutdown_does_not_wait_for_a_stopped_worker(tiny_model) -> None:
 
 
 # ---- the rendezvous -------------------------------------------------------------------------------------------
-def test_a_master_port_in_use_or_a_bad_master_port_variable_is_named(tiny_model, monkeypatch) -> None:
+def test_a_master_port_in_use_or_a_bad_master_variable_is_named(tiny_model, monkeypatch) -> None:
     before = children()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -183,5 +183,9 @@ def test_a_master_port_in_use_or_a_bad_master_port_variable_is_named(tiny_model,
         assert time.perf_counter() - t0 < 10
     monkeypatch.setenv("MASTER_PORT", "http")
     with pytest.raises(ValueError, match=r"\$MASTER_PORT='http' is not a port"):
+        LLM(model=tiny_model, tensor_parallel_size=2)
+    monkeypatch.delenv("MASTER_PORT")
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: no machine's own address
+    with pytest.raises(ValueError, match=r"\$MASTER_ADDR='192.0.2.1' is not an address of this machine"):
         LLM(model=tiny_model, tensor_parallel_size=2)
     assert children() <= before
