@@ -20,7 +20,7 @@ DIR    ?= exercises
 # Each test file (or notebook) runs whole in one worker, in order: a notebook's cells share one kernel.
 WORKERS ?= 2
 
-.PHONY: setup demo test lint test-browser lab grade kernels gpu-check clean
+.PHONY: setup demo test durations lint test-browser lab grade kernels gpu-check clean
 
 setup: $(STAMP)
 
@@ -53,6 +53,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
+
+durations: setup  # each test file's seconds, for the longest-first order of `make test` (tests/conftest.py)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --durations=0 -q | $(BIN)/python tools/test_durations.py
 
 LINT_PATHS := minipaged tests benchmarks tools
 

@@ -39,3 +39,23 @@ def small_engine(tiny_model, **kw):
 def tiny_model(tmp_path_factory):
     """A tiny random Llama saved as a model folder (no tokenizer: prompts are token ids), for fast engine tests."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+# ---- the order files run in --------------------------------------------------------------------------------------
+# `make test` hands whole files to two processes (--dist loadfile) in collection order, the next file to whichever
+# finishes first. Collected as found, the slowest files (the capstone's and the open policy's solutions) come last
+# and one process runs them alone while the other sits idle. Longest first evens the two out: tests/durations.json
+# holds each file's measured seconds (`make durations` measures them again); a file it does not know goes first.
+_DURATIONS = __import__("pathlib").Path(__file__).with_name("durations.json")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    import json
+
+    known: dict[str, float] = json.loads(_DURATIONS.read_text()) if _DURATIONS.exists() else {}
+    files = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], len(files))
+    items.sort(
+        key=lambda item: (-known.get(item.nodeid.split("::")[0], float("inf")), files[item.nodeid.split("::")[0]])
+    )
