@@ -216,6 +216,10 @@ class KVCacheManager:
         its later ``scheduler_reserve_full_isl`` option (``vllm/config/scheduler.py``)
         passes ``full_sequence_must_fit`` to require room for the whole input.
         """
+        if not (num_new_computed_tokens or new_computed_blocks or num_lookahead_tokens or num_external_computed_tokens):
+            in_place = self._allocate_in_place(request, num_new_tokens)
+            if in_place is not None:
+                return in_place
         need = self._need(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens,
@@ -281,6 +285,34 @@ class KVCacheManager:
                 # their K/V come in this step
                 self.uncommitted_blocks.extend(manager.cache_blocks(request, num_cached, num_full_blocks))
         return KVCacheBlocks(tuple(new_per_group))
+
+    def _allocate_in_place(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
+        """``allocate_slots`` for the usual step of a running request, most decode steps: its blocks already
+        have room for the new tokens, so nothing comes from the pool; only the blocks they fill are cached.
+        None (and nothing changed) when the full path is needed: a new admission, a block to add or copy, a
+        sliding window, a connector, reserved blocks, or a learner's admission rule to ask."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        start, bs = request.num_computed_tokens, self.block_size
+        if (
+            not blocks
+            or type(num_new_tokens) is not int  # _need names a bad value
+            or not 0 <= num_new_tokens <= len(blocks) * bs - start
+            or not self.single_type
+            or self.connector is not None
+            or self.reserved_blocks
+            or (start % bs and blocks[start // bs].ref_cnt > 1)  # a forked sibling shares it: copy-on-write
+            or hooks.plugged("would_allocate") is not None
+        ):
+            return None
+        if self.enable_caching:
+            self._attach_hasher(request)
+            manager = self.managers[0]
+            num_full_blocks = min(start + num_new_tokens, request.num_tokens) // bs
+            rid = request.request_id
+            self.uncommitted_blocks.extend(
+                manager.cache_blocks(request, manager.num_cached_block[rid], num_full_blocks)
+            )
+        return KVCacheBlocks(([],))
 
     def can_allocate(
         self,
