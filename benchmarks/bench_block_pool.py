@@ -44,7 +44,7 @@ NUM_REQUESTS = 32
 def make_pool(impl: str):
     if impl == "minipaged":
         sys.path.insert(0, str(REPO))
-        from minipaged.block_pool import BlockPool
+        from minipaged.core.block_pool import BlockPool
 
         return BlockPool(NUM_BLOCKS, enable_caching=True), "minipaged"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

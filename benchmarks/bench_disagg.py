@@ -131,7 +131,7 @@ def main() -> int:
     import torch
 
     from minipaged import LLM
-    from minipaged.disagg import DisaggregatedLLM
+    from minipaged.engine.disagg import DisaggregatedLLM
 
     knobs = dict(dtype="float32", max_num_batched_tokens=args.budget, kv_cache_memory="1GiB", max_model_len=2048)
     cores = torch.get_num_threads()

@@ -523,8 +523,8 @@ def main() -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # the workers inherit it (see the docstring)
     args.out = args.out.resolve()  # the workers run in benchmarks/: a relative --out must not move with them
     sys.path.insert(0, str(REPO))
+    from minipaged.lab.workloads import generation_workload
     from minipaged.model_loader import chat_prompt_ids, ensure_converted, load_tokenizer
-    from minipaged.workloads import generation_workload
 
     model_path = str(ensure_converted())
     vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]

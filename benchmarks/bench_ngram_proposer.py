@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import machine, write_result  # noqa: E402
 from minipaged.config import SpeculativeConfig  # noqa: E402
-from minipaged.spec_decode import NgramProposer  # noqa: E402
+from minipaged.core.spec_decode import NgramProposer  # noqa: E402
 
 K, LO, HI, REQUESTS, ROUNDS = 4, 2, 4, 256, 5
 

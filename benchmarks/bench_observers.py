@@ -46,10 +46,10 @@ def main() -> int:
 
     import torch
 
-    import minipaged.engine as engine_module
+    import minipaged.engine.llm as engine_module
     from minipaged import LLM, SamplingParams
-    from minipaged.events import Observers
-    from minipaged.viz import EngineMonitor
+    from minipaged.classroom.viz import EngineMonitor
+    from minipaged.engine.events import Observers
 
     # Time the two calls the engine's thread makes for its observers.
     spent: list[float] = []

@@ -4,7 +4,7 @@ Run by hand (about a minute on 2 cores)::
 
     python benchmarks/bench_onednn_rows.py            # -> assets/benchmarks/onednn_rows.json
 
-Four of SmolLM2's linear layers (``llama.Linear``, the packed oneDNN path with its post-ops) are called 4,000
+Four of SmolLM2's linear layers (``layers.Linear``, the packed oneDNN path with its post-ops) are called 4,000
 times with a row count that is fixed, random in 1..599 as it is, or random but rounded by ``packed_rows`` (what
 the engine does now). Each mode runs in a fresh process (oneDNN's caches are per process) and reports its RSS
 at the end and the seconds for the calls.
@@ -27,14 +27,14 @@ MODES = ("fixed", "random", "rounded")
 WORKER = """
 import random, sys, time, torch
 sys.path.insert(0, {repo!r})
-from minipaged.model import llama
+from minipaged.model import layers
 
 mode, calls = {mode!r}, {calls}
 if mode == "random":
-    llama.pad_rows = lambda x: x  # the rows as they come (before the fix)
+    layers.pad_rows = lambda x: x  # the rows as they come (before the fix)
 torch.manual_seed(0)
-layers = [llama.Linear(576, 1536, bias=False), llama.Linear(1536, 576, bias=False),
-          llama.Linear(576, 576, bias=False), llama.Linear(576, 192, bias=False)]
+layers = [layers.Linear(576, 1536, bias=False), layers.Linear(1536, 576, bias=False),
+          layers.Linear(576, 576, bias=False), layers.Linear(576, 192, bias=False)]
 rng = random.Random(0)
 t0 = time.perf_counter()
 with torch.inference_mode():

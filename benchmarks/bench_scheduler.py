@@ -39,11 +39,11 @@ sys.path.insert(0, str(REPO))
 from common import machine  # noqa: E402  (benchmarks/common.py: run as a script from this folder)
 
 from minipaged import __version__  # noqa: E402
-from minipaged.kv_cache_manager import KVCacheManager  # noqa: E402
-from minipaged.request import Request  # noqa: E402
+from minipaged.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from minipaged.core.request import Request  # noqa: E402
+from minipaged.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from minipaged.lab.simulator import CostModel, fake_samples  # noqa: E402
 from minipaged.sampling_params import SamplingParams  # noqa: E402
-from minipaged.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from minipaged.simulator import CostModel, fake_samples  # noqa: E402
 
 PROMPT_LEN = 128
 BLOCK_SIZE = 16

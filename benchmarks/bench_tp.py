@@ -42,12 +42,12 @@ def serve(size: int, prompts: list[list[int]], max_tokens: int) -> dict:
     start_s = time.perf_counter() - t0
     try:
         llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up: oneDNN's kernels, gloo's buffers
-        before = llm.runner.on_every_rank("comm")
+        before = llm.executor.collective_rpc("comm")
         steps0 = llm.num_steps
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
-        after = llm.runner.on_every_rank("comm")
+        after = llm.executor.collective_rpc("comm")
         steps = llm.num_steps - steps0
         ranks = []
         for b, a in zip(before, after):
@@ -61,7 +61,7 @@ def serve(size: int, prompts: list[list[int]], max_tokens: int) -> dict:
                     "bytes_all_reduced_per_step": d["bytes_all_reduced"] / steps,
                 }
             )
-        alone = llm.runner.on_every_rank("time_all_reduce", (len(prompts), 576), 200)
+        alone = llm.executor.collective_rpc("time_all_reduce", (len(prompts), 576), 200)
         return {
             "tensor_parallel_size": size,
             "start_s": start_s,

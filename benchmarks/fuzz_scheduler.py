@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from common import machine  # noqa: E402
 
 from minipaged import __version__  # noqa: E402
-from minipaged.testing import fuzz  # noqa: E402
+from minipaged.lab.checking_driver import fuzz  # noqa: E402
 
 
 def main() -> None:

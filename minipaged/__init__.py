@@ -1,9 +1,10 @@
 """minipaged: a paged-KV-cache inference engine, built chapter by chapter.
 
-Each module is one concept of the course (see README.md): ``kv_math`` (chapter 01), ``workloads`` and
-``contiguous`` (02), ``block_pool`` (03), ``block_table`` and ``kv_cache_manager`` (04), ``kernels`` (05),
-``request`` and ``scheduler`` (06-08), ``cache_engine`` (07), ``model``, ``model_runner`` and ``engine`` (09);
-``viz`` holds the widgets and ``grading`` the exercise checks.
+One module per concept, in layers (README, "Layout"): the base modules here (``config``, ``kv_math``,
+``hooks``, ...), then ``core/`` (block pool, requests, KV cache managers, scheduler), ``kernels/``, ``model/``,
+``worker/`` (model runner, cache engine, executors), ``engine/`` (``LLM``), ``serving/`` and ``lab/``, and
+``classroom/`` (parts, grading, widgets). A module's old path (``minipaged.block_pool``) still imports it
+(``old_paths``).
 
 ``LLM`` and ``SamplingParams`` are imported lazily so that ``import minipaged`` stays light.
 """
@@ -17,13 +18,17 @@ from typing import Any
 # (e.g. OMP_WAIT_POLICY=ACTIVE for a benchmark on an idle machine) and this leaves it alone.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from . import old_paths
+
+old_paths.install()
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from .engine import LLM
+        from .engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from .grading.runner import DEFAULT_TIMEOUT_S as DEFAULT_GRADE_TIMEOUT_S
+from .classroom.grading.runner import DEFAULT_TIMEOUT_S as DEFAULT_GRADE_TIMEOUT_S
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -91,7 +91,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace):
-    from .engine import LLM
+    from .engine.llm import LLM
 
     return LLM(
         block_size=args.block_size,
@@ -218,8 +218,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Serve a seeded mixed-length batch (lognormal prompt and output lengths) and report throughput."""
+    from .lab.workloads import generation_workload
     from .sampling_params import SamplingParams
-    from .workloads import generation_workload
 
     llm = _engine(args)
     prompts, output_lens = generation_workload(args.num_prompts, llm.model.config.vocab_size, args.seed or 0)
@@ -280,7 +280,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     knobs = {f.name: getattr(args, f.name) for f in fields(Config) if f.init and hasattr(args, f.name)}
     model = knobs.pop("model", None)
     Config.from_kwargs(model, knobs)  # a bad knob fails here, in a one-line ValueError, before the model loads
-    from .engine import LLM
+    from .engine.llm import LLM
     from .serving import start_server
 
     llm = LLM(model, **knobs)
@@ -307,7 +307,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """This machine's ranks of an engine started elsewhere with ``nnodes`` > 1; until that engine shuts down."""
-    from .executor import run_node
+    from .worker.executor import run_node
 
     print(
         f"minipaged: node {args.node_rank} waiting for the engine at {args.master_addr}:{args.master_port}", flush=True
@@ -318,7 +318,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_grade(args: argparse.Namespace) -> int:
-    from .grading import format_details, format_table, grade_folder
+    from .classroom.grading import format_details, format_table, grade_folder
 
     def progress(path: Path) -> None:
         print(f"grading {path} ...", file=sys.stderr, flush=True)
@@ -377,7 +377,7 @@ def _csv(kind: type, name: str):
 
 def cmd_kernels(args: argparse.Namespace) -> int:
     """Compile the Triton kernels for NVIDIA GPUs ahead of time; exit 1 if any fails or spills."""
-    from .kernels import report
+    from .classroom import kernel_report as report
 
     configs = report.default_configs(
         archs=args.arch,

@@ -21,7 +21,7 @@ PREEMPTING_PROMPTS = [
 
 def small_engine(tiny_model, **kw):
     """The tiny model with a small pool and budget (13 usable blocks of 4, 16 tokens a step), prefix caching on."""
-    from minipaged.engine import LLM
+    from minipaged.engine.llm import LLM
 
     args = dict(
         model=tiny_model,

@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minipaged.block_pool import KVCacheBlock, get_request_block_hasher
-from minipaged.kv_cache_manager import KVCacheManager
-from minipaged.request import Request
+from minipaged.core.block_pool import KVCacheBlock, get_request_block_hasher
+from minipaged.core.kv_cache_manager import KVCacheManager
+from minipaged.core.request import Request
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 11  # 10 usable + the null block: small, so the pool runs dry often

@@ -12,11 +12,12 @@ import pytest
 import torch
 from conftest import small_engine
 
-from minipaged import SamplingParams, parts
+from minipaged import SamplingParams
+from minipaged.classroom import parts
 from minipaged.config import Config, parse_memory
-from minipaged.kv_cache_manager import find_prefix_hits
+from minipaged.core.kv_cache_manager import find_prefix_hits
 from minipaged.model.llama import sliding_windows
-from minipaged.sampler import apply_top_k_top_p
+from minipaged.worker.sampler import apply_top_k_top_p
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minipaged.block_pool import (
+from minipaged.core.block_pool import (
     NONE_HASH,
     BlockPool,
     FreeKVCacheBlockQueue,
@@ -16,7 +16,7 @@ from minipaged.block_pool import (
     get_request_block_hasher,
     hash_block_tokens,
 )
-from minipaged.request import Request
+from minipaged.core.request import Request
 
 
 def ids(blocks):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minipaged.block_table import PAD_SLOT_ID, BlockTable, make_block_table_tensor, slot_mapping
+from minipaged.worker.block_table import PAD_SLOT_ID, BlockTable, make_block_table_tensor, slot_mapping
 
 
 def test_resolve_the_docstring_example():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minipaged.cache_engine import CacheEngine
+from minipaged.worker.cache_engine import CacheEngine
 
 
 def _fill(engine: CacheEngine) -> None:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from minipaged.contiguous import (
+from minipaged.lab.contiguous import (
     PAPER_FIG2,
     ContiguousAllocator,
     block_size_tradeoff,
@@ -14,7 +14,7 @@ from minipaged.contiguous import (
     simulate_trace,
     waste_breakdown,
 )
-from minipaged.workloads import Trace, TraceRequest, sharegpt_like_trace, static_vs_paged_lengths
+from minipaged.lab.workloads import Trace, TraceRequest, sharegpt_like_trace, static_vs_paged_lengths
 
 
 # ---- the allocator ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from minipaged import LLM, SamplingParams, hooks
 from minipaged.config import Config
 from minipaged.model import AttentionMetadata
 from minipaged.model.cuda_graphs import CUDAGraphRunner, StaticInputs, capture_sizes
-from minipaged.model.llama import packed_rows
+from minipaged.model.layers import packed_rows
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 

@@ -13,8 +13,8 @@ import weakref
 import pytest
 import torch
 
-from minipaged.disagg import DisaggregatedLLM, engine_kwargs, process_state
-from minipaged.engine import LLM
+from minipaged.engine.disagg import DisaggregatedLLM, engine_kwargs, process_state
+from minipaged.engine.llm import LLM
 from minipaged.model_loader import chat_prompt_ids, load_tokenizer
 from minipaged.sampling_params import SamplingParams
 

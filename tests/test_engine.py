@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from minipaged.engine import LLM
+from minipaged.engine.llm import LLM
 from minipaged.model_loader import chat_prompt_ids, hf_greedy_token_ids, load_hf_model
 from minipaged.sampling_params import SamplingParams
 
@@ -143,7 +143,7 @@ def test_tensor_parallel_3_matches_transformers(hf, prompt_ids, reference):
         kw.update(device="cpu", attention_backend="torch")
     llm = LLM(dtype="float32", **{"attention_backend": BACKEND, **kw})
     try:
-        assert [r["num_kv_heads"] for r in llm.runner.ranks()] == [1, 1, 1]
+        assert [r["num_kv_heads"] for r in llm.executor.ranks()] == [1, 1, 1]
         check_all(llm, hf, prompt_ids, reference)
         assert max(s["tokens"] for s in llm.step_stats) == 64  # prefills were chunked
     finally:

@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import PREEMPTING_PROMPTS, small_engine
 
-from minipaged.block_pool import BlockPool
 from minipaged.config import parse_memory as _parse_memory
-from minipaged.engine import LLM
+from minipaged.core.block_pool import BlockPool
+from minipaged.engine.llm import LLM
 from minipaged.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -378,7 +378,7 @@ def test_cuda_ranks_need_a_gpu_each(tiny_model, monkeypatch):
 
 def test_cli_checks_its_arguments_before_loading_the_model(monkeypatch, capsys):
     from minipaged import __main__ as cli
-    from minipaged import engine as engine_module
+    from minipaged.engine import llm as engine_module
 
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
@@ -433,7 +433,7 @@ def test_eight_threads_share_one_small_engine(tiny_model, expected):
 # ---- the command line -----------------------------------------------------------------------------------------
 def test_cli_refuses_to_stream_several_answers_before_loading_the_model(monkeypatch, capsys):
     from minipaged import __main__ as cli
-    from minipaged import engine as engine_module
+    from minipaged.engine import llm as engine_module
 
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")

@@ -13,8 +13,9 @@ import pytest
 import torch
 from conftest import small_engine
 
-from minipaged import LLM, SamplingParams, executor, model_runner
-from minipaged.model_runner import GPUMemoryError
+from minipaged import LLM, SamplingParams
+from minipaged.worker import executor, model_runner
+from minipaged.worker.model_runner import GPUMemoryError
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory figures need a CUDA GPU")
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -6,7 +6,7 @@ A tiny random Llama keeps the interpreter fast; greedy tokens must equal the PyT
 import pytest
 import torch
 
-from minipaged.engine import LLM
+from minipaged.engine.llm import LLM
 from minipaged.sampling_params import SamplingParams
 
 

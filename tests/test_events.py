@@ -1,4 +1,4 @@
-"""Engine events (minipaged/events.py): what observers see after each step, and that no observer can stall or
+"""Engine events (minipaged/engine/events.py): what observers see after each step, and that no observer can stall or
 break the engine."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from conftest import PREEMPTING_PROMPTS, small_engine
 
 from minipaged import SamplingParams
-from minipaged.events import Observers, StepEvent
+from minipaged.engine.events import Observers, StepEvent
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -115,7 +115,7 @@ def test_a_stuck_observer_never_blocks_a_step(tiny_model, expected) -> None:
 
 
 def test_nothing_is_built_without_an_observer(tiny_model, monkeypatch) -> None:
-    import minipaged.engine as engine_module
+    import minipaged.engine.llm as engine_module
 
     def boom(*args, **kwargs):
         raise AssertionError("an event was built with nobody watching")

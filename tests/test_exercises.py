@@ -5,7 +5,7 @@ printed check lines with the stored ones, which must all read "n/n checks
 passed"; here we run each starter and prove no check passes on the stub. A
 starter stores no check output (a learner must not read "n/n checks passed"
 before writing anything): what each check cell must print is in its metadata,
-and the package's pytest plugin (minipaged/grading/nbval_plugin.py) gives it to nbval, proven here on ex01.
+and the package's pytest plugin (minipaged/classroom/grading/nbval_plugin.py) gives it to nbval, proven here on ex01.
 """
 
 import re
@@ -17,9 +17,15 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minipaged.grading import worker
-from minipaged.grading.exercises import exercise_for
-from minipaged.grading.runner import CHECK_MARK, METADATA_KEY, _scores_from_events, expected_outputs, stored_groups
+from minipaged.classroom.grading import worker
+from minipaged.classroom.grading.exercises import exercise_for
+from minipaged.classroom.grading.runner import (
+    CHECK_MARK,
+    METADATA_KEY,
+    _scores_from_events,
+    expected_outputs,
+    stored_groups,
+)
 
 EXERCISES = Path(__file__).resolve().parent.parent / "exercises"
 STARTERS = sorted(EXERCISES.glob("ex*.ipynb"))
@@ -117,7 +123,7 @@ def test_the_course_map_says_what_each_exercise_has_you_write():
     """00's table: every function in "you write" is a stub of that exercise, every part in "it runs in the
     engine as" is a part of that exercise (minipaged.parts), and every part is there; the chapters without an
     exercise say so. Chapter 05 has two exercises: ex05 and the Triton puzzles, ex05b."""
-    from minipaged.parts import PARTS
+    from minipaged.classroom.parts import PARTS
 
     ENGINE_PARTS = {"paged_decode_attention", "paged_prefill_attention"}  # puzzles.decode_part, prefill_part
 
@@ -156,7 +162,7 @@ def test_ex05_hands_the_wrapper_every_tensor_on_the_kernel_device(monkeypatch, c
     qkv slice, a heads-major cache); the meta device stands in for cuda here. The reference runs on the CPU."""
     import torch
 
-    from minipaged.grading import ex05
+    from minipaged.classroom.grading import ex05
     from minipaged.kernels import launch
 
     monkeypatch.setattr(launch, "kernel_device", lambda: torch.device("meta"))
@@ -184,7 +190,7 @@ def test_ex05_hands_the_wrapper_every_tensor_on_the_kernel_device(monkeypatch, c
 def test_ex05_reports_a_cpu_tensor_at_a_compiled_kernel_as_such_without_hints(capsys):
     """Triton's compiled launcher refuses a CPU tensor; that is said, not followed by hints about padding or
     strides that would send a learner with a right kernel looking for a bug."""
-    from minipaged.grading import ex05
+    from minipaged.classroom.grading import ex05
     from minipaged.kernels.launch import DEVICE_PROBLEM
 
     def wrapper(*args):

@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minipaged import glossary
+from minipaged.classroom import glossary
 from minipaged.kv_math import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,8 +2,8 @@
 
 import pytest
 
-from minipaged.grading import Check, close, format_table, parse_summaries, report
-from minipaged.grading.runner import GroupScore
+from minipaged.classroom.grading import Check, close, format_table, parse_summaries, report
+from minipaged.classroom.grading.runner import GroupScore
 
 
 def test_report_prints_one_summary_line_when_all_pass(capsys):
@@ -51,9 +51,9 @@ from pathlib import Path  # noqa: E402
 
 import nbformat  # noqa: E402
 
-from minipaged.grading import format_details, grade_folder, grade_notebook  # noqa: E402
-from minipaged.grading.exercises import EXERCISES, exercise_for  # noqa: E402
-from minipaged.grading.runner import CHECK_MARK, stored_groups  # noqa: E402
+from minipaged.classroom.grading import format_details, grade_folder, grade_notebook  # noqa: E402
+from minipaged.classroom.grading.exercises import EXERCISES, exercise_for  # noqa: E402
+from minipaged.classroom.grading.runner import CHECK_MARK, stored_groups  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "exercises" / "solutions"
@@ -205,8 +205,8 @@ def test_the_command_line(tmp_path):
 def test_the_capstone_engine_serves_float32_on_any_device(monkeypatch):
     """On a GPU dtype="auto" is bfloat16, which a right engine and transformers do not round alike: the capstone
     serves float32 there too (on a CPU "auto" is float32 already: nothing changes)."""
-    from minipaged import engine as engine_module
-    from minipaged.grading import ex10
+    from minipaged.classroom.grading import ex10
+    from minipaged.engine import llm as engine_module
 
     built: list[dict] = []
     monkeypatch.setattr(engine_module, "LLM", lambda **kw: built.append(kw))
@@ -224,7 +224,7 @@ def test_the_capstone_reference_runs_on_the_engines_device_in_its_dtype(monkeypa
     import torch
 
     from minipaged import model_loader
-    from minipaged.grading import ex10
+    from minipaged.classroom.grading import ex10
 
     loads: list[tuple] = []
     monkeypatch.setattr(model_loader, "ensure_converted", lambda progress=True: tmp_path)

@@ -573,7 +573,7 @@ def test_an_explicit_tile_must_fit_the_blocks():
 
 
 def test_occupancy_follows_the_cuda_rules():
-    from minipaged.kernels.report import occupancy
+    from minipaged.classroom.kernel_report import occupancy
 
     assert occupancy("sm_90", 32, 0, 4) == 64  # few registers: the 64-warp limit
     assert occupancy("sm_90", 128, 0, 4) == 16  # 128 regs x 32 = 4096 per warp: 16 warps fill 65536
@@ -637,7 +637,7 @@ def test_kernels_compile_for_h100_without_spills(tmp_path):
 def test_occupancy_on_a_t4():
     """sm_75: 32 warps and 16 programs an SM, 64 KiB of shared memory with none reserved (a kernel without shared
     memory must not divide by zero)."""
-    from minipaged.kernels.report import occupancy
+    from minipaged.classroom.kernel_report import occupancy
 
     assert occupancy("sm_75", 30, 0, 4) == 32  # the 32-warp limit
     assert occupancy("sm_75", 128, 0, 4) == 16  # 4096 registers a warp: 16 warps fill 65536
@@ -650,7 +650,7 @@ def test_occupancy_on_a_t4():
 def test_kernels_compile_for_a_t4_and_say_where_tl_dot_has_no_tensor_cores(tmp_path):
     """`make kernels` covers sm_75 (T4): every kernel compiles there in every dtype, bf16 included, without spills;
     Triton gives tl.dot no tensor cores there, and each such row says so (on sm_90 fp16 and bf16 rows use them)."""
-    from minipaged.kernels.report import NO_TENSOR_CORES, Row, format_table
+    from minipaged.classroom.kernel_report import NO_TENSOR_CORES, Row, format_table
 
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
     cmd = [sys.executable, "-m", "minipaged", "kernels", "--arch", "sm_75,sm_90", "--json", "--dtypes",

@@ -8,12 +8,12 @@ import random
 
 import pytest
 
-from minipaged.block_pool import chain_block_hashes, group_block_hash
-from minipaged.engine import LLM
-from minipaged.kv_cache_coordinator import KVCacheBlocks, KVCacheGroupSpec, kv_cache_groups, layer_tensors
-from minipaged.kv_cache_manager import KVCacheManager
+from minipaged.core.block_pool import chain_block_hashes, group_block_hash
+from minipaged.core.kv_cache_coordinator import KVCacheBlocks, KVCacheGroupSpec, kv_cache_groups, layer_tensors
+from minipaged.core.kv_cache_manager import KVCacheManager
+from minipaged.core.request import Request
+from minipaged.engine.llm import LLM
 from minipaged.model_loader import hf_greedy_token_ids, save_tiny_llama
-from minipaged.request import Request
 from minipaged.sampling_params import SamplingParams
 from minipaged.utils import cdiv
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from minipaged.block_pool import get_request_block_hasher
-from minipaged.block_table import BlockTable
-from minipaged.kv_cache_manager import KVCacheManager
-from minipaged.request import Request
+from minipaged.core.block_pool import get_request_block_hasher
+from minipaged.core.kv_cache_manager import KVCacheManager
+from minipaged.core.request import Request
+from minipaged.worker.block_table import BlockTable
 
 
 def step(mgr, req, num_new_tokens, **kw):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from minipaged.block_pool import BlockHash
-from minipaged.kv_cache_manager import KVCacheManager
-from minipaged.kv_connector import KVConnectorMetadata, OffloadingConnector
-from minipaged.request import Request
-from minipaged.step import run_step
-from minipaged.testing import Driver
+from minipaged.core.block_pool import BlockHash
+from minipaged.core.kv_cache_manager import KVCacheManager
+from minipaged.core.kv_connector import KVConnectorMetadata, OffloadingConnector
+from minipaged.core.request import Request
+from minipaged.engine.step import run_step
+from minipaged.lab.checking_driver import Driver
 
 
 def h(i: int) -> BlockHash:
@@ -22,7 +22,7 @@ def h(i: int) -> BlockHash:
 
 
 def hashed_request(rid: str, tokens: list[int], block_size: int) -> Request:
-    from minipaged.block_pool import get_request_block_hasher
+    from minipaged.core.block_pool import get_request_block_hasher
 
     return Request(rid, tokens, block_hasher=get_request_block_hasher(block_size))
 
@@ -53,7 +53,7 @@ def test_lru_slots_and_pinning():
     req.block_hashes[:] = [h(1), h(3)]  # block_size 1: 3 tokens, the first 2 may hit
     assert c.get_num_new_matched_tokens(req, 0) == 2
     assert c.get_num_new_matched_tokens(req, 1) == 1
-    from minipaged.block_pool import KVCacheBlock
+    from minipaged.core.block_pool import KVCacheBlock
 
     c.update_state_after_alloc(req, [KVCacheBlock(4), KVCacheBlock(5)], 0)
     assert c.build_connector_meta().loads == [(0, 4), (1, 5)]
@@ -98,7 +98,7 @@ def test_offloading_needs_prefix_caching():
         Config(kv_offloading_size="1MiB", enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_size"):
         Config(kv_offloading_size="lots")
-    from minipaged.simulator import SimConfig
+    from minipaged.lab.simulator import SimConfig
 
     with pytest.raises(ValueError, match="no KV offloading store"):
         SimConfig(kv_offloading_size="1MiB", enable_prefix_caching=True)

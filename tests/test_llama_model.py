@@ -93,10 +93,10 @@ def test_tied_embeddings_and_bad_configs(tmp_path):
 
 def test_packed_linear_matches_nn_linear_and_follows_weight_updates():
     """The oneDNN path (inference on a CPU) computes what nn.Linear does, and never uses a stale packed weight."""
-    from minipaged.model import llama
+    from minipaged.model import layers
 
     torch.manual_seed(0)
-    layer = llama.Linear(48, 80, bias=True)
+    layer = layers.Linear(48, 80, bias=True)
     plain = torch.nn.Linear(48, 80, bias=True)
     plain.load_state_dict(layer.state_dict())
     for rows in (1, 3, 32, 70):
@@ -104,7 +104,7 @@ def test_packed_linear_matches_nn_linear_and_follows_weight_updates():
         with torch.inference_mode():
             got = layer(x)
         torch.testing.assert_close(got, plain(x).detach(), atol=1e-5, rtol=1e-5)
-    assert layer._packed is not None or not llama._ONEDNN  # the packed path really ran
+    assert layer._packed is not None or not layers._ONEDNN  # the packed path really ran
     with torch.no_grad():
         layer.weight.mul_(2.0)  # an in-place change must re-pack
         plain.weight.mul_(2.0)

@@ -177,7 +177,7 @@ def test_cache_dir_pointing_at_a_file_says_so(monkeypatch, tmp_path):
 # ---- a model folder that is not what it says: one line naming the file -----------------------------------
 @pytest.mark.parametrize("content", [b"", b"\x00" * 7, b"random bytes, not safetensors" * 100, "truncated"])
 def test_unreadable_weights_name_the_file(tmp_path, content):
-    from minipaged.engine import LLM
+    from minipaged.engine.llm import LLM
 
     folder = ml.save_tiny_llama(tmp_path / "tiny")
     weights = folder / "model.safetensors"
@@ -188,7 +188,7 @@ def test_unreadable_weights_name_the_file(tmp_path, content):
 
 
 def test_an_invalid_config_or_tokenizer_names_the_file(tmp_path):
-    from minipaged.engine import LLM
+    from minipaged.engine.llm import LLM
 
     folder = ml.save_tiny_llama(tmp_path / "tiny")
     (folder / "config.json").write_text("{ not json")

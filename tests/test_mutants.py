@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 import minipaged.kernels  # noqa: F401  (first: the Triton interpreter must be on before triton is imported)
-from minipaged.grading import parse_summaries
-from minipaged.grading.runner import run_code_cells
+from minipaged.classroom.grading import parse_summaries
+from minipaged.classroom.grading.runner import run_code_cells
 
 sys.path.insert(0, str(Path(__file__).parent))
 import mutants
@@ -43,7 +43,7 @@ MUTANTS: dict[str, list[dict[str, object]]] = {
 
 def grade(exercise: str, check_names, fn) -> list[tuple[str, int, int]]:
     """Run ``fn`` through the named checks of ``minipaged.grading.<exercise>``; the summary lines they print."""
-    grading = importlib.import_module(f"minipaged.grading.{exercise}")
+    grading = importlib.import_module(f"minipaged.classroom.grading.{exercise}")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         for name in check_names:

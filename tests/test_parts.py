@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from minipaged import LLM, SamplingParams, parts
-from minipaged.grading import ex10
-from minipaged.parts import PARTS, PartError
+from minipaged import LLM, SamplingParams
+from minipaged.classroom import parts
+from minipaged.classroom.grading import ex10
+from minipaged.classroom.parts import PARTS, PartError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import mutants
@@ -227,9 +228,9 @@ def test_nested_use_restores_the_outer_parts(solution_parts):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from minipaged.block_table import slot_mapping as package_slot_mapping  # noqa: E402
+from minipaged.core.kv_cache_manager import find_prefix_hits  # noqa: E402
 from minipaged.kernels import reference  # noqa: E402
-from minipaged.kv_cache_manager import find_prefix_hits  # noqa: E402
+from minipaged.worker.block_table import slot_mapping as package_slot_mapping  # noqa: E402
 
 
 def newest_duplicate_hits(pool, block_hashes, num_tokens, block_size):
@@ -456,8 +457,8 @@ def test_use_takes_a_bool_and_is_entered_once_at_a_time(solution_parts):
 
 
 # ---- the scheduler's parts: what they must leave alone ---------------------------------------------------------
-from minipaged.request import RequestStatus  # noqa: E402
-from minipaged.scheduler import admit_waiting, preempt_recompute, schedule_running  # noqa: E402
+from minipaged.core.request import RequestStatus  # noqa: E402
+from minipaged.core.scheduler import admit_waiting, preempt_recompute, schedule_running  # noqa: E402
 
 
 def preempt_frees_a_bystander(victim, kv, waiting):

@@ -17,13 +17,16 @@ from pathlib import Path
 import pytest
 from conftest import PREEMPTING_PROMPTS, small_engine
 
-from minipaged import hooks, parts, scheduler, step
-from minipaged.grading import ex10b
-from minipaged.parts import PartError
+from minipaged import hooks
+from minipaged.classroom import parts
+from minipaged.classroom.grading import ex10b
+from minipaged.classroom.parts import PartError
+from minipaged.core import scheduler
+from minipaged.core.scheduler import RequestView
+from minipaged.engine import step
+from minipaged.lab.checking_driver import Driver
+from minipaged.lab.simulator import SimRequest
 from minipaged.sampling_params import SamplingParams
-from minipaged.scheduler import RequestView
-from minipaged.simulator import SimRequest
-from minipaged.testing import Driver
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "exercises" / "policies"
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -368,7 +371,7 @@ SMALL_TRACE = [SimRequest(f"s{i}", 0.002 * i, 40 + 37 * (i % 5), 6 + i % 4) for 
 @pytest.fixture
 def small_sim(monkeypatch):
     """ex10b's simulator workload, shrunk to 24 requests with a pool that preempts (the baseline too)."""
-    from minipaged.simulator import CostModel, SimConfig
+    from minipaged.lab.simulator import CostModel, SimConfig
 
     def setup():
         cost = CostModel.for_model("llama-3-8b", "h100", step_overhead=0.002)
@@ -382,7 +385,7 @@ def small_sim(monkeypatch):
 def test_the_simulator_scores_no_run_whose_requests_were_changed(small_sim):
     """Should a policy reach the scheduler's own requests anyway (here through the garbage collector), the run
     has an error instead of a score: every request must be served the tokens the workload asks."""
-    from minipaged.request import Request
+    from minipaged.core.request import Request
 
     def admission_order(waiting):
         ids = {r.request_id for r in waiting} if not hacked else set()

@@ -2,7 +2,7 @@
 private piece away (issue: "each private torch/Triton API behind a tested fallback that still works if it
 disappears").
 
-    minipaged.model.llama.Linear           torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise(.binary)
+    minipaged.model.layers.Linear           torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise(.binary)
     minipaged.kernels.report               create_function_from_signature, JITFunction._pack_args; bundled ptxas
     minipaged.kernels.validation           triton.knobs, triton.runtime.interpreter.InterpretedFunction
     minipaged.grading.ex05                 InterpretedFunction.run / JITFunction.run (launch counting)
@@ -28,40 +28,40 @@ import pytest
 import torch
 import triton
 
-from minipaged.kernels import report
-from minipaged.model import llama
+from minipaged.classroom import kernel_report as report
+from minipaged.model import layers
 
-# ---- llama.Linear: the oneDNN packed path ----------------------------------------------------------------------
+# ---- layers.Linear: the oneDNN packed path ----------------------------------------------------------------------
 
 
 @pytest.fixture
 def fresh_onednn(monkeypatch):
     """An unprobed packed path (the module's cache emptied), restored as it was after the test."""
-    monkeypatch.setattr(llama, "_ONEDNN", None)
-    monkeypatch.setattr(llama, "_ONEDNN_OPS", None)
-    monkeypatch.setattr(llama, "_ONEDNN_FAILED_DTYPES", set())
+    monkeypatch.setattr(layers, "_ONEDNN", None)
+    monkeypatch.setattr(layers, "_ONEDNN_OPS", None)
+    monkeypatch.setattr(layers, "_ONEDNN_FAILED_DTYPES", set())
     monkeypatch.delenv("MINIPAGED_ONEDNN", raising=False)
 
 
-def _real_ops_or_skip() -> llama.OneDNNOps:
-    ops, why = llama.probe_onednn()
+def _real_ops_or_skip() -> layers.OneDNNOps:
+    ops, why = layers.probe_onednn()
     if ops is None:
         pytest.skip(f"this torch has no usable oneDNN packed linear: {why}")
     return ops
 
 
-def _layer_and_inputs(rows: int = 5) -> tuple[llama.Linear, torch.Tensor, torch.Tensor]:
+def _layer_and_inputs(rows: int = 5) -> tuple[layers.Linear, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    layer = llama.Linear(24, 40, bias=True)
+    layer = layers.Linear(24, 40, bias=True)
     return layer, torch.randn(rows, 24), torch.randn(rows, 40)
 
 
-def _all_results(layer: llama.Linear, x: torch.Tensor, other: torch.Tensor) -> dict[str, torch.Tensor]:
+def _all_results(layer: layers.Linear, x: torch.Tensor, other: torch.Tensor) -> dict[str, torch.Tensor]:
     with torch.inference_mode():
         return {"forward": layer(x), "silu": layer.silu(x), "mul": layer.mul(x, other), "add": layer.add(x, other)}
 
 
-def _plain_results(layer: llama.Linear, x: torch.Tensor, other: torch.Tensor) -> dict[str, torch.Tensor]:
+def _plain_results(layer: layers.Linear, x: torch.Tensor, other: torch.Tensor) -> dict[str, torch.Tensor]:
     """What plain PyTorch computes, never through Linear's own methods."""
     with torch.no_grad():
         y = torch.nn.functional.linear(x, layer.weight, layer.bias)
@@ -87,7 +87,7 @@ class _Counting:
         return self.op(*args)
 
 
-def _missing(name: str, ops: llama.OneDNNOps) -> SimpleNamespace:
+def _missing(name: str, ops: layers.OneDNNOps) -> SimpleNamespace:
     """An mkldnn namespace with one of the three operators taken away."""
     if name == "_reorder_linear_weight":
         return SimpleNamespace(_linear_pointwise=ops.pointwise)
@@ -101,13 +101,13 @@ def test_linear_without_the_onednn_ops_computes_what_pytorch_does(fresh_onednn, 
     """An op taken away (even the .binary overload alone): the probe says which is missing, once, and every
     method of Linear gives plain PyTorch's results, bit for bit (it *is* plain PyTorch then)."""
     ops = _real_ops_or_skip()
-    monkeypatch.setattr(llama, "_mkldnn_namespace", lambda: _missing(gone, ops))
+    monkeypatch.setattr(layers, "_mkldnn_namespace", lambda: _missing(gone, ops))
     layer, x, other = _layer_and_inputs()
     with caplog.at_level(logging.INFO, logger="minipaged"):
         got = _all_results(layer, x, other)
         _all_results(layer, x, other)
     _assert_same(got, _plain_results(layer, x, other), exact=True)
-    assert llama._ONEDNN is False and layer._packed is None
+    assert layers._ONEDNN is False and layer._packed is None
     lines = [r for r in caplog.records if "oneDNN" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING, lines  # one line, why, once
     assert "missing" in lines[0].getMessage() and gone.split(".")[-1] in lines[0].getMessage()
@@ -119,20 +119,20 @@ def test_linear_with_the_onednn_ops_uses_the_packed_path(fresh_onednn, monkeypat
     ops = _real_ops_or_skip()
     reorder, pointwise = _Counting(ops.reorder), _Counting(ops.pointwise, ops.binary)
     namespace = SimpleNamespace(_reorder_linear_weight=reorder, _linear_pointwise=pointwise)
-    monkeypatch.setattr(llama, "_mkldnn_namespace", lambda: namespace)
+    monkeypatch.setattr(layers, "_mkldnn_namespace", lambda: namespace)
     probes: list[int] = []
-    real_probe = llama.probe_onednn
+    real_probe = layers.probe_onednn
 
     def counted_probe():
         probes.append(1)
         return real_probe()
 
-    monkeypatch.setattr(llama, "probe_onednn", counted_probe)
+    monkeypatch.setattr(layers, "probe_onednn", counted_probe)
     layer, x, other = _layer_and_inputs()
     with caplog.at_level(logging.INFO, logger="minipaged"):
         got = _all_results(layer, x, other)
     _assert_same(got, _plain_results(layer, x, other))
-    assert llama._ONEDNN is True and layer._packed is not None and probes == [1]
+    assert layers._ONEDNN is True and layer._packed is not None and probes == [1]
     assert reorder.calls == 2  # the probe's weight, then this layer's (packed once, reused by all four)
     assert pointwise.calls == 2 + 2 and pointwise.binary.calls == 2 + 2  # the probe's, then forward+silu, mul+add
     assert not [r for r in caplog.records if "oneDNN" in r.getMessage()]
@@ -148,22 +148,22 @@ def test_a_wrong_or_raising_op_is_caught_by_the_probe(fresh_onednn, monkeypatch)
 
     off_by_one.binary = ops.binary  # type: ignore[attr-defined]
     monkeypatch.setattr(
-        llama,
+        layers,
         "_mkldnn_namespace",
         lambda: SimpleNamespace(_reorder_linear_weight=ops.reorder, _linear_pointwise=off_by_one),
     )
-    found, why = llama.probe_onednn()
+    found, why = layers.probe_onednn()
     assert found is None and "disagrees" in why and "'none'" in why
 
     def refuses(*args):
         raise RuntimeError("no kernel for this CPU")
 
     monkeypatch.setattr(
-        llama,
+        layers,
         "_mkldnn_namespace",
         lambda: SimpleNamespace(_reorder_linear_weight=refuses, _linear_pointwise=ops.pointwise),
     )
-    found, why = llama.probe_onednn()
+    found, why = layers.probe_onednn()
     assert found is None and "raised" in why and "no kernel for this CPU" in why
     _assert_same(_all_results(layer, x, other), _plain_results(layer, x, other), exact=True)
     assert layer._packed is None
@@ -174,7 +174,7 @@ def test_a_packed_call_that_raises_at_run_time_falls_back(fresh_onednn, monkeypa
     """The probe passed, then an op raises on a real call (a dtype or shape it does not take): that call
     returns plain PyTorch's answer, one warning names the op, and the dtype stays on the plain path."""
     ops = _real_ops_or_skip()
-    assert llama.onednn_ops() is not None  # the probe passes with the real ops
+    assert layers.onednn_ops() is not None  # the probe passes with the real ops
 
     def boom(*args):
         raise RuntimeError("unsupported here")
@@ -182,7 +182,7 @@ def test_a_packed_call_that_raises_at_run_time_falls_back(fresh_onednn, monkeypa
     pointwise = boom if method in ("forward", "silu") else ops.pointwise
     binary = boom if method in ("mul", "add") else ops.binary
     reorder = boom if method == "reorder" else ops.reorder
-    monkeypatch.setattr(llama, "_ONEDNN_OPS", llama.OneDNNOps(reorder, pointwise, binary))
+    monkeypatch.setattr(layers, "_ONEDNN_OPS", layers.OneDNNOps(reorder, pointwise, binary))
     layer, x, other = _layer_and_inputs()
     want = _plain_results(layer, x, other)
     with caplog.at_level(logging.INFO, logger="minipaged"), torch.inference_mode():
@@ -197,7 +197,7 @@ def test_a_packed_call_that_raises_at_run_time_falls_back(fresh_onednn, monkeypa
     key = "forward" if method == "reorder" else method
     torch.testing.assert_close(first, want[key], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(second, want[key], atol=1e-5, rtol=1e-5)
-    assert llama._ONEDNN_FAILED_DTYPES == {torch.float32}
+    assert layers._ONEDNN_FAILED_DTYPES == {torch.float32}
     lines = [r for r in caplog.records if "oneDNN" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING and "unsupported here" in lines[0].getMessage()
     _assert_same(_all_results(layer, x, other), want)  # every method still right, on the plain path
@@ -209,7 +209,7 @@ def test_a_caller_error_is_pytorchs_and_leaves_the_packed_path_on(fresh_onednn):
     layer, x, _ = _layer_and_inputs()
     with torch.inference_mode(), pytest.raises(RuntimeError):
         layer(x.double())
-    assert not llama._ONEDNN_FAILED_DTYPES
+    assert not layers._ONEDNN_FAILED_DTYPES
 
 
 def test_minipaged_onednn_0_still_turns_the_packed_path_off(fresh_onednn, monkeypatch, caplog):
@@ -218,7 +218,7 @@ def test_minipaged_onednn_0_still_turns_the_packed_path_off(fresh_onednn, monkey
     with caplog.at_level(logging.INFO, logger="minipaged"):
         got = _all_results(layer, x, other)
     _assert_same(got, _plain_results(layer, x, other), exact=True)
-    assert llama._ONEDNN is False and layer._packed is None
+    assert layers._ONEDNN is False and layer._packed is None
     (line,) = [r for r in caplog.records if "oneDNN" in r.getMessage()]
     assert line.levelno == logging.INFO and "MINIPAGED_ONEDNN=0" in line.getMessage()
 
@@ -227,7 +227,7 @@ def test_the_probe_leaves_the_global_random_stream_alone(fresh_onednn):
     torch.manual_seed(123)
     want = torch.rand(4)
     torch.manual_seed(123)
-    llama.probe_onednn()
+    layers.probe_onednn()
     assert torch.equal(torch.rand(4), want)
 
 
@@ -289,7 +289,7 @@ def test_interpreter_ready_fallback_still_sees_compiled_helpers(monkeypatch):
 def ex05():
     if torch.cuda.is_available():
         pytest.skip("the checks run kernels in the interpreter here")
-    from minipaged.grading import ex05
+    from minipaged.classroom.grading import ex05
 
     return ex05
 
@@ -348,7 +348,7 @@ def test_launches_are_counted_through_getitem_without_run(ex05, monkeypatch):
 
 def test_without_any_hook_the_check_fails_and_says_counting_is_unavailable(ex05, monkeypatch):
     """Neither hook: even a correct Triton kernel fails the check, with a sentence saying why (never a pass)."""
-    from minipaged.grading.core import Check, run_check
+    from minipaged.classroom.grading.core import Check, run_check
     from minipaged.kernels import reshape_and_cache
 
     monkeypatch.setattr(ex05, "_run_hook_classes", lambda: [])
@@ -494,7 +494,7 @@ def test_compile_without_tritons_private_binder_gives_the_same_cubin(tmp_path):
 
 # ---- the packed path meets a bounded set of row counts (oneDNN keeps a kernel per row count) --------------------
 def test_packed_rows_rounds_up_by_at_most_an_eighth_to_few_sizes():
-    sizes = [llama.packed_rows(m) for m in range(1, 8193)]
+    sizes = [layers.packed_rows(m) for m in range(1, 8193)]
     assert sizes[:16] == list(range(1, 17))  # small batches (decodes) run as they are
     assert all(m <= p <= m + m // 8 for m, p in enumerate(sizes, start=1))
     assert sizes == sorted(sizes) and len(set(sizes)) == 16 + 8 * 9  # 8 sizes per octave from 16 to 8192
@@ -517,10 +517,10 @@ def test_the_packed_path_sees_few_row_counts_and_gives_the_unpadded_results(fres
     namespace = SimpleNamespace(
         _reorder_linear_weight=ops.reorder, _linear_pointwise=_Counting(spy(ops.pointwise), spy(ops.binary))
     )
-    monkeypatch.setattr(llama, "_mkldnn_namespace", lambda: namespace)
+    monkeypatch.setattr(layers, "_mkldnn_namespace", lambda: namespace)
     torch.manual_seed(0)
-    layer = llama.Linear(24, 40, bias=True)
-    llama.onednn_ops()
+    layer = layers.Linear(24, 40, bias=True)
+    layers.onednn_ops()
     seen.clear()  # the probe's own tiny GEMM
     for m in range(1, 601):
         x, other = torch.randn(m, 24), torch.randn(m, 40)
@@ -528,4 +528,4 @@ def test_the_packed_path_sees_few_row_counts_and_gives_the_unpadded_results(fres
         assert all(v.shape == (m, 40) for v in got.values())
         if m in (1, 17, 100, 333, 600):
             _assert_same(got, _plain_results(layer, x, other))
-    assert llama._ONEDNN is True and len(seen) <= 16 + 8 * 6 and max(seen) == llama.packed_rows(600)
+    assert layers._ONEDNN is True and len(seen) <= 16 + 8 * 6 and max(seen) == layers.packed_rows(600)

@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minipaged import puzzles
-from minipaged.kernels.trace import AccessTrace
-from minipaged.viz.layout import check_layout
-from minipaged.viz.trace_viz import trace_figure
+from minipaged.classroom import puzzles
+from minipaged.classroom.kernel_trace import AccessTrace
+from minipaged.classroom.viz.layout import check_layout
+from minipaged.classroom.viz.trace_viz import trace_figure
 
 sys.path.insert(0, str(Path(__file__).parent))
 import mutants.ex05b as M
@@ -188,7 +188,7 @@ def test_a_kernel_that_does_not_pack_is_right_but_reads_k_and_v_g_times() -> Non
 def test_the_engine_check_fails_a_kernel_the_probes_catch(capsys) -> None:
     """A prefill kernel that ignores causality (and a decode stub) never get to serve: the part probes refuse the
     first, every engine check fails, naming the part."""
-    from minipaged.grading import ex05b
+    from minipaged.classroom.grading import ex05b
 
     @triton.jit
     def stub(query, key_cache, value_cache, block_tables, seq_lens, out, scale, table_stride,
@@ -204,7 +204,7 @@ def test_the_engine_check_fails_a_kernel_the_probes_catch(capsys) -> None:
 
 def test_puzzle_kernels_compile_for_a_gpu_and_a_broken_one_says_why() -> None:
     """``compile_kernels`` compiles a learner's kernel from its source, in a process with the interpreter off."""
-    from minipaged.kernels.report import format_table
+    from minipaged.classroom.kernel_report import format_table
 
     @triton.jit
     def broken(cache, block_table, out, seq_len, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -255,7 +255,7 @@ def test_every_tensor_goes_to_the_kernel_device(name, monkeypatch) -> None:
 
 
 def test_a_cpu_tensor_given_to_a_compiled_kernel_is_reported_without_the_puzzles_hint(capsys) -> None:
-    from minipaged.grading import ex05b
+    from minipaged.classroom.grading import ex05b
     from minipaged.kernels.launch import DEVICE_PROBLEM
 
     outcomes = ex05b.check_scatter(

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from minipaged.sampler import Sampler, apply_top_k_top_p
 from minipaged.sampling_params import SamplingParams
+from minipaged.worker.sampler import Sampler, apply_top_k_top_p
 
 
 def test_greedy_takes_the_argmax():

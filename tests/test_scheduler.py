@@ -16,11 +16,11 @@ import time
 
 import pytest
 
-from minipaged.kv_cache_manager import KVCacheManager
-from minipaged.request import Request
+from minipaged.core.kv_cache_manager import KVCacheManager
+from minipaged.core.request import Request
+from minipaged.core.scheduler import Scheduler, SchedulerConfig
+from minipaged.lab.checking_driver import EOS, Driver, fuzz, random_config
 from minipaged.sampling_params import SamplingParams
-from minipaged.scheduler import Scheduler, SchedulerConfig
-from minipaged.testing import EOS, Driver, fuzz, random_config
 
 
 def test_requests_finish_with_their_lengths_and_free_everything():
@@ -248,7 +248,7 @@ def test_scheduler_output_is_plain_data_that_pickles():
     import dataclasses
     import pickle
 
-    from minipaged.scheduler_output import SchedulerOutput
+    from minipaged.core.scheduler_output import SchedulerOutput
 
     d = Driver(num_blocks=64, budget=16)
     d.add("a", [1, 2, 3], max_tokens=1, ignore_eos=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from minipaged import selfcheck
-from minipaged.selfcheck import Asked, check, parse_number
-from minipaged.viz import Quiz
+from minipaged.classroom import selfcheck
+from minipaged.classroom.selfcheck import Asked, check, parse_number
+from minipaged.classroom.viz import Quiz
 
 REPO = Path(__file__).resolve().parents[1]
 SEEDS = range(12)

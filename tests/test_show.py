@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import minipaged
-from minipaged.block_pool import BlockPool, FreeKVCacheBlockQueue
-from minipaged.block_table import slot_mapping
-from minipaged.show import Source, show_source
+from minipaged.classroom.show import Source, show_source
+from minipaged.core.block_pool import BlockPool, FreeKVCacheBlockQueue
+from minipaged.worker.block_table import slot_mapping
 
 REPO = Path(minipaged.__file__).resolve().parents[1]
 
@@ -118,23 +118,23 @@ def test_package_function_and_method_match_their_files():
     _check_against_file(
         slot_mapping,
         "slot_mapping",
-        "minipaged/block_table.py",
+        "minipaged/worker/block_table.py",
         next(
             ln.strip()
-            for ln in (REPO / "minipaged/block_table.py").read_text().splitlines()
+            for ln in (REPO / "minipaged/worker/block_table.py").read_text().splitlines()
             if ln.startswith("def slot_mapping(")
         ),
     )
     _check_against_file(
         FreeKVCacheBlockQueue.remove,
         "FreeKVCacheBlockQueue.remove",
-        "minipaged/block_pool.py",
+        "minipaged/core/block_pool.py",
         "def remove(self, block: KVCacheBlock) -> None:",
     )
     _check_against_file(
         BlockPool.get_new_blocks,
         "BlockPool.get_new_blocks",
-        "minipaged/block_pool.py",
+        "minipaged/core/block_pool.py",
         "def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:",
     )
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from minipaged.kv_math import KVSpec
-from minipaged.simulator import (
+from minipaged.lab.simulator import (
     HARDWARE,
     CostModel,
     SimConfig,
@@ -19,7 +19,7 @@ from minipaged.simulator import (
     simulate_static,
     swap_vs_recompute,
 )
-from minipaged.workloads import make_trace, sharegpt_like_trace
+from minipaged.lab.workloads import make_trace, sharegpt_like_trace
 
 # Every step takes exactly one second: time counts steps, which makes schedules easy to predict.
 UNIT = CostModel(

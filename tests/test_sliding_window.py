@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from minipaged.engine import LLM
+from minipaged.engine.llm import LLM
 from minipaged.kernels import reference, torch_backend
 from minipaged.model.llama import sliding_windows
 from minipaged.model_loader import hf_greedy_token_ids, save_tiny_llama

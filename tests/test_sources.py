@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from minipaged import sources
-from minipaged.sources import (
+from minipaged.classroom import sources
+from minipaged.classroom.sources import (
     BOOK_CHAPTER,
     CAPACITY_ARTICLE,
     DEEP_DIVE,

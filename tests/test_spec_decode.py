@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from minipaged.config import Config, SchedulerConfig, SpeculativeConfig
-from minipaged.sampler import Sampler
+from minipaged.core.spec_decode import NgramProposer, SpecDecodingStats
+from minipaged.lab.checking_driver import EOS, Driver, random_config
+from minipaged.lab.simulator import SimConfig
 from minipaged.sampling_params import SamplingParams
-from minipaged.simulator import SimConfig
-from minipaged.spec_decode import NgramProposer, SpecDecodingStats, verify
-from minipaged.testing import EOS, Driver, random_config
 from minipaged.utils import cdiv
+from minipaged.worker.sampler import Sampler, verify
 
 
 def proposer(k: int = 4, lo: int = 2, hi: int = 3) -> NgramProposer:
@@ -283,8 +283,8 @@ def test_speculation_never_changes_a_token():
 
 
 def test_scheduler_config_builds_the_proposer():
-    from minipaged.kv_cache_manager import KVCacheManager
-    from minipaged.scheduler import Scheduler
+    from minipaged.core.kv_cache_manager import KVCacheManager
+    from minipaged.core.scheduler import Scheduler
 
     sched = Scheduler(SchedulerConfig(speculative_config={"num_speculative_tokens": 2}), KVCacheManager(4, 10))
     assert sched.proposer is not None and sched.proposer.k == 2 and sched.spec_decoding_stats.num_drafts == 0

@@ -15,8 +15,8 @@ from test_kernels import TOL
 from minipaged import hooks, profiling
 from minipaged.kernels import cpu_kernel
 from minipaged.kernels import torch_backend as TB
-from minipaged.model import AttentionMetadata, LlamaForCausalLM, llama, step_program
-from minipaged.model.llama import Linear, MergedLinear, OneDNNOps, RMSNorm, RotaryEmbedding, onednn_ops, packed_rows
+from minipaged.model import AttentionMetadata, LlamaForCausalLM, layers, step_program
+from minipaged.model.layers import Linear, MergedLinear, OneDNNOps, RMSNorm, RotaryEmbedding, onednn_ops, packed_rows
 from minipaged.model.step_program import StepProgram, onednn_runs
 from minipaged.model_loader import save_tiny_llama
 
@@ -232,9 +232,9 @@ def test_without_onednn_bf16_gemms_a_bf16_model_runs_on_the_modules(
                 raise RuntimeError(BF16_REFUSED)
             return real.reorder(w, batch_size_hint)
 
-        monkeypatch.setattr(llama, "_ONEDNN", True)
-        monkeypatch.setattr(llama, "_ONEDNN_OPS", OneDNNOps(reorder, real.pointwise, real.binary))
-        monkeypatch.setattr(llama, "_ONEDNN_FAILED_DTYPES", set())
+        monkeypatch.setattr(layers, "_ONEDNN", True)
+        monkeypatch.setattr(layers, "_ONEDNN_OPS", OneDNNOps(reorder, real.pointwise, real.binary))
+        monkeypatch.setattr(layers, "_ONEDNN_FAILED_DTYPES", set())
     ran = []
     real_run = StepProgram.run
     monkeypatch.setattr(StepProgram, "run", lambda self, *a: ran.append(1) or real_run(self, *a))
@@ -247,7 +247,7 @@ def test_without_onednn_bf16_gemms_a_bf16_model_runs_on_the_modules(
     assert asked.shape == (45, 192) and not asked.isnan().any()
     refused = [r.getMessage() for r in caplog.records if "oneDNN packed linear off for bfloat16" in r.getMessage()]
     if onednn_refuses_bf16:
-        assert len(refused) == 1 and BF16_REFUSED in refused[0] and llama._ONEDNN_FAILED_DTYPES == {bf16}
+        assert len(refused) == 1 and BF16_REFUSED in refused[0] and layers._ONEDNN_FAILED_DTYPES == {bf16}
         torch.testing.assert_close(asked, want, **TOL[bf16])
         torch.testing.assert_close(asked_k, want_k, **TOL[bf16])
     else:

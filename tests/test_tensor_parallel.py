@@ -27,10 +27,10 @@ from conftest import PREEMPTING_PROMPTS, small_engine
 
 from minipaged.config import Config
 from minipaged.distributed import Shape, check_tp_size, free_port
-from minipaged.engine import LLM
-from minipaged.executor import TensorParallelError
+from minipaged.engine.llm import LLM
 from minipaged.model_loader import save_tiny_llama
 from minipaged.sampling_params import SamplingParams
+from minipaged.worker.executor import TensorParallelError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # PREEMPTING_PROMPTS preempt in the small pool; two more share a 9-token prefix (two full blocks of 4) with the
@@ -62,7 +62,7 @@ def reference(tp_model) -> dict:
     """One process: the tokens, and the K/V every block of every layer holds at the end."""
     llm = small_engine(tp_model)
     got = run(llm)
-    got["kv"] = [llm.runner.kv_blocks(layer, list(range(llm.num_blocks)))[0] for layer in range(2)]
+    got["kv"] = [llm.executor.kv_blocks(layer, list(range(llm.num_blocks)))[0] for layer in range(2)]
     return got
 
 
@@ -98,19 +98,19 @@ def shm_entries() -> set[str]:
 def test_tp_gives_the_tokens_of_one_process(tp_model, reference, size) -> None:
     shm_before = shm_entries()
     llm = small_engine(tp_model, tensor_parallel_size=size)
-    pids = llm.runner.executor.pids
+    pids = llm.executor.pids
     assert len(pids) == size - 1 and all(_alive(p) for p in pids)
     got = run(llm)
     assert got["preempted"] > 0 and got["prefix_hits"] > 0 and got["chunked"]  # the paths under test ran
     assert got["tokens"] == reference["tokens"]
     # Each rank holds its own slice of the KV heads, in a pool of the same blocks: rank r's heads of block b are
     # heads [r·4/N, (r+1)·4/N) of block b in the one-process engine.
-    ranks = llm.runner.ranks()
+    ranks = llm.executor.ranks()
     assert [r["rank"] for r in ranks] == list(range(size))
     assert {r["num_kv_heads"] for r in ranks} == {4 // size} and {r["num_blocks"] for r in ranks} == {llm.num_blocks}
     assert len({r["pid"] for r in ranks}) == size
     for layer in range(2):
-        shards = llm.runner.kv_blocks(layer, list(range(llm.num_blocks)))
+        shards = llm.executor.kv_blocks(layer, list(range(llm.num_blocks)))
         for i in range(2):  # K, then V
             joined = torch.cat([s[i] for s in shards], dim=2)  # [blocks, block_size, heads, head_dim]
             torch.testing.assert_close(joined, reference["kv"][layer][i], rtol=1e-5, atol=1e-5)
@@ -159,7 +159,7 @@ def test_tp_swap_preemption_and_an_engine_nobody_holds(tp_model) -> None:
     kw = dict(preemption_mode="swap", num_cpu_blocks_override=20)
     want = run(small_engine(tp_model, **kw))
     llm = small_engine(tp_model, tensor_parallel_size=2, **kw)
-    pids = llm.runner.executor.pids
+    pids = llm.executor.pids
     got = run(llm)
     assert got["preempted"] > 0 and got["tokens"] == want["tokens"]
     del llm
@@ -208,7 +208,7 @@ def test_distributed_knobs_are_checked(knobs, words) -> None:
 def test_a_killed_worker_fails_the_step_within_seconds_and_ends_every_rank(tp_model, reference) -> None:
     shm_before = shm_entries()
     llm = small_engine(tp_model, tensor_parallel_size=4)
-    pids = llm.runner.executor.pids
+    pids = llm.executor.pids
     for p in PROMPTS:
         llm.add_request(p, GREEDY)
     for _ in range(3):
@@ -232,7 +232,7 @@ def test_an_interrupted_step_ends_every_rank(tp_model, monkeypatch) -> None:
     """Ctrl-C that lands inside a step: the workers sit mid-collective, waiting for a rank 0 that will not come.
     Every rank is ended, the KeyboardInterrupt reaches the caller, and this call's requests are gone."""
     llm = small_engine(tp_model, tensor_parallel_size=2)
-    pids = llm.runner.executor.pids
+    pids = llm.executor.pids
     forward, calls = llm.runner.forward_step, []
 
     def interrupted(out):
@@ -261,7 +261,7 @@ def test_ctrl_c_in_a_script_leaves_no_process(tp_model, tmp_path) -> None:
             # hands its children SIGINT ignored)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             llm = LLM(model={str(tp_model)!r}, tensor_parallel_size=2, block_size=4, max_model_len=64)
-            print("pids", *llm.runner.executor.pids, flush=True)
+            print("pids", *llm.executor.pids, flush=True)
             params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
             while True:
                 llm.generate([[1, 2, 3]] * 8, params)
@@ -294,8 +294,8 @@ def test_two_machines_through_torch_rendezvous(tp_model, reference) -> None:
     )  # fmt: skip
     try:
         llm = small_engine(tp_model, tensor_parallel_size=4, nnodes=2, master_addr="127.0.0.1", master_port=port)
-        assert len(llm.runner.executor.pids) == 1  # rank 1 here; ranks 2 and 3 on the other "machine"
-        ranks = llm.runner.ranks()
+        assert len(llm.executor.pids) == 1  # rank 1 here; ranks 2 and 3 on the other "machine"
+        ranks = llm.executor.ranks()
         assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and {r["num_kv_heads"] for r in ranks} == {1}
         assert run(llm)["tokens"] == reference["tokens"]
         llm.shutdown()

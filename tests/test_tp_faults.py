@@ -21,10 +21,10 @@ import psutil
 import pytest
 from conftest import small_engine
 
-from minipaged.engine import LLM
-from minipaged.executor import TensorParallelError
+from minipaged.engine.llm import LLM
 from minipaged.model_loader import save_tiny_llama
 from minipaged.sampling_params import SamplingParams
+from minipaged.worker.executor import TensorParallelError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -135,7 +135,7 @@ def test_a_stopped_worker_is_named_not_the_rank_that_gave_up_waiting_for_it(mode
     """Rank 1 stopped mid-run: rank 2 times out waiting for it as rank 0 does, and exits. The error names rank 1
     as stopped, first; every rank is ended (a stopped process is killed, not left stopped)."""
     llm = small_engine(model3, tensor_parallel_size=3, distributed_timeout_s=2)
-    pids = llm.runner.executor.pids
+    pids = llm.executor.pids
     llm.add_request([5, 17, 3, 9], GREEDY)
     llm.step()
     os.kill(pids[0], signal.SIGSTOP)
@@ -156,7 +156,7 @@ def test_a_stopped_worker_is_named_not_the_rank_that_gave_up_waiting_for_it(mode
 def test_shutdown_does_not_wait_for_a_stopped_worker(tiny_model) -> None:
     """The "stop" message would wait distributed_timeout_s (30 s here) for a stopped worker to take it."""
     llm = small_engine(tiny_model, tensor_parallel_size=2, distributed_timeout_s=30)
-    pids = llm.runner.executor.pids
+    pids = llm.executor.pids
     os.kill(pids[0], signal.SIGSTOP)
     try:
         deadline = time.monotonic() + 5

@@ -5,16 +5,8 @@ import re
 
 import pytest
 
-from minipaged.simulator import (
-    CostModel,
-    SimConfig,
-    SimRequest,
-    simulate_continuous,
-    simulate_static,
-    swap_vs_recompute,
-)
-from minipaged.viz import BatchingPlayer, BatchingTimeline, PrefixSharingView
-from minipaged.viz.batching_viz import (
+from minipaged.classroom.viz import BatchingPlayer, BatchingTimeline, PrefixSharingView
+from minipaged.classroom.viz.batching_viz import (
     PREEMPT_MARKER_NAME,
     SEGMENT_NAMES,
     SEVEN_CONFIG,
@@ -25,7 +17,15 @@ from minipaged.viz.batching_viz import (
     swap_block_size_figure,
     watermark_sweep_figure,
 )
-from minipaged.viz.layout import check_layout, contrast_ratio
+from minipaged.classroom.viz.layout import check_layout, contrast_ratio
+from minipaged.lab.simulator import (
+    CostModel,
+    SimConfig,
+    SimRequest,
+    simulate_continuous,
+    simulate_static,
+    swap_vs_recompute,
+)
 
 
 def _readable(html_text, page="white"):

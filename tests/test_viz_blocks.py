@@ -2,13 +2,8 @@
 
 import pytest
 
-from minipaged.block_pool import BlockPool
-from minipaged.block_table import BlockTable
-from minipaged.contiguous import contiguous_layouts, reservation_size
-from minipaged.kv_cache_manager import KVCacheManager
-from minipaged.request import Request
-from minipaged.viz import BlockPoolGrid, BlockTableView, ContiguousVsPaged
-from minipaged.viz.block_viz import (
+from minipaged.classroom.viz import BlockPoolGrid, BlockTableView, ContiguousVsPaged
+from minipaged.classroom.viz.block_viz import (
     CACHED_FREE_COLOR,
     FREE_COLOR,
     HOLE_COLOR,
@@ -18,8 +13,13 @@ from minipaged.viz.block_viz import (
     STATUS_COLORS,
     UNUSED_COLOR,
 )
-from minipaged.viz.layout import check_layout, contrast_ratio, delta_e, text_color
-from minipaged.workloads import Trace, TraceRequest, sharegpt_like_trace
+from minipaged.classroom.viz.layout import check_layout, contrast_ratio, delta_e, text_color
+from minipaged.core.block_pool import BlockPool
+from minipaged.core.kv_cache_manager import KVCacheManager
+from minipaged.core.request import Request
+from minipaged.lab.contiguous import contiguous_layouts, reservation_size
+from minipaged.lab.workloads import Trace, TraceRequest, sharegpt_like_trace
+from minipaged.worker.block_table import BlockTable
 
 
 def _grow(manager, request, n):
@@ -225,9 +225,9 @@ def test_memory_growth_figure_keeps_its_legend_off_the_lines():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minipaged.contiguous import memory_vs_generated_tokens
-    from minipaged.viz.block_viz import memory_growth_figure
-    from minipaged.viz.layout import check_mpl_layout
+    from minipaged.classroom.viz.block_viz import memory_growth_figure
+    from minipaged.classroom.viz.layout import check_mpl_layout
+    from minipaged.lab.contiguous import memory_vs_generated_tokens
 
     for prompt_len in (0, 4000):
         fig = memory_growth_figure(
@@ -248,9 +248,9 @@ def test_waste_breakdown_figure_puts_the_papers_bars_beside_ours():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minipaged.contiguous import PAPER_BASELINE_OF, PAPER_FIG2
-    from minipaged.viz.block_viz import WASTE_CATEGORIES, waste_breakdown_figure
-    from minipaged.viz.layout import check_mpl_layout
+    from minipaged.classroom.viz.block_viz import WASTE_CATEGORIES, waste_breakdown_figure
+    from minipaged.classroom.viz.layout import check_mpl_layout
+    from minipaged.lab.contiguous import PAPER_BASELINE_OF, PAPER_FIG2
 
     ours = {"max": (20.0, 14.0, 57.0, 9.0), "exact": (50.0, 35.0, 0.0, 15.0), "paged": (97.0, 2.0, 0.0, 1.0)}
     fig = waste_breakdown_figure(ours, PAPER_FIG2, PAPER_BASELINE_OF)
@@ -274,7 +274,7 @@ def test_waste_breakdown_figure_puts_the_papers_bars_beside_ours():
 
 def test_pool_grid_of_a_hybrid_model_draws_each_group_of_each_request():
     """Chapter 13 §4: one table per request per KV cache group, each its own colour; the window's blocks leave."""
-    from minipaged.kv_cache_coordinator import KVCacheGroupSpec
+    from minipaged.core.kv_cache_coordinator import KVCacheGroupSpec
 
     groups = [KVCacheGroupSpec((0, 1)), KVCacheGroupSpec((2, 3), sliding_window=8)]
     mgr = KVCacheManager(4, 40, watermark=0.0, enable_caching=False, kv_cache_groups=groups)

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 import minipaged.kernels  # noqa: F401  (before triton: the interpreter on CPU)
+from minipaged.classroom.viz import PagedReadView
+from minipaged.classroom.viz import kernel_viz as KV
+from minipaged.classroom.viz.block_viz import FREE_COLOR
+from minipaged.classroom.viz.layout import check_layout, check_mpl_layout, text_px
 from minipaged.kernels import paged_decode, paged_prefill
 from minipaged.kv_math import PRESETS, KVSpec
-from minipaged.viz import PagedReadView
-from minipaged.viz import kernel_viz as KV
-from minipaged.viz.block_viz import FREE_COLOR
-from minipaged.viz.layout import check_layout, check_mpl_layout, text_px
 
 
 class _Spy:

@@ -3,9 +3,9 @@
 import json
 import re
 
+from minipaged.classroom.viz import KVCalculator, KVGrowthView
+from minipaged.classroom.viz.layout import check_layout, contrast_ratio, text_px
 from minipaged.kv_math import GiB, KVSpec, MiB
-from minipaged.viz import KVCalculator, KVGrowthView
-from minipaged.viz.layout import check_layout, contrast_ratio, text_px
 
 
 def test_calculator_follows_its_controls():

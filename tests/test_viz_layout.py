@@ -4,7 +4,7 @@ import plotly.graph_objects as go
 import pytest
 from plotly.subplots import make_subplots
 
-from minipaged.viz.layout import (
+from minipaged.classroom.viz.layout import (
     aligned_ticks,
     check_layout,
     check_mpl_layout,

@@ -1,4 +1,4 @@
-"""EngineMonitor (minipaged/viz/monitor.py): what it draws matches the engine's own events and pool, step by step."""
+"""EngineMonitor (minipaged/classroom/viz/monitor.py): what it draws matches the engine's own events and pool, step by step."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from conftest import PREEMPTING_PROMPTS, small_engine
 
 from minipaged import LLM, SamplingParams
-from minipaged.events import StepEvent
-from minipaged.viz import EngineMonitor
-from minipaged.viz.block_viz import CACHED_FREE_COLOR, FREE_COLOR, NULL_COLOR, SHARED_COLOR
-from minipaged.viz.layout import check_layout, contrast_ratio
+from minipaged.classroom.viz import EngineMonitor
+from minipaged.classroom.viz.block_viz import CACHED_FREE_COLOR, FREE_COLOR, NULL_COLOR, SHARED_COLOR
+from minipaged.classroom.viz.layout import check_layout, contrast_ratio
+from minipaged.engine.events import StepEvent
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""Chapter 11's load-test figure (minipaged/viz/serving_viz.py) and the load generator's arithmetic
+"""Chapter 11's load-test figure (minipaged/classroom/viz/serving_viz.py) and the load generator's arithmetic
 (minipaged/serving/load.py), on made-up records: no server needed."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from minipaged.classroom.viz.layout import check_layout
+from minipaged.classroom.viz.serving_viz import serving_figure
 from minipaged.serving.load import LoadResult, RequestRecord, kv_usage, percentile, poisson_gaps
-from minipaged.viz.layout import check_layout
-from minipaged.viz.serving_viz import serving_figure
 
 
 def result(rate: float, ttft: float, itl: float, hang_ups: int = 0) -> LoadResult:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from minipaged.kv_math import KVSpec
-from minipaged.workloads import (
+from minipaged.lab.workloads import (
     STATIC_VS_PAGED_BYTES_PER_TOKEN,
     STATIC_VS_PAGED_MAX_CONTEXT,
     STATIC_VS_PAGED_PRINTED,

@@ -1095,7 +1095,7 @@ class NotebookRun:
 
     def _check_figures(self, when: str) -> None:
         try:
-            from minipaged.viz.layout import check_layout
+            from minipaged.classroom.viz.layout import check_layout
         except ImportError:
             check_layout = None
         figs = self.page.evaluate(
@@ -1116,7 +1116,7 @@ class NotebookRun:
                     self.layout_problems[p] = when
                     self.problems.append(f"check_layout, figure {i} {when}: {p}")
         if check_layout is None and when == "after Run All":
-            self.notes.append("minipaged.viz.layout.check_layout not found: figure layouts not checked")
+            self.notes.append("minipaged.classroom.viz.layout.check_layout not found: figure layouts not checked")
 
     def _look(self, root) -> dict:
         return root.evaluate("e => window.__bt.look(e)")

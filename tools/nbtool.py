@@ -11,7 +11,7 @@ its solution (``exercises/solutions/exNN_*.ipynb``), run first: a starter is
 expected to print what a correct solution prints. A starter keeps them out of sight,
 in the check cell's metadata (``metadata["minipaged"]["expected"]``, no output stored:
 a learner must not read "8/8 checks passed" before writing anything);
-the package's pytest plugin (``minipaged/grading/nbval_plugin.py``) gives them to nbval.
+the package's pytest plugin (``minipaged/classroom/grading/nbval_plugin.py``) gives them to nbval.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minipaged.grading.runner import CHECK_MARK, METADATA_KEY, execute  # noqa: E402
+from minipaged.classroom.grading.runner import CHECK_MARK, METADATA_KEY, execute  # noqa: E402
 
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
 

@@ -33,7 +33,7 @@ import torch
 
 from .. import hooks
 from .attention import AttentionMetadata, PagedAttention
-from .llama import packed_rows
+from .layers import packed_rows
 
 if TYPE_CHECKING:
     from .llama import LlamaForCausalLM

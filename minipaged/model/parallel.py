@@ -34,7 +34,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ..distributed import TPGroup
-    from .llama import Linear
+    from .layers import Linear
 
 
 def tp_size(tp: TPGroup | None) -> int:

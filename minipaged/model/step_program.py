@@ -31,7 +31,7 @@ import operator
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,7 +41,7 @@ from ..profiling import span
 
 if TYPE_CHECKING:
     from .attention import TorchAttentionMetadata
-    from .llama import Linear, LlamaDecoderLayer, LlamaModel, OneDNNOps
+    from .layers import OneDNNOps
 
 
 @dataclass(frozen=True)
@@ -86,42 +86,6 @@ class StepProgram:
         list instead of walking the model's modules: about 0.3 ms a step on SmolLM2 (271 parameters, read
         cache-cold after the GEMMs; a 2-core Xeon)."""
         return self.key == self.weights_key(self.params)
-
-    @classmethod
-    def build(
-        cls, model: LlamaModel, ops: OneDNNOps | None, pad: Callable[[torch.Tensor], torch.Tensor]
-    ) -> StepProgram | None:
-        """The program for ``model``'s current weights, or None where a piece is missing (its path runs instead).
-        The model hands over its oneDNN operators (None: off) and its row padding (``llama.pad_rows``), so that
-        this module needs nothing of ``llama`` but its types."""
-        decoder_layers = cast("list[LlamaDecoderLayer]", list(model.layers))
-        first = decoder_layers[0].self_attn
-        dtype = first.q_proj.weight.dtype
-        if ops is None or model.embed_tokens.tp is not None or cpu_kernel.library() is None or not onednn_runs(dtype):
-            return None
-        probe = torch.zeros(1, model.embed_tokens.embedding_dim, dtype=dtype)
-        layers = []
-        for layer in decoder_layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj(probe)  # makes the merged weight
-            linears: list[Linear] = [attn.qkv_proj.merged, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-            packed = []
-            for lin in linears:
-                found = lin._packed_weight(torch.zeros(1, lin.in_features, dtype=dtype))
-                if found is None:
-                    return None
-                packed.append(found[1])
-            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-            if not cpu_kernel.fits_layer_ops(probe, norm1.weight, norm2.weight) or norm1.eps != norm2.eps:
-                return None
-            qkv, o, gate, up, down = packed
-            biases = tuple(lin.bias for lin in linears)
-            layers.append(
-                LayerProgram(
-                    norm1.weight.contiguous(), norm2.weight.contiguous(), norm1.eps, qkv, o, gate, up, down, biases
-                )
-            )
-        return cls(ops, pad, layers, first.num_heads, first.scale, list(model.layers.parameters()))
 
     def run(
         self,

@@ -30,12 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..outputs import RequestOutput
+from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics, engine_snapshot
 
 if TYPE_CHECKING:
-    from ..engine import LLM
+    from ..engine.llm import LLM
 
 log = logging.getLogger("minipaged.serving")
 T = TypeVar("T")
@@ -104,8 +104,10 @@ class AsyncEngine:
         runner = self.llm.runner
         if runner.released:
             return SHUT_DOWN
-        executor = getattr(runner, "executor", None)
-        if executor is not None:  # tensor parallelism: rank 0 cannot step without every worker
+        from ..worker.executor import MultiprocExecutor  # the engine loaded it already
+
+        executor = self.llm.executor
+        if isinstance(executor, MultiprocExecutor):  # tensor parallelism: rank 0 cannot step without every worker
             if executor.closed_because is not None:
                 return f"the engine's tensor-parallel ranks are gone ({executor.closed_because}); restart the server"
             alive = set(executor.alive())

@@ -26,7 +26,7 @@ from .api_server import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, build_ap
 from .async_engine import AsyncEngine
 
 if TYPE_CHECKING:
-    from ..engine import LLM
+    from ..engine.llm import LLM
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 

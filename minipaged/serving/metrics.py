@@ -21,10 +21,10 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from ..outputs import RequestOutput
+from ..engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from ..engine import LLM
+    from ..engine.llm import LLM
 
 # vLLM's buckets (vllm/v1/metrics/buckets.py), in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..inputs import Prompt
-from ..outputs import RequestOutput
+from ..engine.inputs import Prompt
+from ..engine.outputs import RequestOutput
 from .async_engine import AsyncEngine, EngineError
 from .protocol import CompletionRequest, OpenAIError
 from .serving_engine import (

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ..inputs import Prompt
-from ..outputs import RequestOutput
+from ..engine.inputs import Prompt
+from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, EngineError
 from .protocol import WHY_NOT, OpenAIError, SamplingRequest, unsupported_field

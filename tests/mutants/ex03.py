@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minipaged.block_pool import FreeKVCacheBlockQueue, KVCacheBlock
+from minipaged.core.block_pool import FreeKVCacheBlockQueue, KVCacheBlock
 
 from . import mutant
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from minipaged.kv_cache_manager import KVCacheManager
-from minipaged.request import RequestStatus
+from minipaged.core.kv_cache_manager import KVCacheManager
+from minipaged.core.request import RequestStatus
 
 from . import mutant
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from minipaged.kv_cache_manager import KVCacheManager
-from minipaged.request import Request, RequestStatus
+from minipaged.core.kv_cache_manager import KVCacheManager
+from minipaged.core.request import Request, RequestStatus
 
 from . import mutant
 

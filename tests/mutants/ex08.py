@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minipaged.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from minipaged.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 
 from . import mutant
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minipaged.scheduler_output import ScheduledRequest
+from minipaged.core.scheduler_output import ScheduledRequest
 
 from . import mutant
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-from minipaged.grading import ex10
+from minipaged.classroom.grading import ex10
 
 from . import mutant
 
@@ -60,7 +60,7 @@ def forgets_a_part() -> dict:
 
 @mutant("my_parts", "hands in the package's own slot mapping instead of the one they wrote")
 def package_slot_mapping() -> dict:
-    from minipaged.block_table import slot_mapping
+    from minipaged.worker.block_table import slot_mapping
 
     return {**right_parts(), "slot_mapping": slot_mapping}  # MISTAKE: not the learner's
 

@@ -3,7 +3,7 @@ one that changes nothing."""
 
 from __future__ import annotations
 
-from minipaged.request import Request
+from minipaged.core.request import Request
 
 from . import mutant
 

@@ -1,0 +1,105 @@
+"""The grader's worker: one notebook, in a process of its own.
+
+``python -m minipaged.grading.worker NOTEBOOK EXERCISE EVENTS`` runs the notebook's code cells (not its check
+cells) in a fresh namespace, in the notebook's folder, then calls every check group of the exercise itself on
+the functions those cells defined. It reports as it goes, one JSON object a line, to the file EVENTS::
+
+    {"event": "cell", "index": 3}                       about to run code cell 3
+    {"event": "cells", "errors": ["cell 3: ..."]}        every code cell has run
+    {"event": "group", "group": "remove_links", "passed": 7, "total": 8, "detail": "..."}
+    {"event": "done"}
+
+The parent (``runner.grade_notebook``) reads that file after the process ends, however it ends: a notebook
+that loops is killed at its time limit, one that calls ``os._exit`` just stops, and the events written so far
+say where it was. Nothing the notebook prints is read: the scores are what the check functions return here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import IO, Any
+
+DETAIL_LINES = 9  # lines of a failing group's explanation kept for the details below the table (two failed checks)
+
+
+class _Events:
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        self._stream.write(json.dumps({"event": event, **fields}) + "\n")
+        self._stream.flush()
+
+
+def _missing(name: str, errors: list[str]) -> str:
+    why = f"; cells that failed: {'; '.join(errors)}" if errors else " (was it renamed?)"
+    return f"`{name}` is not defined by the notebook's code cells{why}"
+
+
+def grade(path: str, exercise_key: str, emit: Callable[..., None]) -> None:
+    """Run the notebook's code cells, then every check group of the exercise; report each through ``emit``."""
+    from .core import describe_error
+    from .exercises import EXERCISES
+    from .runner import run_code_cells
+
+    exercise = EXERCISES[exercise_key]
+    namespace, errors = run_code_cells(path, f"learner_{exercise_key}", on_cell=lambda i: emit("cell", index=i))
+    emit("cells", errors=errors)
+    module = importlib.import_module(f"minipaged.classroom.grading.{exercise_key}")
+    for group in exercise.groups:
+        absent = [a for a in group.args if not callable(namespace.get(a))]
+        if absent:
+            emit(
+                "group",
+                group=group.name,
+                passed=0,
+                total=group.total,
+                note=f"`{absent[0]}` not defined",
+                detail=_missing(absent[0], errors),
+            )
+            continue
+        emit("checking", group=group.name)
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                outcomes = getattr(module, group.check)(*(namespace[a] for a in group.args))
+        except Exception as exc:  # the checks catch a learner's errors; this is what got past them
+            emit(
+                "group",
+                group=group.name,
+                passed=0,
+                total=group.total,
+                note="the checks stopped",
+                detail=f"the checks stopped: {describe_error(exc)}",
+            )
+            continue
+        passed = sum(bool(o.passed) for o in outcomes)
+        lines = printed.getvalue().splitlines()[1:]  # the summary line is ours to print
+        detail = "\n".join(lines[:DETAIL_LINES] + (["  ..."] if len(lines) > DETAIL_LINES else []))
+        emit("group", group=group.name, passed=passed, total=len(outcomes), note="", detail=detail)
+    emit("done")
+
+
+def main(argv: list[str]) -> int:
+    path, exercise_key, events_path = argv
+    os.environ.setdefault("MPLBACKEND", "Agg")  # a learner's plt.show() must not wait for a window
+    from .exercises import EXERCISES
+
+    if EXERCISES[exercise_key].triton:  # first: without a GPU, Triton's interpreter must be on before triton
+        import minipaged.kernels  # noqa: F401
+
+    # The path of the events file leaves argv before any learner code runs.
+    sys.argv = [sys.argv[0], path]
+    with open(events_path, "a", encoding="utf-8") as stream:
+        grade(path, exercise_key, _Events(stream))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
