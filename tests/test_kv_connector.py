@@ -124,11 +124,11 @@ def waves(d: Driver) -> list[list[int]]:
 def test_an_evicted_prefix_comes_back_from_the_store():
     plain = Driver(block_size=4, num_blocks=13, watermark_blocks=0)
     outputs = waves(plain)
-    assert plain.kv.prefix_cache_hits == 0  # the pool lost the prefix
+    assert plain.kv_cache_manager.prefix_cache_hits == 0  # the pool lost the prefix
     d = Driver(block_size=4, num_blocks=13, watermark_blocks=0, num_offload_blocks=16)
     assert waves(d) == outputs  # the Driver read every loaded block back: the right K/V in the right slots
-    assert d.kv.external_hits == 12 and d.kv.prefix_cache_hits == 0
-    assert d.kv.connector.num_loaded == 3 and d.kv.connector.num_saved >= 3
+    assert d.kv_cache_manager.external_hits == 12 and d.kv_cache_manager.prefix_cache_hits == 0
+    assert d.kv_cache_manager.connector.num_loaded == 3 and d.kv_cache_manager.connector.num_saved >= 3
 
 
 def test_a_failed_step_keeps_nothing_it_saved():
@@ -147,11 +147,13 @@ def test_a_failed_step_keeps_nothing_it_saved():
 
     with pytest.raises(RuntimeError, match="fell over"):
         run_step(d.sched, Broken(), lambda: 0.0)
-    assert not d.kv.connector.index and not d.kv.connector.pending  # nothing it never copied is findable
+    assert (
+        not d.kv_cache_manager.connector.index and not d.kv_cache_manager.connector.pending
+    )  # nothing it never copied is findable
     # The failed step may have written over the evicted blocks before it fell over: their prefix is lost for
     # good, not saved later from blocks that may hold anything by then.
     d.run()
-    assert not d.kv.connector.index
+    assert not d.kv_cache_manager.connector.index
     d.add("b", PREFIX + [3], max_tokens=2, ignore_eos=True)
     d.run()  # computed again, and the Driver reads it back
-    assert d.kv.external_hits == 0 and d.requests["b"].num_output_tokens == 2
+    assert d.kv_cache_manager.external_hits == 0 and d.requests["b"].num_output_tokens == 2

@@ -33,7 +33,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def fingerprint(d: Driver) -> tuple:
-    s, kv = d.sched, d.kv
+    s, kv = d.sched, d.kv_cache_manager
     return (
         [r.request_id for r in s.waiting],
         [r.request_id for r in s.running],

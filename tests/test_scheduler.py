@@ -100,7 +100,7 @@ def test_swap_moves_blocks_and_falls_back_to_recompute():
         tiny.add(f"r{i}", list(range(1, 9)), max_tokens=12, ignore_eos=True)
     tiny.run()
     # one usable CPU block: no request fits in swap space, so every preemption recomputes
-    assert tiny.sched.num_preemptions > 0 and not tiny.kv.swapped_blocks
+    assert tiny.sched.num_preemptions > 0 and not tiny.kv_cache_manager.swapped_blocks
 
 
 def test_prefix_cache_hit_skips_the_shared_prompt():
@@ -127,11 +127,11 @@ def test_parallel_sampling_forks_and_copies_on_write():
     out = d.step()  # prefill: 2 blocks, the second holds 2 of 4 tokens
     assert out.scheduled[0].samples and out.scheduled[0].num_samples == 3
     kids = [d.sched.requests["p#1"], d.sched.requests["p#2"]]
-    first_block, last_block = d.kv.get_blocks("p")
+    first_block, last_block = d.kv_cache_manager.get_blocks("p")
     assert first_block.ref_cnt == 3 and last_block.ref_cnt == 3
     out = d.step()  # all three write position 6 into the shared partial block
     assert len(out.copy_blocks) == 2  # two of them copy; the last one keeps the original
-    assert len({tuple(d.kv.get_block_ids(r)) for r in ("p", "p#1", "p#2")}) == 3
+    assert len({tuple(d.kv_cache_manager.get_block_ids(r)) for r in ("p", "p#1", "p#2")}) == 3
     assert first_block.ref_cnt == 3  # full blocks stay shared
     d.run()
     assert all(r.num_output_tokens == 4 for r in [parent, *kids])

@@ -64,7 +64,11 @@ def test_the_simulators_scheduler_is_built_like_the_engines() -> None:
                     watermark=0.0, max_num_seqs=5)  # fmt: skip
     sched = sim.make_scheduler()
     assert isinstance(sched, Scheduler) and sched.config == sim.scheduler_config()
-    assert (sched.kv.num_blocks, sched.kv.block_size, sched.kv.enable_caching) == (33, 4, True)
+    assert (
+        sched.kv_cache_manager.num_blocks,
+        sched.kv_cache_manager.block_size,
+        sched.kv_cache_manager.enable_caching,
+    ) == (33, 4, True)
 
 
 def test_one_step_driver() -> None:

@@ -140,9 +140,9 @@ def test_package_function_and_method_match_their_files():
 
 
 def test_triton_kernel_is_shown_as_its_python_function():
-    kernel = importlib.import_module("minipaged.kernels.reshape_and_cache")._reshape_and_cache_kernel
+    kernel = importlib.import_module("minipaged.kernels.cache_write")._reshape_and_cache_kernel
     text = repr(show_source(kernel))
-    assert text.splitlines()[0].startswith("# _reshape_and_cache_kernel in minipaged/kernels/reshape_and_cache.py")
+    assert text.splitlines()[0].startswith("# _reshape_and_cache_kernel in minipaged/kernels/cache_write.py")
     assert text.splitlines()[1:3] == ["@triton.jit", "def _reshape_and_cache_kernel("]
 
 

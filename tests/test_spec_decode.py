@@ -214,7 +214,7 @@ def test_drafts_are_verified_and_their_blocks_given_back():
         drafts_seen.append(len(s.spec_token_ids))
         req = d.requests["a"]
         if not req.is_finished:  # no block past the one its next token goes to
-            held = d.kv.get_num_blocks("a")
+            held = d.kv_cache_manager.get_num_blocks("a")
             assert cdiv(req.num_computed_tokens, 4) <= held <= cdiv(req.num_tokens, 4)
             assert req.num_computed_tokens == req.num_tokens - 1
             trimmed += len(s.block_ids) - held  # the step allocated for every draft; rejected ones gave back

@@ -190,9 +190,9 @@ def example_launches(cfg: Config) -> list[tuple[str, Any]]:
     """
     import torch
 
+    from ..kernels.cache_write import plan_reshape_and_cache
     from ..kernels.paged_decode import plan_paged_decode
     from ..kernels.paged_prefill import PREFILL_TABLE, plan_paged_prefill, prefill_config
-    from ..kernels.reshape_and_cache import plan_reshape_and_cache
 
     dtype = getattr(torch, cfg.dtype)
     kvh, hd, bs = cfg.num_kv_heads, cfg.head_dim, cfg.block_size

@@ -377,7 +377,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
-        self.kv = kv_cache_manager
+        self.kv_cache_manager = kv_cache_manager
         if config.preemption_mode == "swap" and kv_cache_manager.cpu_pool is None:
             raise ValueError(
                 "preemption_mode='swap' needs swap space: give the KVCacheManager num_cpu_blocks >= 2 "
@@ -438,9 +438,14 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         max_len = min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.config.max_model_len)
-        capacity = self.kv.num_blocks - 1 - self.kv.reserved_blocks - self.kv.watermark_blocks
+        capacity = (
+            self.kv_cache_manager.num_blocks
+            - 1
+            - self.kv_cache_manager.reserved_blocks
+            - self.kv_cache_manager.watermark_blocks
+        )
         # Blocks it may hold at once, all KV cache groups together (a sliding window's stay bounded).
-        num_needed = self.kv.max_num_blocks(max_len, self.config.max_num_batched_tokens)
+        num_needed = self.kv_cache_manager.max_num_blocks(max_len, self.config.max_num_batched_tokens)
         if request.sampling_params.n > self.config.max_num_seqs:
             self._reject(
                 request, f"n={request.sampling_params.n} samples exceed max_num_seqs={self.config.max_num_seqs}"
@@ -474,7 +479,7 @@ class Scheduler:
         """Every object a step changes: the scheduler, the KV manager and its pools, every request (see
         ``snapshot``: ``step.run_step`` restores them all when a step that runs a learner's part fails)."""
         yield self
-        yield from self.kv.bookkeeping()
+        yield from self.kv_cache_manager.bookkeeping()
         for req in (*self.requests.values(), *self.waiting, *self.swapped, *self.running):
             yield req
             yield from req.children
@@ -485,7 +490,7 @@ class Scheduler:
         # failed has rolled them back already, see step.run_step), so the manager stops tracking them.
         free_seats = self.config.max_num_seqs - sum(num_seqs_when_running(r) for r in self.running)
         policy, order = ask_policy(self.running, self.waiting, free_seats)  # before anything changes
-        self.kv.commit_step()
+        self.kv_cache_manager.commit_step()
         self.propose_drafts()
         out = SchedulerOutput(block_size=self.block_size)
         budget = self.config.max_num_batched_tokens
@@ -499,10 +504,10 @@ class Scheduler:
 
         running_fn = hooks.plugged("schedule_running")  # a learner's own (exercise 07) applies no policy
         if running_fn is not None:
-            scheduled, _ = running_fn(self.running, self.waiting, self.kv, budget, preempt)
+            scheduled, _ = running_fn(self.running, self.waiting, self.kv_cache_manager, budget, preempt)
         else:
-            scheduled, _ = schedule_running(self.running, self.waiting, self.kv, budget, preempt, policy)
-        budget -= self._add_all(out, scheduled)
+            scheduled, _ = schedule_running(self.running, self.waiting, self.kv_cache_manager, budget, preempt, policy)
+        budget -= self._add_to_step(out, scheduled)
 
         # 2. swapped, then waiting requests, in arrival order, unless this step had to preempt
         if not out.preempted:
@@ -516,18 +521,18 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 free_seats -= num_seqs_when_running(req)
-                budget -= self._add_all(out, [(req.request_id, num_new)])
+                budget -= self._add_to_step(out, [(req.request_id, num_new)])
             if not self.swapped and budget > 0 and free_seats > 0:
                 admit_fn = hooks.plugged("admit_waiting")  # a learner's own (exercise 06) applies no policy
                 if admit_fn is not None:
-                    admitted = admit_fn(self.waiting, self.kv, budget, free_seats)
+                    admitted = admit_fn(self.waiting, self.kv_cache_manager, budget, free_seats)
                 else:
-                    admitted = admit_waiting(self.waiting, self.kv, budget, free_seats, policy)
+                    admitted = admit_waiting(self.waiting, self.kv_cache_manager, budget, free_seats, policy)
                 self.running.extend(self.requests[rid] for rid, _ in admitted)
-                budget -= self._add_all(out, admitted)
+                budget -= self._add_to_step(out, admitted)
 
-        out.copy_blocks = self.kv.take_pending_copies()
-        out.kv_connector_metadata = self.kv.take_connector_meta()
+        out.copy_blocks = self.kv_cache_manager.take_pending_copies()
+        out.kv_connector_metadata = self.kv_cache_manager.take_connector_meta()
         out.finished_req_ids, out.finished_sample_keys = self.take_finished()
         return out
 
@@ -553,7 +558,7 @@ class Scheduler:
         self.finished_req_ids.clear()
         return ids, keys
 
-    def _add_all(self, out: SchedulerOutput, scheduled: list[tuple[str, int]]) -> int:
+    def _add_to_step(self, out: SchedulerOutput, scheduled: list[tuple[str, int]]) -> int:
         """Put each ``(request id, new tokens)`` in the step; return the tokens they use."""
         for rid, num_new in scheduled:
             req = self.requests[rid]
@@ -576,8 +581,8 @@ class Scheduler:
                     request_id=rid,
                     num_new_tokens=num_new,
                     start=start,
-                    block_ids=self.kv.get_block_ids(rid),
-                    group_block_ids=self.kv.get_group_block_ids(rid),
+                    block_ids=self.kv_cache_manager.get_block_ids(rid),
+                    group_block_ids=self.kv_cache_manager.get_group_block_ids(rid),
                     num_samples=(req.sampling_params.n if first else 1) if samples else 0,
                     token_ids=req.all_token_ids[start:end] + spec,
                     sampling_params=req.sampling_params,
@@ -594,18 +599,18 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(req.request_id)
         req.spec_token_ids = []  # drafts are proposed again once it decodes again
-        copies = self.kv.swap_out(req) if self.config.preemption_mode == "swap" else None
+        copies = self.kv_cache_manager.swap_out(req) if self.config.preemption_mode == "swap" else None
         if copies is not None:
             out.swap_out.extend(copies)
             req.status = RequestStatus.SWAPPED
             req.num_preemptions += 1
             self.swapped.appendleft(req)
         else:
-            (hooks.plugged("preempt_recompute") or preempt_recompute)(req, self.kv, self.waiting)
+            (hooks.plugged("preempt_recompute") or preempt_recompute)(req, self.kv_cache_manager, self.waiting)
 
     def _swap_in(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate device blocks for a swapped request and schedule the CPU → device copies."""
-        copies = self.kv.swap_in(req, num_new)
+        copies = self.kv_cache_manager.swap_in(req, num_new)
         if copies is None:
             return False
         out.swap_in.extend(copies)
@@ -668,7 +673,7 @@ class Scheduler:
                 req.num_computed_tokens += 1
             if done := self._append_token(req, token, now):
                 return done
-        self.kv.trim(req, req.num_tokens)
+        self.kv_cache_manager.trim(req, req.num_tokens)
         return []
 
     def _fork(self, parent: Request, index: int, token: int, now: float) -> list[Request]:
@@ -686,7 +691,7 @@ class Scheduler:
         )
         self.requests[child.request_id] = child
         parent.children.append(child)
-        self.kv.fork(parent, child)
+        self.kv_cache_manager.fork(parent, child)
         self.running.append(child)
         return self._append_token(child, token, now)
 
@@ -705,7 +710,7 @@ class Scheduler:
             return []
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, now
         self.running.remove(req)
-        self.kv.free(req)
+        self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids[req.request_id] = req.sample_key
         return [req]
@@ -722,8 +727,8 @@ class Scheduler:
             self.waiting.remove(req)
         elif req in self.swapped:
             self.swapped.remove(req)
-        self.kv.free(req)
-        self.kv.free_swapped(request_id)
+        self.kv_cache_manager.free(req)
+        self.kv_cache_manager.free_swapped(request_id)
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         del self.requests[request_id]
         self.finished_req_ids[request_id] = req.sample_key
@@ -737,7 +742,7 @@ class Scheduler:
 def check_invariants(sched: Scheduler) -> None:
     """Block-pool and swap-space bookkeeping after a step: no leak, no double free, consistent ref counts.
     ``assert`` statements, for tests and the simulator's ``check=True`` (do not run them under ``python -O``)."""
-    kv = sched.kv
+    kv = sched.kv_cache_manager
     pool = kv.block_pool
     free = pool.free_block_queue.get_all_free_blocks()
     free_ids = {b.block_id for b in free}

@@ -93,7 +93,7 @@ class StepEvent:
 
 def step_event(scheduler: Scheduler, result: StepResult, step: int, now: float, device: str) -> StepEvent:
     """The event for a step that just ran (read from the scheduler and its KV cache manager, copied)."""
-    kv, bs = scheduler.kv, scheduler.block_size
+    kv, bs = scheduler.kv_cache_manager, scheduler.block_size
     pool = kv.block_pool
     requests: list[RequestKV] = []
     for state, queue in (

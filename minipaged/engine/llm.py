@@ -101,7 +101,7 @@ class LLM:
         connector, r = None if self.kv_connector_factory is None else self.kv_connector_factory(), self.runner
         self.scheduler = Scheduler.from_config(self.config, self.num_blocks, self.max_model_len, r.num_cpu_blocks,
                                                r.num_offload_blocks, connector, r.kv_cache_groups)  # fmt: skip
-        self.kv_cache_manager = self.scheduler.kv
+        self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.runner.reset()
         self.sampler = self.runner.sampler
         # One row per step, what the widgets and benchmarks plot: the latest STEP_STATS_KEPT steps only.
@@ -210,7 +210,7 @@ class LLM:
     def stream(self, prompts: Prompts, sampling_params: ParamsLike = None) -> Iterator[RequestOutput]:
         """Yield a ``RequestOutput`` snapshot every time a request gains tokens or finishes. Closing the generator
         early aborts its requests (one dropped in a reference cycle: at ``gc.collect()``); ``close()`` it, or end it."""
-        ids = self._add_all(prompts, sampling_params)
+        ids = self._add_prompts(prompts, sampling_params)
         try:
             pending = {rid: -1 for rid in ids}  # output tokens seen so far
             for rid in ids:  # rejected at once: report them first
@@ -230,7 +230,7 @@ class LLM:
         """Serve a batch of prompts to the end; outputs come back in the order of the prompts."""
         from tqdm.auto import tqdm
 
-        ids = self._add_all(prompts, sampling_params)
+        ids = self._add_prompts(prompts, sampling_params)
         try:
             show = len(ids) >= 16 if use_tqdm is None else use_tqdm
             with tqdm(total=len(ids), desc="generating", unit="req", disable=not show) as bar:
@@ -251,7 +251,7 @@ class LLM:
         return self.generate(messages, sampling_params, use_tqdm=use_tqdm)
 
     @_serialised
-    def _add_all(self, prompts: Prompts, sampling_params: ParamsLike) -> list[str]:
+    def _add_prompts(self, prompts: Prompts, sampling_params: ParamsLike) -> list[str]:
         """Check the whole batch, then queue it: a bad prompt anywhere queues nothing."""
         batch = self.processor.batch(prompts, sampling_params)
         first = self._counter  # the ids are taken once every prompt passed

@@ -62,7 +62,7 @@ class StepResult:
 
     def stats(self, scheduler: Scheduler, now: float) -> dict[str, Any]:
         """The step as one row of ``LLM.step_stats`` (what the widgets and benchmarks plot)."""
-        kv = scheduler.kv
+        kv = scheduler.kv_cache_manager
         return dict(
             time=now,
             running=len(scheduler.running),
@@ -84,14 +84,14 @@ def run_step(
     # nothing kept: the scheduler asks it before the step changes anything, and it cannot touch the cache.
     saved = Snapshot.take(scheduler.bookkeeping()) if hooks.active(ignore=POLICY_PARTS) else None
     if saved is not None:
-        hooks.at_exit(id(scheduler.kv), _forget_prefix_cache(scheduler.kv))
+        hooks.at_exit(id(scheduler.kv_cache_manager), _forget_prefix_cache(scheduler.kv_cache_manager))
     try:
         return schedule_execute_update(scheduler, executor, now)
     except BaseException as exc:  # the step did not happen
         if saved is not None:
             saved.restore()
         else:  # no block hashed for it stays findable
-            scheduler.kv.rollback_step()
+            scheduler.kv_cache_manager.rollback_step()
         if isinstance(exc, hooks.PartError) and step_index is not None:
             exc.in_step(step_index)
         raise
@@ -114,7 +114,7 @@ def _forget_prefix_cache(kv: KVCacheManager) -> Callable[[], None]:
 def schedule_execute_update(scheduler: Scheduler, executor: Executor, now: Callable[[], float]) -> StepResult:
     """The three calls, each timed. Rows the executor could not sample finish their requests with an error
     before the update, which then skips them; the update applies everything else at once."""
-    kv, spec = scheduler.kv, scheduler.spec_decoding_stats
+    kv, spec = scheduler.kv_cache_manager, scheduler.spec_decoding_stats
     queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
     drafts, accepted = (0, 0) if spec is None else (spec.num_draft_tokens, spec.num_accepted_tokens)
     t0 = time.perf_counter()

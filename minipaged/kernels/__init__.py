@@ -8,9 +8,9 @@ Three operations, each in three implementations with the same signature::
 
 ``reference`` defines what they compute in plain PyTorch, one sequence at a time;
 ``torch_backend`` computes the same, batched and planned once per step (the engine's CPU
-path); the modules ``reshape_and_cache``, ``paged_decode`` and ``paged_prefill`` hold the
-Triton kernels, whose wrappers this package exports under the operations' names (so ``minipaged.kernels.reshape_and_cache`` is the
-function; ``importlib.import_module`` reaches the module). Pick a family with
+path); the modules ``cache_write``, ``paged_decode`` and ``paged_prefill`` hold the Triton kernels, whose
+wrappers this package exports under the operations' names (a module is never named as a function it exports:
+``minipaged.kernels.reshape_and_cache`` is the function, whichever import ran first). Pick a family with
 :func:`get_attention_backend`.
 
 Triton without a GPU: Triton decides, when a ``@triton.jit`` function is *defined*,
@@ -38,9 +38,9 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 from ..config import ATTENTION_BACKENDS
 from . import reference, torch_backend
+from .cache_write import reshape_and_cache
 from .paged_decode import paged_decode_attention
 from .paged_prefill import paged_prefill_attention
-from .reshape_and_cache import reshape_and_cache
 from .validation import triton_interpreter_ready as triton_interpreting
 
 

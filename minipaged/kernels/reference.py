@@ -1,7 +1,7 @@
 """Plain PyTorch references: what the paged kernels compute, written to be read.
 
 Each function here has a Triton twin with exactly the same signature
-(``reshape_and_cache.py``, ``paged_decode.py``, ``paged_prefill.py``) and a tuned
+(``cache_write.py``, ``paged_decode.py``, ``paged_prefill.py``) and a tuned
 CPU twin (``torch_backend.py``, what the engine runs on a CPU); the tests compare
 both against these. Written to be read, not to be fast: one sequence at a time.
 

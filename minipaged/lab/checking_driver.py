@@ -86,7 +86,7 @@ class Driver:
         window=None,
     ):
         connector = OffloadingConnector(num_offload_blocks, block_size) if num_offload_blocks and caching else None
-        self.kv = KVCacheManager(
+        self.kv_cache_manager = KVCacheManager(
             block_size,
             num_blocks,
             enable_caching=caching,
@@ -106,7 +106,7 @@ class Driver:
                     dict(num_speculative_tokens=spec_k, prompt_lookup_min=1, prompt_lookup_max=3) if spec_k else None
                 ),
             ),
-            self.kv,
+            self.kv_cache_manager,
         )
         self.cache = CacheEngine(
             1 if window is None else 2,  # a window: two layers (groups) in one shared tensor
@@ -173,7 +173,9 @@ class Driver:
         bs = self.block_size
         # Every group's block tables (one without a window); all groups write into the one tensor.
         tables = [[s.block_ids for s in out.scheduled]]
-        tables += [[s.group_block_ids[g] for s in out.scheduled] for g in range(len(self.kv.managers) - 1)]
+        tables += [
+            [s.group_block_ids[g] for s in out.scheduled] for g in range(len(self.kv_cache_manager.managers) - 1)
+        ]
         slots = torch.cat([slot_mapping(t, out.positions(), bs) for t in tables])
         assert slots.numel() == out.total_num_scheduled_tokens * len(tables) and bool((slots >= 0).all())
         assert len(set(slots.tolist())) == slots.numel()  # no two tokens, in no two groups, written to one slot
@@ -225,7 +227,9 @@ class Driver:
         while self.sched.has_unfinished():
             self.step()
             assert self.steps < max_steps, "no progress"
-        assert self.kv.block_pool.get_num_free_blocks() == self.kv.num_blocks - 1  # nothing leaked
+        assert (
+            self.kv_cache_manager.block_pool.get_num_free_blocks() == self.kv_cache_manager.num_blocks - 1
+        )  # nothing leaked
 
 
 def random_config(rng: random.Random) -> dict:
@@ -296,7 +300,9 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
             seen["prefix_hit_tokens"] += sum(
                 s.start for s in out.scheduled if d.requests[s.request_id].num_output_tokens == 0
             )
-        assert d.kv.block_pool.get_num_free_blocks() == d.kv.num_blocks - 1  # nothing leaked
+        assert (
+            d.kv_cache_manager.block_pool.get_num_free_blocks() == d.kv_cache_manager.num_blocks - 1
+        )  # nothing leaked
         assert not d.sched.requests  # the scheduler forgot every finished request
         for rid, req in d.requests.items():
             assert req.is_finished, rid
@@ -316,7 +322,7 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
         seen["preemptions"] += d.sched.num_preemptions
         seen["rejected"] += sum(r.finish_reason == "rejected" for r in d.requests.values())
         seen["forks"] += sum(r.parent_id is not None for r in d.requests.values())
-        seen["external_hit_tokens"] += d.kv.external_hits
+        seen["external_hit_tokens"] += d.kv_cache_manager.external_hits
         seen["hybrid_rounds"] += d.window is not None
         if (spec := d.sched.spec_decoding_stats) is not None:
             seen["drafts"] += spec.num_draft_tokens

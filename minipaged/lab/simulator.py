@@ -503,7 +503,7 @@ class _SimExecutor:
             duration=dt,
             num_running=len(out.scheduled),
             num_waiting=len(sched.waiting) + len(sched.swapped),
-            blocks_in_use=sched.kv.num_blocks - 1 - sched.kv.get_num_free_blocks(),
+            blocks_in_use=sched.kv_cache_manager.num_blocks - 1 - sched.kv_cache_manager.get_num_free_blocks(),
             tokens_scheduled=new_tokens,
             prefill_tokens=prefill,
             kv_tokens=kv_tokens,
@@ -560,7 +560,7 @@ def simulate_continuous(
             ex.now = max(ex.now, requests[order[nxt]].arrival)
             continue
         ex.running_before = {r.request_id for r in sched.running}
-        ex.swapped_before = set(sched.kv.swapped_blocks)
+        ex.swapped_before = set(sched.kv_cache_manager.swapped_blocks)
         res = run_step(sched, ex, lambda: ex.now)
         steps += 1
         if record_events:

@@ -298,7 +298,9 @@ def _workload(parts_in: dict[str, Callable[..., Any]]) -> Any:
             prompt = base[: rng.randrange(5, 12)] + [rng.randrange(1, 40) for _ in range(rng.randrange(1, 6))]
             d.add(f"r{i}", prompt, max_tokens=rng.randrange(1, 6), ignore_eos=True)
         d.run()
-        return d.kv.prefix_cache_hits, *view(d.kv.block_pool)  # inside: leaving parts.use resets the cache
+        return d.kv_cache_manager.prefix_cache_hits, *view(
+            d.kv_cache_manager.block_pool
+        )  # inside: leaving parts.use resets the cache
 
 
 def _safe(run: Callable[[], Any]) -> Any:

@@ -197,7 +197,7 @@ class BatchingPlayer:
 
     # -- recording ---------------------------------------------------------------------------
     def _record(self, sched: Scheduler, out: SchedulerOutput, now: float, finished: list[Request]) -> None:
-        kv = sched.kv
+        kv = sched.kv_cache_manager
         self._finished += finished
         owners: dict[int, list[str]] = {}
         for rid, blocks in kv.req_to_blocks.items():
@@ -594,7 +594,7 @@ class PrefixSharingView:
     """
 
     def __init__(self, manager: KVCacheManager, title: str = "block tables", label: str = "start") -> None:
-        self.kv = manager
+        self.kv_cache_manager = manager
         self.title = title
         self.history: list[dict[str, Any]] = []
         self.rows: dict[str, list[dict[str, Any]]] = {}
@@ -609,14 +609,14 @@ class PrefixSharingView:
 
     def _snapshot(self, label: str) -> dict[str, Any]:
         rows = {}
-        for rid, blocks in self.kv.req_to_blocks.items():
+        for rid, blocks in self.kv_cache_manager.req_to_blocks.items():
             rows[rid] = [
                 dict(block_id=b.block_id, ref_cnt=b.ref_cnt, shared=b.ref_cnt > 1, hashed=b.block_hash is not None)
                 for b in blocks
             ]
         entries = sum(len(r) for r in rows.values())
         distinct = len({c["block_id"] for r in rows.values() for c in r})
-        pool = self.kv.block_pool
+        pool = self.kv_cache_manager.block_pool
         cached_free = sum(1 for b in pool.blocks[1:] if b.ref_cnt == 0 and b.block_hash is not None)
         summary = dict(
             requests=len(rows),
