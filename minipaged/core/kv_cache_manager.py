@@ -224,34 +224,45 @@ class KVCacheManager:
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens,
         )  # fmt: skip
-        fits = need.fits
-        would = hooks.plugged("would_allocate")  # a learner's own admission rule (exercise 04)
-        simple = not (need.new_computed or need.cow or num_lookahead_tokens or num_external_computed_tokens)
-        simple = simple and self.single_type  # nor a sliding window's give-backs
-        if would is not None and simple:  # the learner's rule knows computed and new tokens only
-            fits = would(self, request, num_new_tokens)
-            if fits and need.num_new_blocks > self.block_pool.get_num_free_blocks():
-                raise would.fail(
-                    f"said yes to {need.num_new_blocks} new blocks for {request.request_id!r}, "
-                    f"but only {self.get_num_free_blocks()} are free"
-                )
-        if not fits:
+        if not self._fits(need, request, num_new_tokens, num_lookahead_tokens, num_external_computed_tokens):
             return None
-        new_computed, cow = need.new_computed, need.cow
-        write_idx, is_new_admission = need.write_idx, need.is_new_admission
-        num_computed_tokens = need.num_computed_tokens
-
         # From here on nothing can fail: the pool has the blocks.
-        rid = request.request_id
-        num_required = cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.block_size)
-        for manager, hits in zip(self.managers, new_computed.blocks):
-            manager.remove_skipped_blocks(rid, num_computed_tokens)  # a sliding window's old blocks go back first
-            self.block_pool.touch(hits)  # every group's hits, before any fresh block could evict one of them
+        new_per_group = self._take_blocks(request, need, num_new_tokens + num_lookahead_tokens)
+        if self.connector is not None:
+            self._tell_connector(request, need, new_per_group[0], num_external_computed_tokens)
+        if self.enable_caching:
+            self._cache_full_blocks(request, need, num_new_tokens)
+        return KVCacheBlocks(tuple(new_per_group))
+
+    def _fits(self, need: _Need, request: Request, num_new_tokens: int, num_lookahead: int, num_external: int) -> bool:
+        """Whether the pool gives ``need`` now; a learner's own admission rule (exercise 04) decides instead
+        where it can (it knows computed and new tokens only), and is caught saying yes to more than is free."""
+        would = hooks.plugged("would_allocate")
+        simple = not (need.new_computed or need.cow or num_lookahead or num_external)
+        if would is None or not (simple and self.single_type):  # nor a sliding window's give-backs
+            return need.fits
+        fits = would(self, request, num_new_tokens)
+        if fits and need.num_new_blocks > self.block_pool.get_num_free_blocks():
+            raise would.fail(
+                f"said yes to {need.num_new_blocks} new blocks for {request.request_id!r}, "
+                f"but only {self.get_num_free_blocks()} are free"
+            )
+        return bool(fits)
+
+    def _take_blocks(self, request: Request, need: _Need, num_new_slots: int) -> list[list[KVCacheBlock]]:
+        """Hits first (every group's, touched before any fresh block could evict one of them), then a private
+        copy of a shared block about to be written, then fresh blocks up to ``num_new_slots`` more slots; the
+        fresh blocks per group."""
+        rid, write_idx = request.request_id, need.write_idx
+        num_required = cdiv(need.num_computed_tokens + num_new_slots, self.block_size)
+        for manager, hits in zip(self.managers, need.new_computed.blocks):
+            manager.remove_skipped_blocks(rid, need.num_computed_tokens)  # a window's old blocks go back first
+            self.block_pool.touch(hits)
             manager.req_to_blocks.setdefault(rid, []).extend(hits)
         new_per_group: list[list[KVCacheBlock]] = []
         for g, manager in enumerate(self.managers):
             blocks = manager.req_to_blocks[rid]
-            if g in cow:
+            if g in need.cow:
                 shared, private = blocks[write_idx], self.block_pool.get_new_blocks(1)[0]
                 blocks[write_idx] = private
                 self.block_pool.free_blocks([shared])  # one owner fewer; the sibling keeps it
@@ -259,32 +270,36 @@ class KVCacheManager:
             fresh = self.block_pool.get_new_blocks(max(0, num_required - len(blocks)))
             blocks.extend(fresh)
             new_per_group.append(fresh)
-        new_blocks = new_per_group[0]
-        if self.connector is not None:
-            if need.num_external_blocks:  # the first fresh blocks receive the external hits (their slots pinned
-                # first: no save of this step may take them)
-                local = need.num_computed_tokens - num_external_computed_tokens
-                self.connector.update_state_after_alloc(request, new_blocks[: need.num_external_blocks], local)
-                self.external_hits += num_external_computed_tokens
-            evicted = self.block_pool.evicted or []
-            for block_id, block_hash in evicted:  # the connector may copy them out before the step writes
-                self.connector.on_evict(block_id, block_hash)
-            evicted.clear()
+        return new_per_group
 
-        if self.enable_caching:
-            if is_new_admission:  # vLLM's prefix-cache stats: tokens asked for, tokens found
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += len(new_computed) * self.block_size
-            # Cache the blocks that are full once this step's tokens are written. Lookahead
-            # slots hold no real tokens, and tokens not yet in the request have no hash.
-            num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
-            num_full_blocks = num_tokens_to_cache // self.block_size
-            for manager, hits in zip(self.managers, new_computed.blocks):
-                # Prefix hits are cached already; so are the blocks cached in earlier steps.
-                num_cached = len(hits) if is_new_admission else manager.num_cached_block[rid]
-                # their K/V come in this step
-                self.uncommitted_blocks.extend(manager.cache_blocks(request, num_cached, num_full_blocks))
-        return KVCacheBlocks(tuple(new_per_group))
+    def _tell_connector(self, request: Request, need: _Need, new_blocks: list[KVCacheBlock], num_external: int) -> None:
+        """The connector's share of an allocation: the fresh blocks that receive its external hits (their slots
+        pinned first: no save of this step may take them), and the cached blocks evicted to make room (it may
+        copy them out before the step writes over them)."""
+        assert self.connector is not None
+        if need.num_external_blocks:
+            local = need.num_computed_tokens - num_external
+            self.connector.update_state_after_alloc(request, new_blocks[: need.num_external_blocks], local)
+            self.external_hits += num_external
+        evicted = self.block_pool.evicted or []
+        for block_id, block_hash in evicted:
+            self.connector.on_evict(block_id, block_hash)
+        evicted.clear()
+
+    def _cache_full_blocks(self, request: Request, need: _Need, num_new_tokens: int) -> None:
+        """Count the admission's prefix-cache lookup (vLLM's stats: tokens asked for, tokens found), then hash
+        into the cache the blocks that are full once this step's tokens are written: lookahead slots hold no
+        real tokens, and tokens not yet in the request have no hash. Their K/V come in this step: uncommitted
+        until it ends."""
+        rid = request.request_id
+        if need.is_new_admission:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(need.new_computed) * self.block_size
+        num_full_blocks = min(need.num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
+        for manager, hits in zip(self.managers, need.new_computed.blocks):
+            # Prefix hits are cached already; so are the blocks cached in earlier steps.
+            num_cached = len(hits) if need.is_new_admission else manager.num_cached_block[rid]
+            self.uncommitted_blocks.extend(manager.cache_blocks(request, num_cached, num_full_blocks))
 
     def _allocate_in_place(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
         """``allocate_slots`` for the usual step of a running request, most decode steps: its blocks already
@@ -327,7 +342,7 @@ class KVCacheManager:
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens, 0
         ).fits
 
-    def _need(
+    def _checked_args(
         self,
         request: Request,
         num_new_tokens: int,
@@ -335,8 +350,8 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None,
         num_lookahead_tokens: int,
         num_external_computed_tokens: int,
-    ) -> _Need:
-        """The arguments of ``allocate_slots`` checked, and what it would take from the pool."""
+    ) -> KVCacheBlocks:
+        """``allocate_slots``'s arguments, each refused with a sentence that names it; the hits, per group."""
         for name, v in (
             ("num_new_tokens", num_new_tokens),
             ("num_new_computed_tokens", num_new_computed_tokens),
@@ -366,6 +381,23 @@ class KVCacheManager:
                 f"num_external_computed_tokens={num_external_computed_tokens}: external hits come from a KV "
                 "connector, in whole blocks, for a request that holds no blocks yet"
             )
+        return new_computed
+
+    def _need(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> _Need:
+        """The arguments of ``allocate_slots`` checked, and what it would take from the pool."""
+        new_computed = self._checked_args(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+            num_external_computed_tokens,
+        )  # fmt: skip
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
         if self.enable_caching:
             self._attach_hasher(request)  # before any change: it refuses a hasher of another block size
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens

@@ -229,8 +229,7 @@ class ModelRunner:
         local_rank: int = 0,
         hf_config: dict[str, Any] | None = None,
     ) -> None:
-        from ..kernels import get_attention_backend
-        from ..model_loader import ensure_converted, quiet_transformers
+        from ..model_loader import ensure_converted
 
         self.tp = tp
         self.created_at, self.released = caller_site(), False
@@ -240,26 +239,49 @@ class ModelRunner:
             self.device = torch.device("cuda", (self.device.index or 0) + local_rank)
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, model_config_dtype(self.path), self.device)
+        self.model = self._load_model(config, hf_config)
+        self._plan_kv_cache(config)
+        self._allocate(config)
+        _LIVE.add(self)
+        self.reset()
+        if self.device.type == "cuda" and (tp is None or tp.rank == 0):  # how much of the card it took
+            print(f"minipaged: {self.describe()}", flush=True)
+
+    def _attention_backend(self, config: Config, hf_config: dict[str, Any] | None) -> str:
+        """The kernels' family, ``auto`` resolved: PyTorch for a model with a sliding window (the Triton kernels
+        have none); a block size the Triton kernels cannot tile is refused now, not at the first step."""
+        from ..kernels import get_attention_backend
+
         backend = get_attention_backend(config.attention_backend).name
-        if config.attention_backend == "auto" and backend != "torch":  # the Triton kernels have no sliding window
+        if config.attention_backend == "auto" and backend != "torch":
             from ..model.llama import read_config, sliding_windows
 
             shape = config_from_dict(hf_config) if hf_config is not None else read_config(self.path)
             backend = "torch" if any(w is not None for w in sliding_windows(shape)) else backend
-        if backend == "triton":  # refuse a block size the kernels cannot tile now, not at the first step
+        if backend == "triton":
             from ..kernels.launch import kv_tile_n
 
             kv_tile_n(config.block_size, 16)
+        return backend
+
+    def _load_model(self, config: Config, hf_config: dict[str, Any] | None) -> LlamaForCausalLM:
+        """The weights (this rank's shard under tensor parallelism) on this runner's device, in its dtype."""
+        from ..model_loader import quiet_transformers
+
+        backend, tp = self._attention_backend(config, hf_config), self.tp
         if hf_config is not None:  # a worker, given rank 0's reading of config.json: no transformers here
-            self.model = LlamaForCausalLM.from_pretrained(
+            return LlamaForCausalLM.from_pretrained(
                 self.path, self.dtype, self.device, backend, tp, config_from_dict(hf_config)
             )
-        else:
-            with quiet_transformers():
-                self.model = LlamaForCausalLM.from_pretrained(
-                    self.path, dtype=self.dtype, device=self.device, backend=backend, tp=tp
-                )
-        hf = self.model.config
+        with quiet_transformers():
+            return LlamaForCausalLM.from_pretrained(
+                self.path, dtype=self.dtype, device=self.device, backend=backend, tp=tp
+            )
+
+    def _plan_kv_cache(self, config: Config) -> None:
+        """The KV spec this rank holds, its cache groups, and its pools in blocks (device, swap space, offload
+        store), agreed with the other ranks; then the longest sequence the pool allows."""
+        tp, hf = self.tp, self.model.config
         spec = KVSpec(
             hf.num_hidden_layers,
             hf.num_key_value_heads,
@@ -299,8 +321,11 @@ class ModelRunner:
             "own_num_blocks": own_blocks,
             "num_blocks": self.num_blocks,
         }
+
+    def _allocate(self, config: Config) -> None:
+        """The cache tensors, the step's input buffers and, on one GPU, the CUDA graph runner."""
         self.cache = CacheEngine(
-            hf.num_hidden_layers,
+            self.model.config.num_hidden_layers,
             self.num_blocks,
             self.block_size,
             self.model.num_kv_heads,
@@ -311,29 +336,18 @@ class ModelRunner:
             num_offload_blocks=self.num_offload_blocks,
             layer_tensors=self.layer_tensors,
         )
-        self.buffers = InputBuffers(
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            cdiv(self.max_model_len, self.block_size),
-            self.device,
-        )
+        max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
+        self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq, self.device)
         # A KV producer's sender (disaggregated prefill, ``disagg.py``): after the forward, it ships the blocks the
         # step filled (``kv_connector_metadata.sends``) to the engine that decodes.
         self.kv_sender: Callable[[CacheEngine, list[tuple[int, BlockHash]]], None] | None = None
         self.graph_runner: CUDAGraphRunner | None = None  # decode steps replayed from CUDA graphs (a GPU only)
         # CUDA graphs capture one block table per step: models of one KV cache group only.
-        if self.device.type == "cuda" and tp is None and not config.enforce_eager and len(self.kv_cache_groups) == 1:
+        one_gpu = self.device.type == "cuda" and self.tp is None
+        if one_gpu and not config.enforce_eager and len(self.kv_cache_groups) == 1:
             self.graph_runner = CUDAGraphRunner(
-                self.model,
-                self.cache.gpu_cache,
-                config.max_num_seqs,
-                cdiv(self.max_model_len, self.block_size),
-                self.device,
+                self.model, self.cache.gpu_cache, config.max_num_seqs, max_blocks_per_seq, self.device
             )
-        _LIVE.add(self)
-        self.reset()
-        if self.device.type == "cuda" and (tp is None or tp.rank == 0):  # how much of the card it took
-            print(f"minipaged: {self.describe()}", flush=True)
 
     def reset(self) -> None:
         """Forget every request: a new sampler (no random streams) and zeroed timers. The cache tensors stay:
