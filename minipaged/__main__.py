@@ -24,6 +24,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .classroom.grading.runner import DEFAULT_TIMEOUT_S as DEFAULT_GRADE_TIMEOUT_S
 
@@ -404,26 +405,33 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {
+        "prepare": cmd_prepare,
+        "demo": cmd_demo,
+        "generate": cmd_generate,
+        "chat": cmd_chat,
+        "bench": cmd_bench,
+        "serve": cmd_serve,
+        "worker": cmd_worker,
+        "grade": cmd_grade,
+        "kernels": cmd_kernels,
+    }
+    try:
+        return commands[args.command](args)
+    except ValueError as exc:  # bad input: a clear message, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and its flags: the engine's and sampling's shared by the commands that run the model."""
     parser = argparse.ArgumentParser(
         prog="python -m minipaged", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="convert the SmolLM2 GGUF into the local cache once")
-    engine = argparse.ArgumentParser(add_help=False)
-    engine.add_argument("--block-size", type=_positive, default=16)
-    engine.add_argument("--kv-cache-memory", default=None, help='KV pool budget, e.g. "512MiB" (CPU default 1GiB)')
-    engine.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--max-num-seqs", type=_positive, default=256)
-    engine.add_argument(
-        "--tensor-parallel-size", type=_positive, default=1, help="ranks (processes) to split the model over"
-    )
-    sampling = argparse.ArgumentParser(add_help=False)
-    sampling.add_argument("--max-tokens", type=_positive, default=64)
-    sampling.add_argument("--temperature", type=float, default=0.0)
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--top-k", type=int, default=-1)
-    sampling.add_argument("--seed", type=int, default=None)
-    sampling.add_argument("-n", type=_positive, default=1, help="samples per prompt")
+    engine, sampling = _engine_flags(), _sampling_flags()
     demo = sub.add_parser("demo", parents=[engine], help="the engine answers a batch of prompts; pool figures")
     demo.add_argument("--max-tokens", type=_positive, default=48)
     gen = sub.add_parser("generate", parents=[engine, sampling], help="answer one or more prompts")
@@ -435,6 +443,37 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", parents=[engine], help="throughput on a seeded mixed-length batch")
     bench.add_argument("--num-prompts", type=_positive, default=32)
     bench.add_argument("--seed", type=int, default=0)
+    _add_serve(sub)
+    _add_worker(sub)
+    _add_grade(sub)
+    _add_kernels(sub)
+    return parser
+
+
+def _engine_flags() -> argparse.ArgumentParser:
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--block-size", type=_positive, default=16)
+    engine.add_argument("--kv-cache-memory", default=None, help='KV pool budget, e.g. "512MiB" (CPU default 1GiB)')
+    engine.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--max-num-seqs", type=_positive, default=256)
+    engine.add_argument(
+        "--tensor-parallel-size", type=_positive, default=1, help="ranks (processes) to split the model over"
+    )
+    return engine
+
+
+def _sampling_flags() -> argparse.ArgumentParser:
+    sampling = argparse.ArgumentParser(add_help=False)
+    sampling.add_argument("--max-tokens", type=_positive, default=64)
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("-n", type=_positive, default=1, help="samples per prompt")
+    return sampling
+
+
+def _add_serve(sub: Any) -> None:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine (FastAPI + uvicorn)")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
     serve.add_argument("--port", type=_port, default=8000, help="default 8000; 0 takes a free port")
@@ -450,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
         help="refuse larger request bodies (413) before reading them (default 4194304: 4 MiB)",
     )
     _add_knob_flags(serve)
+
+
+def _add_worker(sub: Any) -> None:
     worker = sub.add_parser(
         "worker",
         help="run this machine's ranks of a tensor-parallel engine whose rank 0 (the LLM) runs on another machine",
@@ -464,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="how long to wait for the engine to start (default 600 s)",
     )
+
+
+def _add_grade(sub: Any) -> None:
     grade = sub.add_parser("grade", help="grade a folder of exercise notebooks")
     grade.add_argument(
         "paths",
@@ -479,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help=f"time limit for each notebook, its cells and its checks together (default {DEFAULT_GRADE_TIMEOUT_S} s)",
     )
+
+
+def _add_kernels(sub: Any) -> None:
     kernels = sub.add_parser(
         "kernels",
         help="compile the Triton kernels for NVIDIA GPUs (no GPU needed): registers, spills, shared memory, occupancy",
@@ -510,23 +558,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     kernels.add_argument("--jobs", type=_positive, default=None, help="compile processes (default: one per core)")
     kernels.add_argument("--json", action="store_true", help="one JSON object per line")
-    args = parser.parse_args(argv)
-    commands = {
-        "prepare": cmd_prepare,
-        "demo": cmd_demo,
-        "generate": cmd_generate,
-        "chat": cmd_chat,
-        "bench": cmd_bench,
-        "serve": cmd_serve,
-        "worker": cmd_worker,
-        "grade": cmd_grade,
-        "kernels": cmd_kernels,
-    }
-    try:
-        return commands[args.command](args)
-    except ValueError as exc:  # bad input: a clear message, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":
