@@ -316,3 +316,65 @@ def test_check_int_takes_ints_and_numpy_ints_not_bools_floats_or_strings():
     for bad in (True, -1, 2.0, "3", 6):
         with pytest.raises(ValueError, match="n must be"):
             check_int("n", bad, 0, 5)
+
+
+# ---- what the runner holds of the block tables ---------------------------------------------------------------
+def test_block_updates_send_a_table_once_then_only_what_changed():
+    """A new request's whole table, then nothing, then the one new block; a copy-on-write from its index on; a
+    request freed and admitted again, or a failed step, sends the whole table again."""
+    from minipaged.core.scheduler_output import SchedulerOutput, apply_block_updates
+
+    mgr = KVCacheManager(block_size=4, num_blocks=16)
+    a = Request("a", list(range(6)))
+    step(mgr, a, 6)
+    ids = mgr.get_block_ids("a")
+    assert mgr.take_block_updates("a") == [(0, ids)]
+    assert mgr.take_block_updates("a") == [(2, [])]
+    for token in (100, 101, 102):  # positions 6 and 7 fit in block 1; position 8 takes a third block
+        a.append_output_token_ids(token)
+        step(mgr, a, 1)
+    ids = mgr.get_block_ids("a")
+    assert len(ids) == 3 and mgr.take_block_updates("a") == [(2, ids[2:])]
+    b = Request("b", list(range(6)))
+    b.append_output_token_ids([100, 101, 102])
+    b.num_computed_tokens = a.num_computed_tokens
+    mgr.fork(a, b)  # b shares a's partly filled last block: a's next write copies it
+    assert mgr.take_block_updates("b") == [(0, ids)]
+    a.append_output_token_ids(103)
+    step(mgr, a, 1)
+    assert mgr.pending_copies and mgr.get_block_ids("a")[2] != ids[2]
+    assert mgr.take_block_updates("a") == [(2, mgr.get_block_ids("a")[2:])]
+    mgr.free(a)
+    a.num_computed_tokens = 0
+    step(mgr, a, a.num_tokens)
+    assert mgr.take_block_updates("a") == [(0, mgr.get_block_ids("a"))]
+    mgr.rollback_step()
+    assert mgr.take_block_updates("a") == [(0, mgr.get_block_ids("a"))]
+    assert mgr.take_block_updates("a", resend=True) == [(0, mgr.get_block_ids("a"))]
+
+    tables = {"gone": [[5]], "a": [[1, 2, 3]]}  # the runner's side: applying a step twice gives the same tables
+    out = SchedulerOutput(finished_req_ids=["gone"])
+    out.scheduled = [type("S", (), {"request_id": "a", "block_updates": [(1, [7, 8])]})()]  # type: ignore[list-item]
+    apply_block_updates(tables, out)
+    apply_block_updates(tables, out)
+    assert tables == {"a": [[1, 7, 8]]}
+
+
+def test_the_engine_keeps_the_tables_it_was_sent_and_forgets_them(tiny_model):
+    """The runner's tables are the manager's after every step, through preemption by swap, and empty once
+    every request has left."""
+    from conftest import PREEMPTING_PROMPTS, small_engine
+
+    from minipaged import SamplingParams
+
+    llm = small_engine(tiny_model, preemption_mode="swap", num_cpu_blocks_override=32)
+    for i, p in enumerate(PREEMPTING_PROMPTS):
+        llm.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True), request_id=str(i))
+    kv, seen = llm.kv_cache_manager, 0
+    while llm.scheduler.has_unfinished():
+        llm.step()
+        for r in llm.scheduler.running:
+            if r.request_id in llm.runner.block_tables:
+                assert llm.runner.block_tables[r.request_id][0] == kv.get_block_ids(r.request_id)
+                seen += 1
+    assert seen > 0 and llm.scheduler.num_preemptions > 0 and llm.runner.block_tables == {}

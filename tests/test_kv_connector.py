@@ -142,7 +142,7 @@ def test_a_failed_step_keeps_nothing_it_saved():
             assert out.kv_connector_metadata.saves  # this step evicts the prefix and would save it
             raise RuntimeError("the device fell over")
 
-        def release(self, keys):
+        def release(self, ids, keys):
             pass
 
     with pytest.raises(RuntimeError, match="fell over"):

@@ -217,7 +217,8 @@ def test_drafts_are_verified_and_their_blocks_given_back():
             held = d.kv_cache_manager.get_num_blocks("a")
             assert cdiv(req.num_computed_tokens, 4) <= held <= cdiv(req.num_tokens, 4)
             assert req.num_computed_tokens == req.num_tokens - 1
-            trimmed += len(s.block_ids) - held  # the step allocated for every draft; rejected ones gave back
+            (start, new_ids), *_ = s.block_updates  # the table after the step's allocation: start + new ids
+            trimmed += start + len(new_ids) - held  # the step allocated for every draft; rejected ones gave back
     assert max(drafts_seen) == 5 and trimmed > 0
     stats = d.sched.spec_decoding_stats
     assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens

@@ -763,7 +763,9 @@ def _inputs_probes() -> list[Probe]:
     from ..core.scheduler_output import ScheduledRequest
 
     def sr(rid: str, start: int, n: int, samples: int) -> ScheduledRequest:
-        return ScheduledRequest(rid, n, start, [3, 9], samples, token_ids=[100 + start + i for i in range(n)])
+        return ScheduledRequest(
+            rid, n, start, samples, token_ids=[100 + start + i for i in range(n)], block_updates=[(0, [3, 9])]
+        )
 
     return [
         (

@@ -265,6 +265,7 @@ class KVCacheManager:
             if g in need.cow:
                 shared, private = blocks[write_idx], self.block_pool.get_new_blocks(1)[0]
                 blocks[write_idx] = private
+                manager.changed(rid, write_idx)
                 self.block_pool.free_blocks([shared])  # one owner fewer; the sibling keeps it
                 self.pending_copies.append((shared.block_id, private.block_id))
             fresh = self.block_pool.get_new_blocks(max(0, num_required - len(blocks)))
@@ -548,6 +549,26 @@ class KVCacheManager:
         self.uncommitted_blocks.clear()
         if self.connector is not None:
             self.connector.rollback_step()
+        self.resend_block_tables()  # the runner may or may not hold what the failed step sent
+
+    # ---- what the runner holds of the block tables ------------------------------------------
+    def take_block_updates(self, request_id: str, resend: bool = False) -> list[tuple[int, list[int]]]:
+        """Per KV cache group, what the runner lacks of the request's block table: (the first index it lacks,
+        the ids from there on); then it holds them all (vLLM sends a new request's whole table once,
+        ``NewRequestData``, and only new block ids after, ``CachedRequestData``)::
+
+            step 1  blocks [7, 2]      ->  (0, [7, 2])     a new request: the whole table
+            step 2  blocks [7, 2]      ->  (2, [])         nothing new
+            step 3  blocks [7, 2, 9]   ->  (2, [9])        a block added
+            fork    blocks [7, 5, 9]   ->  (1, [5, 9])     a copy-on-write replaced block 1
+
+        ``resend``: every group's whole table (the runner's copy is rebuilt from the first block)."""
+        return [m.take_block_updates(request_id, resend) for m in self.managers]
+
+    def resend_block_tables(self) -> None:
+        """The next step sends every request's whole table: the runner's copy is not known to be right."""
+        for manager in self.managers:
+            manager.num_sent.clear()
 
     def take_connector_meta(self) -> KVConnectorMetadata | None:
         """This step's copies between the pool and the connector's store (None without a connector)."""

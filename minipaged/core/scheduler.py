@@ -560,6 +560,7 @@ class Scheduler:
 
     def _add_to_step(self, out: SchedulerOutput, scheduled: list[tuple[str, int]]) -> int:
         """Put each ``(request id, new tokens)`` in the step; return the tokens they use."""
+        parts_plugged = hooks.active(ignore=POLICY_PARTS)
         for rid, num_new in scheduled:
             req = self.requests[rid]
             if num_new < 1:  # a row with no token would sample another request's logits
@@ -581,8 +582,8 @@ class Scheduler:
                     request_id=rid,
                     num_new_tokens=num_new,
                     start=start,
-                    block_ids=self.kv_cache_manager.get_block_ids(rid),
-                    group_block_ids=self.kv_cache_manager.get_group_block_ids(rid),
+                    # a learner's part may have changed a table in place: then the whole table, every step
+                    block_updates=self.kv_cache_manager.take_block_updates(rid, resend=parts_plugged),
                     num_samples=(req.sampling_params.n if first else 1) if samples else 0,
                     token_ids=req.all_token_ids[start:end] + spec,
                     sampling_params=req.sampling_params,

@@ -5,18 +5,23 @@ pickled and sent to another process (a tensor-parallel worker, a server's engine
 needs nothing else to build the step's tensors::
 
     SchedulerOutput
-      scheduled = [ScheduledRequest("a", start=32, num_new_tokens=16, token_ids=[...16 ids], block_ids=[7, 2, 9]),
-                   ScheduledRequest("b", start=40, num_new_tokens=1,  token_ids=[last id],    block_ids=[4, 5, 6]),
-                   ScheduledRequest("c", start=9,  num_new_tokens=3,  token_ids=[last id, d0, d1],
-                                    spec_token_ids=[d0, d1], block_ids=[3])]    # c: a decode with two drafts
+      scheduled = [ScheduledRequest("a", start=32, num_new_tokens=16, token_ids=[...16 ids],
+                                    block_updates=[(2, [9])]),          # a: one block more, at index 2
+                   ScheduledRequest("b", start=40, num_new_tokens=1,  token_ids=[last id],
+                                    block_updates=[(3, [])]),           # b: its table as the runner has it
+                   ScheduledRequest("c", start=0,  num_new_tokens=9,  token_ids=[...9 ids],
+                                    block_updates=[(0, [3])])]          # c: new, its whole table
       swap_out / swap_in / copy_blocks      block copies to do before the forward
       kv_connector_metadata                 saves to and loads from a KV connector's store (kv_connector.py)
       preempted                             ids taken off the device this step
       finished_req_ids, finished_sample_keys   ids that left since the last step, and their random streams:
                                             the runner drops what it keeps for them
 
-The runner turns it into tensors, the slot mapping included (``block_table.slot_mapping``), as vLLM's
-runner-side ``BlockTable`` does.
+Block tables travel once: a request's whole table in its first step (and after it was preempted, or a step
+failed), then only what changed (``KVCacheManager.take_block_updates``; vLLM's ``NewRequestData`` and
+``CachedRequestData``). The runner keeps the tables (``apply_block_updates``) and turns the step into tensors,
+the slot mapping included (``block_table.slot_mapping``), as vLLM's runner-side ``BlockTable`` does; a
+tensor-parallel step pickles a few ids per request, not every table.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ class ScheduledRequest:
     request_id: str
     num_new_tokens: int  # a prefill chunk, or 1 for a decode
     start: int  # position of its first new token (= tokens already computed)
-    block_ids: list[int]  # its block table after this step's allocation
     num_samples: int  # tokens to sample after this step: 0 mid-prompt, n on an n > 1 request's first, else 1
     #                   (with drafts: 1 verification, which emits 1 to len(spec_token_ids) + 1 tokens)
     token_ids: list[int] = field(default_factory=list)  # the tokens at positions start .. start + num_new_tokens - 1
@@ -44,9 +48,9 @@ class ScheduledRequest:
     # Speculative decoding: the drafts among token_ids (its last len(spec_token_ids) tokens). The runner then
     # samples every row from the last real token on and keeps the drafts the model agrees with.
     spec_token_ids: list[int] = field(default_factory=list)
-    # A model with several KV cache groups (sliding-window layers beside full ones, kv_cache_coordinator.py):
-    # the block tables of groups 1, 2, ...; block_ids is group 0's. Empty for a model of one attention type.
-    group_block_ids: list[list[int]] = field(default_factory=list)
+    # Per KV cache group (one, or several for sliding-window layers beside full ones: kv_cache_coordinator.py),
+    # what the runner lacks of its block table after this step's allocation: (first index, the ids from there).
+    block_updates: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -73,6 +77,19 @@ class SchedulerOutput:
 
     def positions(self) -> list[list[int]]:
         return [list(range(s.start, s.start + s.num_new_tokens)) for s in self.scheduled]
+
+
+def apply_block_updates(tables: dict[str, list[list[int]]], out: SchedulerOutput) -> None:
+    """Bring a runner's copy of the block tables (request id -> one table per KV cache group) up to a step: the
+    requests that left or were preempted go, then each scheduled request's updates are written from their index
+    on. Applying a step again gives the same tables (a failed step's updates are sent again)."""
+    for rid in (*out.finished_req_ids, *out.preempted):
+        tables.pop(rid, None)
+    for s in out.scheduled:
+        groups = tables.setdefault(s.request_id, [[] for _ in s.block_updates])
+        for table, (start, ids) in zip(groups, s.block_updates):
+            del table[start:]
+            table.extend(ids)
 
 
 @dataclass

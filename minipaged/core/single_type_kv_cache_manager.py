@@ -50,6 +50,9 @@ class SingleTypeKVCacheManager:
         self.block_pool, self.block_size, self.group_id = block_pool, block_size, group_id
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # request_id -> its blocks in logical order
         self.num_cached_block: dict[str, int] = {}  # request_id -> how many of them are in the prefix cache
+        # request_id -> how many of its first block ids the runner holds as they are now (``take_block_updates``):
+        # every change at index i lowers it to i at most, and the next step sends the ids from there on.
+        self.num_sent: dict[str, int] = {}
 
     def hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The prefix-cache keys of the request's first ``num_blocks`` full blocks, for this group."""
@@ -115,6 +118,7 @@ class SingleTypeKVCacheManager:
         spare = blocks[keep:]
         self.block_pool.free_blocks(reversed(spare))  # checks first: raises with nothing changed
         del blocks[keep:]
+        self.changed(request_id, keep)
         return len(spare)
 
     def free(self, request_id: str) -> None:
@@ -122,6 +126,20 @@ class SingleTypeKVCacheManager:
         self.block_pool.free_blocks(reversed(self.req_to_blocks.get(request_id, [])))  # raises, changing nothing
         self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
+        self.num_sent.pop(request_id, None)
+
+    def changed(self, request_id: str, index: int) -> None:
+        """The request's block ``index`` (or the tail from it) changed: the runner's copy is right before it."""
+        if self.num_sent.get(request_id, 0) > index:
+            self.num_sent[request_id] = index
+
+    def take_block_updates(self, request_id: str, resend: bool = False) -> tuple[int, list[int]]:
+        """What the runner lacks of the request's block table: (the first index it lacks, the ids from there
+        on); the runner then holds the whole table. ``resend``: from the first block."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        start = 0 if resend else min(self.num_sent.get(request_id, 0), len(blocks))
+        self.num_sent[request_id] = len(blocks)
+        return start, [b.block_id for b in blocks[start:]]
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
@@ -157,6 +175,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 break
             removed.append(blocks[i])
             blocks[i] = self.block_pool.null_block
+            self.changed(request_id, i)
         self.block_pool.free_blocks(removed)
 
     def find_longest_cache_hit(self, request: Request, max_num_blocks: int) -> list[KVCacheBlock]:

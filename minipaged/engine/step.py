@@ -39,8 +39,8 @@ class Executor(Protocol):
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
-    def release(self, sample_keys: list[tuple[str, int]]) -> None:
-        """Drop what it keeps for requests that left (the runner: their random streams)."""
+    def release(self, request_ids: list[str], sample_keys: list[tuple[str, int]]) -> None:
+        """Drop what it keeps for requests that left (the runner: their block tables, their random streams)."""
         ...
 
 
@@ -138,4 +138,4 @@ def release_if_idle(scheduler: Scheduler, executor: Executor) -> None:
     """Requests that left are told to the executor with the next step; with nothing left to schedule there
     is no next step, so tell it now."""
     if not scheduler.has_unfinished():
-        executor.release(scheduler.take_finished()[1])
+        executor.release(*scheduler.take_finished())

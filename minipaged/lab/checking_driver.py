@@ -39,7 +39,7 @@ from ..core.kv_cache_manager import KVCacheManager
 from ..core.kv_connector import OffloadingConnector
 from ..core.request import Request
 from ..core.scheduler import Scheduler, SchedulerConfig, check_invariants
-from ..core.scheduler_output import RunnerOutput, SchedulerOutput
+from ..core.scheduler_output import RunnerOutput, SchedulerOutput, apply_block_updates
 from ..engine.step import run_step
 from ..sampling_params import SamplingParams
 from ..worker.block_table import slot_mapping
@@ -96,6 +96,7 @@ class Driver:
             kv_cache_groups=None if window is None else [KVCacheGroupSpec((0,)), KVCacheGroupSpec((1,), window)],
         )
         self.window = window
+        self.tables: dict[str, list[list[int]]] = {}  # request id -> its block tables, as the steps sent them
         self.sched = Scheduler(
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -171,11 +172,14 @@ class Driver:
             self.cache.onload(kv_meta.loads)
         kcache = self.cache.gpu_cache[0][0].view(-1)
         bs = self.block_size
-        # Every group's block tables (one without a window); all groups write into the one tensor.
-        tables = [[s.block_ids for s in out.scheduled]]
-        tables += [
-            [s.group_block_ids[g] for s in out.scheduled] for g in range(len(self.kv_cache_manager.managers) - 1)
-        ]
+        # Every group's block tables (one without a window), kept from the steps' updates as the runner keeps
+        # them, and checked against the KV cache manager's own; all groups write into the one tensor.
+        apply_block_updates(self.tables, out)
+        kv = self.kv_cache_manager
+        for s in out.scheduled:
+            held = [[b.block_id for b in m.req_to_blocks[s.request_id]] for m in kv.managers]
+            assert self.tables[s.request_id] == held, (s.request_id, "block updates", self.steps)
+        tables = [[self.tables[s.request_id][g] for s in out.scheduled] for g in range(len(kv.managers))]
         slots = torch.cat([slot_mapping(t, out.positions(), bs) for t in tables])
         assert slots.numel() == out.total_num_scheduled_tokens * len(tables) and bool((slots >= 0).all())
         assert len(set(slots.tolist())) == slots.numel()  # no two tokens, in no two groups, written to one slot
@@ -196,11 +200,12 @@ class Driver:
         # The window layer reads only from its first new token's window on, and holds nothing before it.
         for s in out.scheduled:
             tokens = fed[s.request_id]
-            reads = [(s.block_ids, 0)]
+            own = self.tables[s.request_id]
+            reads = [(own[0], 0)]
             if self.window is not None:
                 first = max(0, s.start - self.window + 1)
-                assert set(s.group_block_ids[0][: first // bs]) <= {0}, (s.request_id, "kept behind the window")
-                reads.append((s.group_block_ids[0], first))
+                assert set(own[1][: first // bs]) <= {0}, (s.request_id, "kept behind the window")
+                reads.append((own[1], first))
             for table, first in reads:
                 for p in range(first, s.start + s.num_new_tokens):
                     slot = table[p // bs] * bs + p % bs
@@ -217,8 +222,9 @@ class Driver:
                         break
         return RunnerOutput(sampled)
 
-    def release(self, sample_keys: list[tuple[str, int]]) -> None:
-        pass  # the fake model keeps nothing per request
+    def release(self, request_ids: list[str], sample_keys: list[tuple[str, int]]) -> None:
+        for rid in request_ids:  # the fake model keeps only the block tables per request
+            self.tables.pop(rid, None)
 
     def check_invariants(self):
         check_invariants(self.sched)

@@ -516,7 +516,7 @@ class _SimExecutor:
         self.now = now + dt
         return RunnerOutput(fake_samples(out))
 
-    def release(self, sample_keys: list[tuple[str, int]]) -> None:
+    def release(self, request_ids: list[str], sample_keys: list[tuple[str, int]]) -> None:
         pass  # no per-request state
 
 

@@ -15,9 +15,10 @@ nothing of either.
     Scheduler.update_from_output()                 wait for the next message
 
 Why the caller's process is rank 0: the scheduler, the requests and the sampler live there, and a step's output
-is plain data (``scheduler_output``), small enough to pickle every step. The workers keep no request state at all:
-only their shard of the weights and of the KV cache. That is also why their block tables need no syncing: rank 0
-sends the same block ids to everyone.
+is plain data (``scheduler_output``), small enough to pickle every step: a request's block table travels once, then
+only its new block ids. The workers keep no request state but their copy of the block tables, built from the
+same updates as rank 0's (``apply_block_updates``), beside their shard of the weights and of the KV cache; the
+tables of requests that left are dropped on every rank (with the next step, or at once when the engine idles).
 
 A worker is ``python -c "from minipaged.worker.executor import worker_main; …"``, which reads the engine's config from the
 rendezvous store, as a worker started by hand on another machine does (``run_node``). It is not multiprocessing's
@@ -126,9 +127,10 @@ class ExecutorBase:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         raise NotImplementedError
 
-    def release(self, sample_keys: list[tuple[str, int]]) -> None:
-        """Drop what is kept for requests that left: their random streams (rank 0's runner samples alone)."""
-        self.runner.release(sample_keys)
+    def release(self, request_ids: list[str], sample_keys: list[tuple[str, int]]) -> None:
+        """Drop what is kept for requests that left: their block tables on every rank, their random streams
+        (rank 0's runner samples alone)."""
+        self.runner.release(request_ids, sample_keys)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Every rank's answer to ``ModelRunner.rpc_<method>(*args)``, in rank order (vLLM's name)."""
@@ -366,9 +368,10 @@ class MultiprocExecutor(ExecutorBase):
         """Send the step to every worker, run rank 0's part of it (its shard of the forward pass), then sample
         here: the workers have nothing to sample."""
         runner = self.runner
-        runner.release(out.finished_sample_keys)  # first, before anything can fail: they are sent once
-        if not out.scheduled:
+        if not out.scheduled:  # no step for the workers: they still forget the tables of those that left
+            self.release([*out.finished_req_ids, *out.preempted], out.finished_sample_keys)
             return RunnerOutput()
+        runner.release([], out.finished_sample_keys)  # first, before anything can fail: they are sent once
 
         def run() -> torch.Tensor | None:
             self.group.broadcast_object(("step", out))
@@ -386,6 +389,12 @@ class MultiprocExecutor(ExecutorBase):
             return answers
 
         return self.guard(f"a call of {method!r}", run)
+
+    def release(self, request_ids: list[str], sample_keys: list[tuple[str, int]]) -> None:
+        """As every executor does; the workers forget the tables too (one message, only with ids to forget)."""
+        self.runner.release(request_ids, sample_keys)
+        if request_ids and self.closed_because is None:
+            self.collective_rpc("drop_tables", request_ids)
 
     def shutdown(self) -> None:
         """Stop every worker (they finish their loop and exit), then free rank 0's memory; safe to call twice."""

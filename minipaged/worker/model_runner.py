@@ -42,7 +42,7 @@ from .. import hooks
 from ..config import Config, model_config_dtype, resolve_dtype
 from ..core.block_pool import BlockHash
 from ..core.kv_cache_coordinator import kv_cache_groups, layer_tensors
-from ..core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from ..core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput, apply_block_updates
 from ..kv_math import GiB, KVSpec, format_bytes, num_blocks_at_startup
 from ..model import AttentionMetadata, LlamaForCausalLM
 from ..model.cuda_graphs import CUDAGraphRunner
@@ -354,6 +354,8 @@ class ModelRunner:
         a slot is always written before it is read."""
         self.sampler = Sampler()
         self.timers: dict[str, float] = defaultdict(float)  # seconds spent per phase, for profiling
+        # request id -> its block table per KV cache group, as the steps sent them (apply_block_updates)
+        self.block_tables: dict[str, list[list[int]]] = {}
 
     def held(self) -> str:
         """The device memory this runner holds, in words (its KV pool and its weights)."""
@@ -460,11 +462,11 @@ class ModelRunner:
         ids, positions, cu, seq_lens, sample_rows = build(out.scheduled)
         buf = self.buffers
         slots = hooks.plugged("slot_mapping") or slot_mapping  # a learner's own (exercise 04), if plugged in
+        groups = [self.block_tables[s.request_id] for s in out.scheduled]
+        tables = [g[0] for g in groups]
         meta = AttentionMetadata(
-            slot_mapping=buf.fill(
-                "slot_mapping", slots([s.block_ids for s in out.scheduled], out.positions(), out.block_size)
-            ),
-            block_tables=buf.fill("block_tables", make_block_table_tensor([s.block_ids for s in out.scheduled])),
+            slot_mapping=buf.fill("slot_mapping", slots(tables, out.positions(), out.block_size)),
+            block_tables=buf.fill("block_tables", make_block_table_tensor(tables)),
             seq_lens=buf.fill("seq_lens", torch.tensor(seq_lens, dtype=torch.int32)),
             cu_seqlens_q=buf.fill("cu_seqlens_q", torch.tensor(cu, dtype=torch.int32)),
             max_query_len=max((s.num_new_tokens for s in out.scheduled), default=0),
@@ -473,7 +475,7 @@ class ModelRunner:
         if len(self.kv_cache_groups) > 1:  # one block table per KV cache group; the rest of the step is shared
             metas = [meta]
             for g in range(1, len(self.kv_cache_groups)):
-                tables = [s.group_block_ids[g - 1] for s in out.scheduled]
+                tables = [per_group[g] for per_group in groups]
                 metas.append(
                     AttentionMetadata(
                         slot_mapping=buf.fill(f"slot_mapping_{g}", slots(tables, out.positions(), out.block_size)),
@@ -490,8 +492,9 @@ class ModelRunner:
             sample_rows,
         )
 
-    def release(self, sample_keys: list[tuple[str, int]]) -> None:
-        """Drop what the runner keeps for requests that left: their random streams."""
+    def release(self, request_ids: list[str], sample_keys: list[tuple[str, int]]) -> None:
+        """Drop what the runner keeps for requests that left: their block tables, their random streams."""
+        self.rpc_drop_tables(request_ids)
         for key in sample_keys:
             self.sampler.forget(key)
 
@@ -499,7 +502,7 @@ class ModelRunner:
         """Run one step in this process alone: block copies, the forward pass, and sampling (n tokens for an
         n > 1 first sample). A tensor-parallel executor runs the same three calls, sending the step to the other
         ranks before ``forward_step``."""
-        self.release(out.finished_sample_keys)  # first, before anything can fail: they are sent once
+        self.release([*out.finished_req_ids, *out.preempted], out.finished_sample_keys)  # first: sent once
         if not out.scheduled:
             return RunnerOutput()
         return self.sample(out, self.forward_step(out))
@@ -559,6 +562,7 @@ class ModelRunner:
         """What every rank does with a step: its block copies, then the forward pass on its shard. Returns the
         logits of the sampling rows (None on a worker: rank 0 gathers them)."""
         t0 = time.perf_counter()
+        apply_block_updates(self.block_tables, out)
         kv_meta = out.kv_connector_metadata
         if kv_meta:  # first: an evicted block's K/V leaves before anything this step writes over it
             self.cache.offload(kv_meta.saves)
@@ -589,6 +593,11 @@ class ModelRunner:
     def rpc(self, method: str, *args: Any) -> Any:
         """This rank's answer to ``rpc_<method>(*args)``: one of the few questions every rank answers."""
         return getattr(self, f"rpc_{method}")(*args)
+
+    def rpc_drop_tables(self, request_ids: list[str]) -> None:
+        """Forget the block tables of requests that left (every rank keeps its own copy)."""
+        for rid in request_ids:
+            self.block_tables.pop(rid, None)
 
     def rpc_kv_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.cache.gpu_cache[layer]

@@ -20,7 +20,12 @@ from .core import Check, CheckOutcome, report
 def sr(rid: str, start: int, n: int, samples: int = 1, blocks: tuple[int, ...] = (3, 9)) -> ScheduledRequest:
     """A request's share of a step: ``n`` new tokens from position ``start``, ``samples`` tokens sampled after."""
     return ScheduledRequest(
-        rid, n, start, list(blocks), samples, token_ids=[1000 + 10 * ord(rid[0]) + start + i for i in range(n)]
+        rid,
+        n,
+        start,
+        samples,
+        token_ids=[1000 + 10 * ord(rid[0]) + start + i for i in range(n)],
+        block_updates=[(0, list(blocks))],
     )
 
 
