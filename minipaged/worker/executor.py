@@ -394,7 +394,10 @@ class MultiprocExecutor(ExecutorBase):
         """As every executor does; the workers forget the tables too (one message, only with ids to forget)."""
         self.runner.release(request_ids, sample_keys)
         if request_ids and self.closed_because is None:
-            self.collective_rpc("drop_tables", request_ids)
+            try:
+                self.collective_rpc("drop_tables", request_ids)
+            except TensorParallelError:  # the ranks are gone, their tables with them; the next step says why
+                pass
 
     def shutdown(self) -> None:
         """Stop every worker (they finish their loop and exit), then free rank 0's memory; safe to call twice."""
