@@ -4,7 +4,7 @@
 itself, not a copy: a test that patches an attribute through either name patches the one module, and a
 learner's notebook saved before the move runs unchanged. Nothing is imported until an old path is: a finder
 first on ``sys.meta_path`` answers only for the names in ``MOVED`` and ``MOVED_PACKAGES``, and hands the
-import to the module's new name. New code imports the new names; ``tests/test_moved.py`` walks every old path
+import to the module's new name. New code imports the new names; ``tests/test_old_paths.py`` walks every old path
 the notebooks, the exercises and the README use.
 """
 
