@@ -231,7 +231,8 @@ class KVCacheManager:
         if self.connector is not None:
             self._tell_connector(request, need, new_per_group[0], num_external_computed_tokens)
         if self.enable_caching:
-            self._cache_full_blocks(request, need, num_new_tokens)
+            admission_hits = need.new_computed if need.is_new_admission else None
+            self._cache_full_blocks(request, need.num_computed_tokens, num_new_tokens, admission_hits)
         return KVCacheBlocks(tuple(new_per_group))
 
     def _fits(self, need: _Need, request: Request, num_new_tokens: int, num_lookahead: int, num_external: int) -> bool:
@@ -287,19 +288,21 @@ class KVCacheManager:
             self.connector.on_evict(block_id, block_hash)
         evicted.clear()
 
-    def _cache_full_blocks(self, request: Request, need: _Need, num_new_tokens: int) -> None:
-        """Count the admission's prefix-cache lookup (vLLM's stats: tokens asked for, tokens found), then hash
-        into the cache the blocks that are full once this step's tokens are written: lookahead slots hold no
-        real tokens, and tokens not yet in the request have no hash. Their K/V come in this step: uncommitted
-        until it ends."""
+    def _cache_full_blocks(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, admission_hits: KVCacheBlocks | None
+    ) -> None:
+        """Count an admission's prefix-cache lookup (vLLM's stats: tokens asked for, tokens found; None: not an
+        admission), then hash into the cache the blocks that are full once this step's tokens are written:
+        lookahead slots hold no real tokens, and tokens not yet in the request have no hash. Their K/V come in
+        this step: uncommitted until it ends."""
         rid = request.request_id
-        if need.is_new_admission:
+        if admission_hits is not None:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(need.new_computed) * self.block_size
-        num_full_blocks = min(need.num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
-        for manager, hits in zip(self.managers, need.new_computed.blocks):
+            self.prefix_cache_hits += len(admission_hits) * self.block_size
+        num_full_blocks = min(num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
+        for g, manager in enumerate(self.managers):
             # Prefix hits are cached already; so are the blocks cached in earlier steps.
-            num_cached = len(hits) if need.is_new_admission else manager.num_cached_block[rid]
+            num_cached = manager.num_cached_block[rid] if admission_hits is None else len(admission_hits.blocks[g])
             self.uncommitted_blocks.extend(manager.cache_blocks(request, num_cached, num_full_blocks))
 
     def _allocate_in_place(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
@@ -322,12 +325,7 @@ class KVCacheManager:
             return None
         if self.enable_caching:
             self._attach_hasher(request)
-            manager = self.managers[0]
-            num_full_blocks = min(start + num_new_tokens, request.num_tokens) // bs
-            rid = request.request_id
-            self.uncommitted_blocks.extend(
-                manager.cache_blocks(request, manager.num_cached_block[rid], num_full_blocks)
-            )
+            self._cache_full_blocks(request, start, num_new_tokens, None)
         return KVCacheBlocks(([],))
 
     def can_allocate(
@@ -594,10 +592,6 @@ class KVCacheManager:
     def num_cached_block(self) -> dict[str, int]:
         """request_id -> how many of its blocks (group 0) are already in the prefix cache."""
         return self.managers[0].num_cached_block
-
-    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
-        """The request's block tables of KV cache groups 1, 2, ... (none for a model of one attention type)."""
-        return [[b.block_id for b in m.req_to_blocks.get(request_id, [])] for m in self.managers[1:]]
 
     def held_blocks(self) -> Iterator[tuple[SingleTypeKVCacheManager, str, list[KVCacheBlock]]]:
         """Every (group manager, request id, block list), all groups (null blocks included)."""

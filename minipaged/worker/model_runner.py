@@ -502,9 +502,10 @@ class ModelRunner:
         """Run one step in this process alone: block copies, the forward pass, and sampling (n tokens for an
         n > 1 first sample). A tensor-parallel executor runs the same three calls, sending the step to the other
         ranks before ``forward_step``."""
-        self.release([*out.finished_req_ids, *out.preempted], out.finished_sample_keys)  # first: sent once
-        if not out.scheduled:
+        if not out.scheduled:  # no forward_step to bring the tables up to the step: drop those that left here
+            self.release([*out.finished_req_ids, *out.preempted], out.finished_sample_keys)
             return RunnerOutput()
+        self.release([], out.finished_sample_keys)  # first, before anything can fail: they are sent once
         return self.sample(out, self.forward_step(out))
 
     @torch.inference_mode()
