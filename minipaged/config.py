@@ -72,6 +72,7 @@ _RULES: dict[str, Callable[[str, Any], Any]] = {
     "master_port": lambda n, v: check_int(n, v, 1, 65535),
     "distributed_timeout_s": lambda n, v: _positive_number(n, v),
     "enforce_eager": _boolean,
+    "async_scheduling": _boolean,
     "speculative_config": lambda n, v: SpeculativeConfig.parse(v),
 }
 
@@ -192,6 +193,9 @@ class Config:
             before the engine calls it hung and ends every rank.
         enforce_eager: on a GPU, run every step eagerly instead of replaying decode steps from CUDA graphs
             (``model/cuda_graphs.py``); vLLM's name. Nothing changes on a CPU.
+        async_scheduling: schedule each step while the device still runs the one before
+            (``engine/overlap.py``; vLLM's name). None: on for a one-process engine on a GPU, off on a CPU (the
+            forward runs on the host there: nothing to hide it under). Greedy outputs are the same either way.
         kv_offloading_size: CPU bytes (or "1GiB") for a KV offloading store: prefix blocks evicted from the pool
             are copied there and loaded back when a later prompt starts with them (``kv_connector.py``; vLLM's
             knob, in GiB there). Needs prefix caching. 0: none.
@@ -223,6 +227,7 @@ class Config:
     master_port: int | None = None
     distributed_timeout_s: float = 60.0
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
     kv_offloading_size: int | float | str = 0
     speculative_config: SpeculativeConfig | dict | str | None = None
     # resolved by __post_init__
@@ -239,6 +244,11 @@ class Config:
         if self.kv_offloading_bytes and not self.enable_prefix_caching:
             raise ValueError(
                 "kv_offloading_size keeps evicted prefix-cache blocks: it needs enable_prefix_caching=True"
+            )
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "async_scheduling=True needs tensor_parallel_size=1: each worker would need the tokens rank 0 "
+                "samples before it could run the next step"
             )
         if self.preemption_mode == "swap" and not (self.swap_space_bytes or self.num_cpu_blocks_override):
             raise ValueError(

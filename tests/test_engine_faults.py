@@ -67,7 +67,7 @@ PHASES = {
     "schedule": lambda llm: (llm.scheduler, "schedule"),
     "cache copies": lambda llm: (llm.cache, "swap_out"),
     "forward": lambda llm: (llm.model, "forward"),
-    "sample": lambda llm: (llm.sampler, "sample"),
+    "sample": lambda llm: (llm.sampler, "sample_on_device"),
     "update": lambda llm: (llm.scheduler, "update_from_output"),
 }
 

@@ -396,6 +396,8 @@ class BlockPool:
             if block.is_null:
                 continue
             block_hash = group_block_hash(request.block_hashes[i], group_id)
+            if block.block_hash == block_hash:  # cached already (a failed step's rollback recounts from before it)
+                continue
             block.set_block_hash(block_hash)
             self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
 

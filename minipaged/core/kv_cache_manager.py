@@ -60,6 +60,16 @@ __all__ = ["KVCacheBlocks", "KVCacheManager", "find_prefix_hits"]
 
 
 @dataclass
+class RolledBack:
+    """What a failed step leaves unknown: ``dropped``, the blocks whose hashes went; ``unwritten``, those and
+    the blocks its copies were to fill; ``swapped_out``, the requests whose swap space it was to fill."""
+
+    dropped: set[int]
+    unwritten: set[int]
+    swapped_out: list[str]
+
+
+@dataclass
 class _Need:
     """What one ``allocate_slots`` call would take (``KVCacheManager._need``)."""
 
@@ -147,6 +157,13 @@ class KVCacheManager:
         # Copy-on-write copies (source block, destination block) for the cache engine to perform.
         self.pending_copies: list[tuple[int, int]] = []
         self.uncommitted_blocks: list[KVCacheBlock] = []  # hashed while scheduling the step not yet run
+        # ... and the device blocks its copies fill (copy-on-write, swap-in), the requests it swaps out
+        self.uncommitted_copies: list[int] = []
+        self.uncommitted_swap_outs: list[str] = []
+        # Async scheduling: the same three of the step on the device while the next one is scheduled
+        self.in_flight_blocks: list[KVCacheBlock] = []
+        self.in_flight_copies: list[int] = []
+        self.in_flight_swap_outs: list[str] = []
         self.prefix_cache_queries = 0  # prompt tokens of every admission (readmissions too) ...
         self.prefix_cache_hits = 0  # ... and how many of them the prefix cache held
         # Swap space (chapter 07): a second pool, on the CPU, whose block 0 is unused as on the device.
@@ -299,7 +316,8 @@ class KVCacheManager:
         if admission_hits is not None:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(admission_hits) * self.block_size
-        num_full_blocks = min(num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
+        known = request.num_tokens - request.num_output_placeholders  # a placeholder's block waits for its token
+        num_full_blocks = min(num_computed_tokens + num_new_tokens, known) // self.block_size
         for g, manager in enumerate(self.managers):
             # Prefix hits are cached already; so are the blocks cached in earlier steps.
             num_cached = manager.num_cached_block[rid] if admission_hits is None else len(admission_hits.blocks[g])
@@ -478,6 +496,7 @@ class KVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write block copies (source, destination) decided since the last call."""
         copies, self.pending_copies = self.pending_copies, []
+        self.uncommitted_copies += [dst for _, dst in copies]
         return copies
 
     def free(self, request: Request | str) -> None:
@@ -505,6 +524,7 @@ class KVCacheManager:
         device_blocks = self.get_block_ids(request.request_id)
         self.free(request)
         self.swapped_blocks[request.request_id] = cpu_blocks
+        self.uncommitted_swap_outs.append(request.request_id)
         return list(zip(device_blocks, cpu_blocks))
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
@@ -520,7 +540,9 @@ class KVCacheManager:
             return None
         cpu_blocks = self.swapped_blocks.pop(request.request_id)
         self._free_cpu(cpu_blocks)
-        return list(zip(cpu_blocks, (b.block_id for b in blocks)))
+        copies = list(zip(cpu_blocks, (b.block_id for b in blocks)))
+        self.uncommitted_copies += [dst for _, dst in copies]
+        return copies
 
     def free_swapped(self, request_id: str) -> None:
         """Give back a swapped request's CPU blocks (it was aborted before coming back)."""
@@ -532,22 +554,71 @@ class KVCacheManager:
 
     # ---- a step's hashes: kept once the step ran, dropped if it failed ----------------------
     def commit_step(self) -> None:
-        """The step ran: the blocks hashed while scheduling it now hold what their hashes say, and what the
-        connector saved is in its store."""
-        self.uncommitted_blocks.clear()
+        """The step ran: the blocks hashed while scheduling it now hold what their hashes say, its copies are
+        made, and what the connector saved is in its store."""
+        self.uncommitted_blocks, self.uncommitted_copies, self.uncommitted_swap_outs = [], [], []
         if self.connector is not None:
             self.connector.commit_step()
 
-    def rollback_step(self) -> None:
-        """The step failed before its K/V were written: no block hashed for it may be found by a
-        prefix lookup (it would hand garbage to the next request with that prefix), nor any block its
-        connector saved."""
-        for block in self.uncommitted_blocks:
-            self.block_pool.drop_hash(block)
-        self.uncommitted_blocks.clear()
+    def hold_step(self) -> None:
+        """Async scheduling: the next step is scheduled while the last one runs. The last step's blocks stay
+        uncommitted (``in_flight_*``) until its result is in (``commit_in_flight``); a prefix hit on them is
+        safe, since the device runs the steps in order, and undone with them if that step fails."""
+        assert not self.in_flight_blocks and not self.in_flight_copies, "one step in flight at a time"
+        self.in_flight_blocks, self.uncommitted_blocks = self.uncommitted_blocks, []
+        self.in_flight_copies, self.uncommitted_copies = self.uncommitted_copies, []
+        self.in_flight_swap_outs, self.uncommitted_swap_outs = self.uncommitted_swap_outs, []
+
+    def commit_in_flight(self) -> None:
+        """The step that was in flight ran: its blocks hold what their hashes say, its copies are made."""
+        self.in_flight_blocks, self.in_flight_copies, self.in_flight_swap_outs = [], [], []
+
+    def rollback_step(self) -> RolledBack:
+        """The step failed, maybe halfway (and, with async scheduling, the step scheduled after it): no block
+        hashed for it may be found by a prefix lookup (it would hand garbage to the next request with that
+        prefix), nor any block its connector saved. What it was to write is unknown: the blocks whose hashes
+        went, the blocks its copies were to fill, the swap space of the requests it swapped out. The scheduler
+        has the requests that held them compute them again (``Scheduler.rollback_step``)."""
+        dropped = {
+            b.block_id for b in (*self.in_flight_blocks, *self.uncommitted_blocks) if self.block_pool.drop_hash(b)
+        }
+        rolled = RolledBack(
+            dropped, dropped | {*self.in_flight_copies, *self.uncommitted_copies},
+            [*self.in_flight_swap_outs, *self.uncommitted_swap_outs],
+        )  # fmt: skip
+        self.in_flight_blocks, self.in_flight_copies, self.in_flight_swap_outs = [], [], []
+        self.uncommitted_blocks, self.uncommitted_copies, self.uncommitted_swap_outs = [], [], []
         if self.connector is not None:
             self.connector.rollback_step()
         self.resend_block_tables()  # the runner may or may not hold what the failed step sent
+        return rolled
+
+    def forget_computed(self, request: Request, rolled: RolledBack) -> int | None:
+        """After a failed step: how many tokens of ``request`` still hold their K/V. From its first block the
+        failed step was to write on (a block it hashed or copied into, a prefix hit on another request's), they
+        count as not computed; a block whose hash went is hashed again once it is computed. None: the request
+        must start again from its first token (a sliding window already gave back blocks the tokens to compute
+        again attend to: the step scheduled ahead moved its window on)."""
+        rid, num_computed = request.request_id, request.num_computed_tokens
+        for manager in self.managers:
+            blocks = manager.req_to_blocks.get(rid, ())
+            for i, block in enumerate(blocks[: cdiv(num_computed, self.block_size)]):
+                if block.block_id in rolled.unwritten:
+                    num_computed = min(num_computed, i * self.block_size)
+                    break
+            for i, block in enumerate(blocks[: manager.num_cached_block.get(rid, 0)]):
+                if block.block_id in rolled.dropped:
+                    manager.num_cached_block[rid] = i
+                    break
+        for manager in self.managers:
+            window = getattr(manager, "sliding_window", None)
+            if window is not None and num_computed:
+                first = max(0, num_computed - window + 1) // self.block_size
+                if any(
+                    b.is_null for b in manager.req_to_blocks.get(rid, ())[first : cdiv(num_computed, self.block_size)]
+                ):
+                    return None
+        return num_computed
 
     # ---- what the runner holds of the block tables ------------------------------------------
     def take_block_updates(self, request_id: str, resend: bool = False) -> list[tuple[int, list[int]]]:

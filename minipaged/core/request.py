@@ -28,6 +28,8 @@ import numpy as np
 from ..sampling_params import SamplingParams
 from .block_hash import BlockHash
 
+PLACEHOLDER_TOKEN_ID = -1  # an output token still on the device (async scheduling; the runner fills it in)
+
 
 class RequestStatus(enum.Enum):
     """Where a request is in its life::
@@ -77,6 +79,10 @@ class Request:
     finish_time: float | None = None
     # ---- speculative decoding (spec_decode.py) ----
     spec_token_ids: list[int] = field(default_factory=list, repr=False)  # drafts for the next step, not yet checked
+    # ---- async scheduling (core/async_scheduler.py) ----
+    # Output tokens sampled by a step still on the device: PLACEHOLDER_TOKEN_ID until the step's result comes
+    # back. Only while a step is scheduled ahead of the one before it; never seen between two engine steps.
+    num_output_placeholders: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = self._check_tokens("prompt_token_ids", self.prompt_token_ids)
@@ -126,6 +132,28 @@ class Request:
         self.output_token_ids.extend(new)
         self._all_token_ids.extend(new)
         self.update_block_hashes()
+
+    def add_placeholder(self) -> None:
+        """A token the step on the device will sample: counted, not known (and not hashed) yet."""
+        self.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self._all_token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self.num_output_placeholders += 1
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """The sampled token came back: it replaces the placeholder (the last output), and its block is hashed."""
+        (token_id,) = self._check_tokens("output_token_ids", [token_id])
+        self.drop_placeholder()
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        self.update_block_hashes()
+
+    def drop_placeholder(self) -> None:
+        """The step that was to sample it failed (or the request failed in it): the placeholder goes."""
+        if self.num_output_placeholders < 1 or self.output_token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+            raise RuntimeError(f"request {self.request_id!r} has no placeholder token to replace")
+        self.output_token_ids.pop()
+        self._all_token_ids.pop()
+        self.num_output_placeholders -= 1
 
     def set_block_hasher(self, block_hasher: Callable[[Request], list[BlockHash]]) -> None:
         """Attach a hasher (and hash the blocks already full). Refuses to mix block sizes."""

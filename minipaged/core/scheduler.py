@@ -485,12 +485,19 @@ class Scheduler:
             yield from req.children
 
     # ---- one step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ahead: bool = False, held_seats: int = 0) -> SchedulerOutput:
+        """The next step. ``ahead``: scheduled while the last step still runs (``async_scheduler.py``), whose
+        requests that end with it hold ``held_seats`` seats outside ``running`` until then."""
         # A new step: the blocks hashed for the last one hold their K/V now (a driver whose step
-        # failed has rolled them back already, see step.run_step), so the manager stops tracking them.
-        free_seats = self.config.max_num_seqs - sum(num_seqs_when_running(r) for r in self.running)
+        # failed has rolled them back already, see step.run_step), so the manager stops tracking them;
+        # scheduled ahead, the last step has not run yet: they stay tracked until its result is in.
+        seats = self.config.max_num_seqs - held_seats
+        free_seats = seats - sum(num_seqs_when_running(r) for r in self.running)
         policy, order = ask_policy(self.running, self.waiting, free_seats)  # before anything changes
-        self.kv_cache_manager.commit_step()
+        if ahead:
+            self.kv_cache_manager.hold_step()
+        else:
+            self.kv_cache_manager.commit_step()
         self.propose_drafts()
         out = SchedulerOutput(block_size=self.block_size)
         budget = self.config.max_num_batched_tokens
@@ -511,7 +518,7 @@ class Scheduler:
 
         # 2. swapped, then waiting requests, in arrival order, unless this step had to preempt
         if not out.preempted:
-            free_seats = self.config.max_num_seqs - sum(num_seqs_when_running(r) for r in self.running)
+            free_seats = seats - sum(num_seqs_when_running(r) for r in self.running)
             while self.swapped and budget > 0:
                 req = self.swapped[0]
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -696,8 +703,34 @@ class Scheduler:
         self.running.append(child)
         return self._append_token(child, token, now)
 
+    def rollback_step(self) -> None:
+        """A step failed (and, with async scheduling, the one scheduled after it): no block hashed for it stays
+        findable, and what it was to write counts as not computed: a request holding such a block (a prefix hit
+        on a block the step was to write, a copy-on-write or swap-in copy it was to make) computes it again, and
+        a request it swapped out is recomputed instead."""
+        kv = self.kv_cache_manager
+        rolled = kv.rollback_step()
+        for rid in rolled.swapped_out:  # its swap space may hold nothing: it computes again, first in line
+            req = self.requests.get(rid)
+            if req is not None and req in self.swapped:
+                self.swapped.remove(req)
+                kv.free_swapped(rid)
+                req.num_computed_tokens, req.status = 0, RequestStatus.PREEMPTED
+                self.waiting.appendleft(req)
+        for req in list(self.running):
+            computed = kv.forget_computed(req, rolled)
+            if computed is None:  # it must start again: as a preemption by recompute does
+                self.running.remove(req)
+                preempt_recompute(req, kv, self.waiting)
+            else:
+                req.num_computed_tokens = computed
+
     def _append_token(self, req: Request, token: int, now: float) -> list[Request]:
         req.append_output_token_ids(token)
+        return self._finish_if_done(req, token, now)
+
+    def _finish_if_done(self, req: Request, token: int, now: float) -> list[Request]:
+        """A request's newest token is in (``token``): time it, and finish the request if it is done."""
         if req.first_token_time is None:
             req.first_token_time = now
         req.token_times.append(now)
@@ -710,18 +743,14 @@ class Scheduler:
         if reason is None:
             return []
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, now
-        self.running.remove(req)
-        self.kv_cache_manager.free(req)
+        self._leave(req)
         del self.requests[req.request_id]
         self.finished_req_ids[req.request_id] = req.sample_key
         return [req]
 
-    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> Request | None:
-        """Stop a request wherever it is and give back its blocks (device and CPU); None if it is unknown
-        (finished requests are forgotten)."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
+    def _leave(self, req: Request) -> None:
+        """Take a request out of whichever queue holds it and give back its blocks (device and CPU). Running
+        is the usual place; scheduled ahead (async scheduling), it may have been preempted since its token."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -729,7 +758,15 @@ class Scheduler:
         elif req in self.swapped:
             self.swapped.remove(req)
         self.kv_cache_manager.free(req)
-        self.kv_cache_manager.free_swapped(request_id)
+        self.kv_cache_manager.free_swapped(req.request_id)
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> Request | None:
+        """Stop a request wherever it is and give back its blocks (device and CPU); None if it is unknown
+        (finished requests are forgotten)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._leave(req)
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         del self.requests[request_id]
         self.finished_req_ids[request_id] = req.sample_key

@@ -27,6 +27,7 @@ tensor-parallel step pickles a few ids per request, not every table.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..sampling_params import SamplingParams
 from .kv_connector import KVConnectorMetadata
@@ -99,3 +100,20 @@ class RunnerOutput:
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+
+
+class PendingOutput(Protocol):
+    """A step's output that may still be on its way (the device runs the step while the host goes on):
+    ``result()`` waits for it. vLLM: ``AsyncModelRunnerOutput.get_output()``."""
+
+    def result(self) -> RunnerOutput: ...
+
+
+@dataclass
+class Ready:
+    """An output that is there already: what an executor that waits for its step returns from ``launch``."""
+
+    output: RunnerOutput
+
+    def result(self) -> RunnerOutput:
+        return self.output

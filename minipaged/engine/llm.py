@@ -35,6 +35,7 @@ from ..worker.executor import make_executor
 from .events import Observers, step_event
 from .inputs import ParamsLike, Prompt, Prompts, check_params, model_inputs
 from .outputs import RequestOutput, is_done, num_output_tokens, request_output, samples
+from .overlap import StepPipeline
 from .step import release_if_idle, run_step
 
 STEP_STATS_KEPT = 10_000  # about 5 MB of rows: enough for any widget or benchmark run
@@ -89,6 +90,12 @@ class LLM:
         self._lock = threading.RLock()
         self.observers = Observers()  # watchers of every step (events.py); they outlive reset()
         self.kv_connector_factory: Callable[[], KVConnector] | None = None  # makes one per reset() (disagg.py)
+        # Async scheduling (overlap.py): the next step scheduled while the device runs this one. On by default
+        # for one process on a GPU; a CPU runs the forward itself, and tensor-parallel workers feed their own.
+        use = self.config.async_scheduling
+        if use is None:
+            use = self.device.type == "cuda" and self.config.tensor_parallel_size == 1
+        self.pipeline: StepPipeline | None = StepPipeline() if use else None
         self.reset()
 
     model: LlamaForCausalLM = _held("model")
@@ -99,6 +106,8 @@ class LLM:
         """A fresh engine around the same weights and cache tensors: every request dropped, an empty pool and
         prefix cache, a new scheduler (a second ``LLM`` would load the model again)."""
         connector, r = None if self.kv_connector_factory is None else self.kv_connector_factory(), self.runner
+        if self.pipeline is not None:
+            self.pipeline.in_flight = None  # a step in flight serves requests that are dropped now
         self.scheduler = Scheduler.from_config(self.config, self.num_blocks, self.max_model_len, r.num_cpu_blocks,
                                                r.num_offload_blocks, connector, r.kv_cache_groups)  # fmt: skip
         self.kv_cache_manager = self.scheduler.kv_cache_manager
@@ -118,6 +127,8 @@ class LLM:
         notebook's history) still refers to the engine; dropping it does the same. Later calls raise."""
         with self._lock:
             self._requests.clear()
+            if self.pipeline is not None:
+                self.pipeline.in_flight = None
             self.executor.shutdown()
 
     # ---- requests -------------------------------------------------------------------------------
@@ -160,6 +171,8 @@ class LLM:
                         self.scheduler.abort(req.request_id)  # the runner drops its state with the next step
                     del self._requests[rid]
         release_if_idle(self.scheduler, self.executor)
+        if self.pipeline is not None and not self.scheduler.has_unfinished():
+            self.pipeline.drain(self.scheduler)  # the step in flight serves nobody now: keep nothing
 
     def now(self) -> float:
         """The engine's clock: seconds since it was built (what ``RequestMetrics`` times are measured on)."""
@@ -171,7 +184,10 @@ class LLM:
         """One step (``step.run_step``: it happens whole or not at all); returns the ids of the requests that
         finished in it. A request whose logits or sampling fail (NaN logits, say) finishes with an ``error``."""
         self.num_steps += 1
-        res = run_step(self.scheduler, self.executor, self.now, step_index=self.num_steps)
+        if self.pipeline is not None:
+            res = self.pipeline.step(self.scheduler, self.executor, self.now, step_index=self.num_steps)
+        else:
+            res = run_step(self.scheduler, self.executor, self.now, step_index=self.num_steps)
         self.runner.timers["schedule"] += res.schedule_s
         self.runner.timers["update"] += res.update_s
         self.step_stats.append(res.stats(self.scheduler, now := self.now()))

@@ -91,7 +91,7 @@ def run_step(
         if saved is not None:
             saved.restore()
         else:  # no block hashed for it stays findable
-            scheduler.kv_cache_manager.rollback_step()
+            scheduler.rollback_step()
         if isinstance(exc, hooks.PartError) and step_index is not None:
             exc.in_step(step_index)
         raise

@@ -37,16 +37,28 @@ import torch
 from ..core.kv_cache_coordinator import KVCacheGroupSpec
 from ..core.kv_cache_manager import KVCacheManager
 from ..core.kv_connector import OffloadingConnector
-from ..core.request import Request
+from ..core.request import PLACEHOLDER_TOKEN_ID, Request
 from ..core.scheduler import Scheduler, SchedulerConfig, check_invariants
-from ..core.scheduler_output import RunnerOutput, SchedulerOutput, apply_block_updates
-from ..engine.step import run_step
+from ..core.scheduler_output import PendingOutput, Ready, RunnerOutput, SchedulerOutput, apply_block_updates
+from ..engine.overlap import StepPipeline
+from ..engine.step import release_if_idle, run_step
 from ..sampling_params import SamplingParams
 from ..worker.block_table import slot_mapping
 from ..worker.cache_engine import CacheEngine
 from .simulator import fake_samples
 
 EOS = 0
+
+
+class InjectedFault(RuntimeError):
+    """A step failure a test asked for (``Driver.fail_next``)."""
+
+
+class _Failed:
+    """A step's result that never comes: waiting for it raises (the device failed mid-step)."""
+
+    def result(self) -> RunnerOutput:
+        raise InjectedFault("the step failed on the device")
 
 
 def prefix_value(tokens: list[int]) -> float:
@@ -84,6 +96,7 @@ class Driver:
         period=None,
         num_offload_blocks=0,
         window=None,
+        overlap=False,
     ):
         connector = OffloadingConnector(num_offload_blocks, block_size) if num_offload_blocks and caching else None
         self.kv_cache_manager = KVCacheManager(
@@ -128,6 +141,11 @@ class Driver:
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []
         self._step_requests: dict[str, Request] = {}  # the requests of the step being run, by id
+        # Async scheduling (engine/overlap.py): steps go through the overlap loop, and a step scheduled ahead
+        # feeds placeholders that this fake device fills with what it sampled last, as the runner does.
+        self.pipeline = StepPipeline() if overlap else None
+        self.last_sampled: dict[str, int] = {}  # request id -> its token of the last step that ran
+        self.fail_next: str | None = None  # "launch" or "result": the next step fails there (a test's fault)
 
     def add(self, rid, prompt, **params):
         req = Request(rid, prompt, sampling_params=SamplingParams(**params), eos_token_id=EOS)
@@ -147,8 +165,12 @@ class Driver:
         return random.Random(f"{self.seed}/{request_id}/{step}").randrange(0, 40)
 
     def step(self):
-        """One step through ``step.run_step``, the engine's own driver, with this fake model as the executor."""
-        res = run_step(self.sched, self, lambda: float(self.steps))
+        """One step through ``step.run_step``, the engine's own driver (or, with ``overlap``, through the overlap
+        loop), with this fake model as the executor."""
+        if self.pipeline is not None:
+            res = self.pipeline.step(self.sched, self, lambda: float(self.steps))
+        else:
+            res = run_step(self.sched, self, lambda: float(self.steps))
         self.finished += res.finished
         for r in res.finished:
             self.requests.setdefault(r.request_id, r)
@@ -158,7 +180,42 @@ class Driver:
         self.check_invariants()
         return res.output
 
+    def launch(self, out: SchedulerOutput) -> PendingOutput:
+        """The step runs at once (a device that runs steps in launch order); a ``fail_next`` fault makes this
+        call, or the wait for its result, raise instead."""
+        fail, self.fail_next = self.fail_next, None
+        if fail == "launch":
+            raise InjectedFault("the step failed at launch")
+        result = self._run(out)
+        return _Failed() if fail == "result" else Ready(result)
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """The step, waited for (``run_step``); a ``fail_next`` fault raises before it runs or after."""
+        fail, self.fail_next = self.fail_next, None
+        if fail == "launch":
+            raise InjectedFault("the step failed before it ran")
+        result = self._run(out)
+        if fail == "result":
+            raise InjectedFault("the step failed after it ran")
+        return result
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request between steps, as ``LLM.abort`` does (a step may be in flight with it)."""
+        req = self.sched.abort(request_id)
+        if req is not None:
+            self.finished.append(req)
+        release_if_idle(self.sched, self)
+        if self.pipeline is not None and not self.sched.has_unfinished():
+            self.pipeline.drain(self.sched)
+
+    def _fed(self, request_id: str, tokens: list[int]) -> list[int]:
+        """A request's tokens as this step feeds them: a placeholder is the token it sampled in the last step."""
+        if tokens and tokens[-1] == PLACEHOLDER_TOKEN_ID:
+            return tokens[:-1] + [self.last_sampled[request_id]]
+        assert PLACEHOLDER_TOKEN_ID not in tokens, (request_id, "a placeholder before the last token")
+        return tokens
+
+    def _run(self, out: SchedulerOutput) -> RunnerOutput:
         """The fake model: block copies, a K/V write per new token, a read-back of every scheduled context."""
         self.steps += 1
         check_step_limits(self.sched, out)
@@ -186,9 +243,12 @@ class Driver:
         requests = {s.request_id: self.sched.requests[s.request_id] for s in out.scheduled}  # the step's, by id
         self._step_requests = requests
         # The tokens each scheduled request feeds: its own, then this step's drafts (speculative decoding).
-        fed = {s.request_id: requests[s.request_id].all_token_ids + s.spec_token_ids for s in out.scheduled}
+        fed = {
+            s.request_id: self._fed(s.request_id, requests[s.request_id].all_token_ids) + s.spec_token_ids
+            for s in out.scheduled
+        }
         for s in out.scheduled:
-            assert s.token_ids == fed[s.request_id][s.start : s.start + s.num_new_tokens]
+            assert self._fed(s.request_id, s.token_ids) == fed[s.request_id][s.start : s.start + s.num_new_tokens]
         values = [
             prefix_value(fed[s.request_id][: p + 1])
             for s in out.scheduled
@@ -220,6 +280,7 @@ class Driver:
                     tokens.append(self.sample_at(s.request_id, s.start + i + 1))
                     if i == len(s.spec_token_ids) or tokens[-1] != s.spec_token_ids[i]:
                         break
+        self.last_sampled = {rid: tokens[0] for rid, tokens in sampled.items()}
         return RunnerOutput(sampled)
 
     def release(self, request_ids: list[str], sample_keys: list[tuple[str, int]]) -> None:
@@ -260,7 +321,7 @@ def random_config(rng: random.Random) -> dict:
     )
 
 
-def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
+def fuzz(total_steps: int, seed: int = 0, overlap: bool = False, faults: bool = False) -> dict[str, int]:
     """Random configurations and workloads until ``total_steps`` steps have run; returns what happened.
 
     Each round draws a configuration (block sizes 1-16, pools down to 3 usable
@@ -287,10 +348,15 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
         accepted_drafts=0,
         external_hit_tokens=0,
         hybrid_rounds=0,
+        failed_steps=0,
+        aborts=0,
+        overlapped_steps=0,
     )
     while seen["steps"] < total_steps:
         cfg = random_config(rng)
-        d = Driver(**cfg, seed=rng.randrange(1 << 30))
+        if overlap and rng.random() < 0.8:
+            cfg.update(spec_k=0, num_offload_blocks=0)
+        d = Driver(**cfg, seed=rng.randrange(1 << 30), overlap=overlap)
         shared = [rng.randrange(1, 40) for _ in range(rng.randint(0, 24))]
         expected = {}
         for i in range(rng.randint(1, 12)):
@@ -299,7 +365,18 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
             d.add(f"q{i}", prompt, **p)
             expected[f"q{i}"] = p
         while d.sched.has_unfinished():
-            out = d.step()
+            if faults and rng.random() < 0.05:
+                d.fail_next = rng.choice(["launch", "result"])
+            try:
+                out = d.step()
+            except InjectedFault:
+                seen["failed_steps"] += 1
+                assert not any(r.num_output_placeholders for r in d.requests.values())
+                d.check_invariants()
+                continue
+            if faults and rng.random() < 0.03 and d.sched.requests:
+                d.abort(rng.choice(sorted(d.sched.requests)))
+                seen["aborts"] += 1
             assert d.steps < 50_000, "no progress"
             seen["swapped_blocks"] += len(out.swap_out)
             seen["cow_copies"] += len(out.copy_blocks)
@@ -312,7 +389,7 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
         assert not d.sched.requests  # the scheduler forgot every finished request
         for rid, req in d.requests.items():
             assert req.is_finished, rid
-            if req.finish_reason == "rejected":
+            if req.finish_reason in ("rejected", "abort"):
                 continue
             p = expected[req.parent_id or rid]
             assert req.num_output_tokens <= p["max_tokens"]
@@ -330,6 +407,7 @@ def fuzz(total_steps: int, seed: int = 0) -> dict[str, int]:
         seen["forks"] += sum(r.parent_id is not None for r in d.requests.values())
         seen["external_hit_tokens"] += d.kv_cache_manager.external_hits
         seen["hybrid_rounds"] += d.window is not None
+        seen["overlapped_steps"] += 0 if d.pipeline is None else d.pipeline.num_overlapped
         if (spec := d.sched.spec_decoding_stats) is not None:
             seen["drafts"] += spec.num_draft_tokens
             seen["accepted_drafts"] += spec.num_accepted_tokens

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..core.scheduler_output import RunnerOutput, SchedulerOutput
+from ..core.scheduler_output import PendingOutput, Ready, RunnerOutput, SchedulerOutput
 from ..distributed import START_S, TPGroup, check_tp_size, free_port, init_tp_group, open_store
 from ..model.llama import read_config
 from .model_runner import GPUMemoryError, ModelRunner, free_device_memory, gpu_memory_report
@@ -127,6 +127,11 @@ class ExecutorBase:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         raise NotImplementedError
 
+    def launch(self, out: SchedulerOutput) -> PendingOutput:
+        """Start a step; its output may still be on its way (async scheduling, ``engine/overlap.py``). Here:
+        the step run to the end; a one-process GPU engine overrides it."""
+        return Ready(self.execute(out))
+
     def release(self, request_ids: list[str], sample_keys: list[tuple[str, int]]) -> None:
         """Drop what is kept for requests that left: their block tables on every rank, their random streams
         (rank 0's runner samples alone)."""
@@ -159,6 +164,9 @@ class UniProcExecutor(ExecutorBase):
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(out)
+
+    def launch(self, out: SchedulerOutput) -> PendingOutput:
+        return self.runner.launch(out)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [self.runner.rpc(method, *args)]

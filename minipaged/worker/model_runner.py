@@ -36,13 +36,15 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from .. import hooks
 from ..config import Config, model_config_dtype, resolve_dtype
 from ..core.block_pool import BlockHash
 from ..core.kv_cache_coordinator import kv_cache_groups, layer_tensors
-from ..core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput, apply_block_updates
+from ..core.request import PLACEHOLDER_TOKEN_ID
+from ..core.scheduler_output import PendingOutput, Ready, RunnerOutput, ScheduledRequest, SchedulerOutput
 from ..kv_math import GiB, KVSpec, format_bytes, num_blocks_at_startup
 from ..model import AttentionMetadata, LlamaForCausalLM
 from ..model.cuda_graphs import CUDAGraphRunner
@@ -51,7 +53,8 @@ from ..profiling import span
 from ..utils import cdiv
 from .block_table import make_block_table_tensor, slot_mapping
 from .cache_engine import CacheEngine
-from .sampler import Sampler, verify
+from .input_batch import InputBatch, InputBuffers, StepArrays
+from .sampler import DeviceSamples, Sampler, verify
 
 if TYPE_CHECKING:
     from ..distributed import TPGroup
@@ -146,35 +149,28 @@ def step_inputs(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int]
     return ids, positions, cu, seq_lens, sample_rows
 
 
-class InputBuffers:
-    """A step's input tensors, allocated once on the device and reused: each step fills a prefix.
+class SampledOutput:
+    """A step's tokens on their way back from the device (``PendingOutput``): ``result()`` waits for the one copy
+    of every row, then hands each request its tokens or why it has none."""
 
-    Sized for the scheduler's limits (``max_num_batched_tokens`` tokens, ``max_num_seqs``
-    sequences, ``max_blocks_per_seq`` table columns); a step that needs more (it cannot,
-    under those limits) gets a bigger buffer rather than an error.
-    """
+    def __init__(self, drawn: DeviceSamples, owners: list[str]) -> None:
+        self.drawn, self.owners = drawn, owners
+        self.verified: dict[str, list[int]] = {}  # requests with drafts: the tokens they emit (waited for)
+        self.errors: dict[str, str] = {}
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
-        self.device = device
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(max_tokens, dtype=torch.long, device=device)
-        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
-
-    def fill(self, name: str, values: torch.Tensor) -> torch.Tensor:
-        """Copy ``values`` (a CPU tensor) into the front of buffer ``name``; return that view."""
-        buf = getattr(self, name, None)
-        if buf is None:  # a second KV cache group's slot mapping or block tables: made at its first step
-            buf = torch.zeros(values.shape, dtype=values.dtype, device=self.device)
-            setattr(self, name, buf)
-        if any(v > b for v, b in zip(values.shape, buf.shape)):  # larger than planned: grow, keep going
-            buf = torch.zeros([max(v, b) for v, b in zip(values.shape, buf.shape)], dtype=buf.dtype, device=self.device)
-            setattr(self, name, buf)
-        view = buf[tuple(slice(0, n) for n in values.shape)]
-        view.copy_(values, non_blocking=True)
-        return view
+    def result(self) -> RunnerOutput:
+        with span("gpu_wait"):  # the CPU waits for the GPU's kernels: neither glue nor a launch
+            tokens, errors = self.drawn.to_host()
+        result = RunnerOutput(sampled=dict(self.verified), errors=dict(self.errors))
+        for row, (rid, token) in enumerate(zip(self.owners, tokens)):
+            if row in errors:
+                result.errors.setdefault(rid, errors[row])
+            else:
+                assert token is not None  # a row without an error has its token
+                result.sampled.setdefault(rid, []).append(token)
+        for rid in result.errors:  # a request with a failed row samples nothing this step
+            result.sampled.pop(rid, None)
+        return result
 
 
 def resolve_max_model_len(config: Config, max_pos: int | None, num_blocks: int) -> int:
@@ -338,6 +334,10 @@ class ModelRunner:
         )
         max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq, self.device)
+        # The requests' block tables, one numpy row each, kept between steps (input_batch.py)
+        self.input_batch = InputBatch(
+            len(self.kv_cache_groups), config.max_num_seqs, max_blocks_per_seq, self.block_size
+        )
         # A KV producer's sender (disaggregated prefill, ``disagg.py``): after the forward, it ships the blocks the
         # step filled (``kv_connector_metadata.sends``) to the engine that decodes.
         self.kv_sender: Callable[[CacheEngine, list[tuple[int, BlockHash]]], None] | None = None
@@ -354,8 +354,16 @@ class ModelRunner:
         a slot is always written before it is read."""
         self.sampler = Sampler()
         self.timers: dict[str, float] = defaultdict(float)  # seconds spent per phase, for profiling
-        # request id -> its block table per KV cache group, as the steps sent them (apply_block_updates)
-        self.block_tables: dict[str, list[list[int]]] = {}
+        self.input_batch.clear()  # the block tables the steps sent (input_batch.py): none yet
+        # The last step's sampled tokens, on the device, and the row of each request that sampled in it: where a
+        # step scheduled ahead of the last one's result finds the tokens it feeds (async scheduling).
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
+
+    @property
+    def block_tables(self) -> dict[str, list[list[int]]]:
+        """Request id -> its block table per KV cache group, as the steps sent them (a copy, for checks)."""
+        return self.input_batch.as_dict()
 
     def held(self) -> str:
         """The device memory this runner holds, in words (its KV pool and its weights)."""
@@ -457,40 +465,74 @@ class ModelRunner:
     # ---- a step -----------------------------------------------------------------------------
     def prepare_inputs(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata], list[int]]:
-        build = hooks.plugged("step_inputs") or step_inputs  # a learner's own (exercise 09b), if plugged in
-        ids, positions, cu, seq_lens, sample_rows = build(out.scheduled)
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata], torch.Tensor]:
+        """The step's tensors in the reused device buffers: ``input_ids``, ``positions``, the attention metadata
+        (one per KV cache group) and the sampled rows. Built with array operations from the persistent input
+        batch (``input_batch.py``); a learner's plugged-in ``step_inputs`` or ``slot_mapping`` is called as the
+        one-token-at-a-time specification instead."""
+        if hooks.plugged("step_inputs") is not None or hooks.plugged("slot_mapping") is not None:
+            arrays = self._arrays_by_parts(out)
+        else:
+            arrays = self.input_batch.step_arrays(out)
         buf = self.buffers
-        slots = hooks.plugged("slot_mapping") or slot_mapping  # a learner's own (exercise 04), if plugged in
-        groups = [self.block_tables[s.request_id] for s in out.scheduled]
-        tables = [g[0] for g in groups]
-        meta = AttentionMetadata(
-            slot_mapping=buf.fill("slot_mapping", slots(tables, out.positions(), out.block_size)),
-            block_tables=buf.fill("block_tables", make_block_table_tensor(tables)),
-            seq_lens=buf.fill("seq_lens", torch.tensor(seq_lens, dtype=torch.int32)),
-            cu_seqlens_q=buf.fill("cu_seqlens_q", torch.tensor(cu, dtype=torch.int32)),
-            max_query_len=max((s.num_new_tokens for s in out.scheduled), default=0),
+        buf.next_step()
+        seq_lens, cu = buf.fill("seq_lens", arrays.seq_lens), buf.fill("cu_seqlens_q", arrays.cu_seqlens_q)
+        metas = [
+            AttentionMetadata(
+                slot_mapping=buf.fill("slot_mapping" + suffix, slots),
+                block_tables=buf.fill("block_tables" + suffix, table),
+                seq_lens=seq_lens,
+                cu_seqlens_q=cu,
+                max_query_len=arrays.max_query_len,
+            )
+            for suffix, slots, table in zip(
+                ["", *(f"_{g}" for g in range(1, len(arrays.slot_mappings)))], arrays.slot_mappings, arrays.block_tables
+            )
+        ]
+        input_ids = buf.fill("input_ids", arrays.input_ids)
+        if len(arrays.placeholders):
+            self._fill_placeholders(input_ids, arrays)
+        sample_rows = buf.fill("sample_rows", arrays.sample_rows)
+        return input_ids, buf.fill("positions", arrays.positions), metas[0] if len(metas) == 1 else metas, sample_rows
+
+    def _arrays_by_parts(self, out: SchedulerOutput) -> StepArrays:
+        """The step's arrays from ``step_inputs`` and ``slot_mapping``, a learner's if plugged in (exercises 04
+        and 09b), the package's otherwise: the lists a Python loop builds, token by token."""
+        build = hooks.plugged("step_inputs") or step_inputs
+        slots = hooks.plugged("slot_mapping") or slot_mapping
+        ids, positions, cu, seq_lens, sample_rows = build(out.scheduled)
+        groups = [self.input_batch.table(s.request_id) for s in out.scheduled]
+        per_group = [[g[i] for g in groups] for i in range(len(self.kv_cache_groups))]
+        input_ids = np.array(ids, dtype=np.int64)
+        placeholders = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN_ID)
+        owner = np.repeat(np.arange(len(out.scheduled)), np.diff(np.array(cu, dtype=np.int64)))
+        return StepArrays(
+            input_ids,
+            np.array(positions, dtype=np.int64),
+            np.array(cu, dtype=np.int32),
+            np.array(seq_lens, dtype=np.int32),
+            np.array(sample_rows, dtype=np.int64),
+            [np.asarray(slots(t, out.positions(), out.block_size), dtype=np.int64) for t in per_group],
+            [make_block_table_tensor(t).numpy() for t in per_group],
+            max((s.num_new_tokens for s in out.scheduled), default=0),
+            placeholders,
+            [out.scheduled[i].request_id for i in owner[placeholders].tolist()],
         )
-        metas: AttentionMetadata | list[AttentionMetadata] = meta
-        if len(self.kv_cache_groups) > 1:  # one block table per KV cache group; the rest of the step is shared
-            metas = [meta]
-            for g in range(1, len(self.kv_cache_groups)):
-                tables = [per_group[g] for per_group in groups]
-                metas.append(
-                    AttentionMetadata(
-                        slot_mapping=buf.fill(f"slot_mapping_{g}", slots(tables, out.positions(), out.block_size)),
-                        block_tables=buf.fill(f"block_tables_{g}", make_block_table_tensor(tables)),
-                        seq_lens=meta.seq_lens,
-                        cu_seqlens_q=meta.cu_seqlens_q,
-                        max_query_len=meta.max_query_len,
-                    )
-                )
-        return (
-            buf.fill("input_ids", torch.tensor(ids, dtype=torch.long)),
-            buf.fill("positions", torch.tensor(positions, dtype=torch.long)),
-            metas,
-            sample_rows,
-        )
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, arrays: StepArrays) -> None:
+        """Async scheduling: the tokens the last step sampled are still on the device, and this step was
+        scheduled before they came back. Copy each into the row that waits for it, on the device."""
+        try:
+            rows = [self._last_rows[rid] for rid in arrays.placeholder_owners]
+        except KeyError as e:
+            raise RuntimeError(
+                f"request {e.args[0]!r} feeds a token of the last step, but it sampled nothing in it: the step was "
+                "scheduled ahead of a step this runner did not run"
+            ) from None
+        assert self._last_tokens is not None  # a step sampled: _last_rows is not empty
+        dst = self.buffers.fill("placeholder_dst", arrays.placeholders)
+        src = self.buffers.fill("placeholder_src", np.array(rows, dtype=np.int64))
+        input_ids.index_copy_(0, dst, self._last_tokens.index_select(0, src))
 
     def release(self, request_ids: list[str], sample_keys: list[tuple[str, int]]) -> None:
         """Drop what the runner keeps for requests that left: their block tables, their random streams."""
@@ -499,21 +541,31 @@ class ModelRunner:
             self.sampler.forget(key)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run one step in this process alone: block copies, the forward pass, and sampling (n tokens for an
-        n > 1 first sample). A tensor-parallel executor runs the same three calls, sending the step to the other
-        ranks before ``forward_step``."""
+        """Run one step in this process alone and wait for its tokens (``launch(out).result()``)."""
+        return self.launch(out).result()
+
+    def launch(self, out: SchedulerOutput) -> PendingOutput:
+        """Start one step in this process alone: block copies, the forward pass, and sampling (n tokens for an
+        n > 1 first sample), all queued on the device; the tokens come back when the result is asked for. A
+        tensor-parallel executor runs the same calls, sending the step to the other ranks before
+        ``forward_step``."""
         if not out.scheduled:  # no forward_step to bring the tables up to the step: drop those that left here
             self.release([*out.finished_req_ids, *out.preempted], out.finished_sample_keys)
-            return RunnerOutput()
+            return Ready(RunnerOutput())
         self.release([], out.finished_sample_keys)  # first, before anything can fail: they are sent once
-        return self.sample(out, self.forward_step(out))
+        return self.sample_async(out, self.forward_step(out))
+
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor | None) -> RunnerOutput:
+        """The step's tokens, waited for (``sample_async(...).result()``)."""
+        return self.sample_async(out, logits).result()
 
     @torch.inference_mode()
-    def sample(self, out: SchedulerOutput, logits: torch.Tensor | None) -> RunnerOutput:
+    def sample_async(self, out: SchedulerOutput, logits: torch.Tensor | None) -> PendingOutput:
         """The step's tokens from its sampling rows' logits (rank 0's: it gathers every rank's slice of the
-        vocabulary), drafts verified; a request whose row cannot be sampled fails alone."""
+        vocabulary), drafts verified; a request whose row cannot be sampled fails alone. The tokens stay on the
+        device (the next step may read them there) and come back in one copy when the result is asked for;
+        a step that verifies drafts waits for them here."""
         assert logits is not None, "only rank 0 samples"
-        result = RunnerOutput()
         t2 = time.perf_counter()
         keys, params, offsets, owners, rows = [], [], [], [], []
         verifying: list[tuple[ScheduledRequest, int]] = []  # requests with drafts, and their first logit row
@@ -537,33 +589,32 @@ class ModelRunner:
                 "decoding, a row per draft: a plugged-in step_inputs must add them)"
             )
         plain = logits if not verifying else logits[rows]
-        tokens, errors = self.sampler.sample(plain, keys, params, offsets)
-        for s, first_row in verifying:
+        drawn = self.sampler.sample_on_device(plain, keys, params, offsets)
+        # What a step scheduled before these tokens reach the host feeds: each request's row (its first sample's)
+        self._last_tokens = drawn.tokens
+        self._last_rows = {}
+        for i, rid in enumerate(owners):
+            self._last_rows.setdefault(rid, i)
+        pending = SampledOutput(drawn, owners)
+        for s, first_row in verifying:  # waits for the device: verification reads the tokens one by one
             verified, why = verify(
                 self.sampler, logits[first_row : first_row + len(s.spec_token_ids) + 1], s.spec_token_ids,
                 s.sample_key, s.sampling_params, s.sample_key[1],
             )  # fmt: skip
             if why is not None:
-                result.errors[s.request_id] = why
+                pending.errors[s.request_id] = why
             else:
-                result.sampled[s.request_id] = verified
-        for row, (rid, token) in enumerate(zip(owners, tokens)):
-            if row in errors:
-                result.errors.setdefault(rid, errors[row])
-            else:
-                assert token is not None  # a row without an error has its token
-                result.sampled.setdefault(rid, []).append(token)
-        for rid in result.errors:  # a request with a failed row samples nothing this step
-            result.sampled.pop(rid, None)
+                pending.verified[s.request_id] = verified
         self.timers["sample"] += time.perf_counter() - t2
-        return result
+        return pending
 
     @torch.inference_mode()
     def forward_step(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """What every rank does with a step: its block copies, then the forward pass on its shard. Returns the
-        logits of the sampling rows (None on a worker: rank 0 gathers them)."""
+        """What every rank does with a step: its block copies, then the forward pass on its shard, queued on the
+        device without waiting for it. Returns the logits of the sampling rows (None on a worker: rank 0 gathers
+        them)."""
         t0 = time.perf_counter()
-        apply_block_updates(self.block_tables, out)
+        self.input_batch.apply(out)
         kv_meta = out.kv_connector_metadata
         if kv_meta:  # first: an evicted block's K/V leaves before anything this step writes over it
             self.cache.offload(kv_meta.saves)
@@ -580,11 +631,10 @@ class ModelRunner:
                 hidden = graphs.run(input_ids, positions, meta)
             else:
                 hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
-            logits = self.model.compute_logits(hidden[sample_rows])
+            logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
+        if kv_meta and kv_meta.sends and self.kv_sender is not None:  # the K/V must exist first: wait, then ship
             if self.device.type == "cuda":
-                with span("gpu_wait"):  # the CPU waits for the GPU's kernels: neither glue nor a launch
-                    torch.cuda.synchronize()
-        if kv_meta and kv_meta.sends and self.kv_sender is not None:  # the K/V exist now: ship them
+                torch.cuda.synchronize(self.device)
             self.kv_sender(self.cache, kv_meta.sends)
         self.timers["prepare inputs"] += t1 - t0
         self.timers["model"] += time.perf_counter() - t1
@@ -597,8 +647,7 @@ class ModelRunner:
 
     def rpc_drop_tables(self, request_ids: list[str]) -> None:
         """Forget the block tables of requests that left (every rank keeps its own copy)."""
-        for rid in request_ids:
-            self.block_tables.pop(rid, None)
+        self.input_batch.drop(request_ids)
 
     def rpc_kv_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.cache.gpu_cache[layer]

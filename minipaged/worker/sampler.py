@@ -82,26 +82,73 @@ class Sampler:
         A row with NaN or +inf logits has no meaningful answer, greedy or not (argmax of NaN is
         the NaN): it is reported, not sampled, so the engine can finish that request alone.
         """
+        return self.sample_on_device(logits, keys, params, seed_offsets).to_host()
+
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        keys: Sequence[Hashable],
+        params: Sequence[SamplingParams],
+        seed_offsets: Sequence[int] | None = None,
+    ) -> DeviceSamples:
+        """``sample`` without waiting for the device: every row's token stays on it (the next step may read them
+        there, async scheduling), with two flags per row; ``to_host()`` brings all of it back in one copy."""
         if logits.shape[0] != len(params) or len(params) != len(keys):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
         offsets = seed_offsets if seed_offsets is not None else [0] * len(keys)
         # One pass gives the greedy tokens and finds the bad rows: a row's max is NaN if it holds a NaN
         # (max propagates NaN), +inf if it holds +inf, -inf if every logit is -inf.
-        top, argmax = logits.max(-1)
-        tokens: list[int | None] = argmax.tolist()  # greedy rows are done
+        top, tokens = logits.max(-1)
+        finite = torch.isfinite(top)
+        drawn_ok = torch.ones_like(finite)
         errors: dict[int, str] = {}
-        for i in (~torch.isfinite(top)).nonzero().flatten().tolist():
-            errors[i], tokens[i] = "the model produced NaN or infinite logits", None
         for i, (key, p) in enumerate(zip(keys, params)):
-            if p.greedy or i in errors:
+            if p.greedy:
                 continue
             row = apply_top_k_top_p(logits[i].float() / p.temperature, p.top_k, p.top_p)
             probs = row.softmax(-1)
+            # A distribution multinomial cannot draw from (NaN logits, an extreme temperature) is flagged here and
+            # replaced, so the draw itself never fails on the device; the flag reports the row after the copy.
+            valid = torch.isfinite(probs).all() & (probs.sum() > 0)
+            drawn_ok[i] = valid
+            probs = torch.where(valid, probs, torch.ones_like(probs))
             try:
                 g = self.generator(key, p, logits.device, offsets[i])
-                tokens[i] = int(torch.multinomial(probs, 1, generator=g))
-            except RuntimeError as e:  # e.g. an all-zero distribution after an extreme temperature
-                errors[i], tokens[i] = f"sampling failed: {e}", None
+                tokens[i] = torch.multinomial(probs, 1, generator=g)[0]
+            except RuntimeError as e:  # what the device refuses at once
+                errors[i] = f"sampling failed: {e}"
+        return DeviceSamples(tokens, torch.stack([finite, drawn_ok]), errors)
+
+
+class DeviceSamples:
+    """A step's sampled tokens, still on the device: ``tokens`` (one per row), and per row whether its logits
+    were finite and whether its draw had a distribution to draw from. The copy back starts at once (into
+    page-locked memory on a GPU); ``to_host()`` waits for it: the step's one host-device synchronisation."""
+
+    def __init__(self, tokens: torch.Tensor, flags: torch.Tensor, errors: dict[int, str]) -> None:
+        self.tokens, self.errors = tokens, errors
+        packed = torch.cat([tokens[None], flags.to(tokens.dtype)])  # [3, rows]: one copy brings all of it
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._ready: torch.cuda.Event | None = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = packed, None
+
+    def to_host(self) -> tuple[list[int | None], dict[int, str]]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        values, finite, drawn_ok = self._host.tolist()
+        tokens: list[int | None] = list(values)
+        errors = dict(self.errors)
+        for i in range(len(tokens)):
+            if not finite[i]:
+                errors[i] = "the model produced NaN or infinite logits"
+            elif not drawn_ok[i]:
+                errors.setdefault(i, "sampling failed: the probabilities hold inf, NaN or only zeros")
+            if i in errors:
+                tokens[i] = None
         return tokens, errors
 
 
