@@ -505,7 +505,7 @@ class ModelRunner:
         per_group = [[g[i] for g in groups] for i in range(len(self.kv_cache_groups))]
         input_ids = np.array(ids, dtype=np.int64)
         placeholders = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN_ID)
-        owner = np.repeat(np.arange(len(out.scheduled)), [b - a for a, b in zip(cu, cu[1:])])
+        owner = np.repeat(np.arange(len(out.scheduled)), [s.num_new_tokens for s in out.scheduled])
         return StepArrays(
             input_ids,
             np.array(positions, dtype=np.int64),
