@@ -61,11 +61,12 @@ __all__ = ["KVCacheBlocks", "KVCacheManager", "find_prefix_hits"]
 
 @dataclass
 class RolledBack:
-    """What a failed step leaves unknown: ``dropped``, the blocks whose hashes went; ``unwritten``, those and
-    the blocks its copies were to fill; ``swapped_out``, the requests whose swap space it was to fill."""
+    """What a failed step leaves unknown: ``dropped``, the blocks whose hashes went (a request that found one in
+    the prefix cache holds nothing there); ``copied``, the blocks its copies were to fill; ``swapped_out``, the
+    requests whose swap space it was to fill."""
 
     dropped: set[int]
-    unwritten: set[int]
+    copied: set[int]
     swapped_out: list[str]
 
 
@@ -583,7 +584,7 @@ class KVCacheManager:
             b.block_id for b in (*self.in_flight_blocks, *self.uncommitted_blocks) if self.block_pool.drop_hash(b)
         }
         rolled = RolledBack(
-            dropped, dropped | {*self.in_flight_copies, *self.uncommitted_copies},
+            dropped, {*self.in_flight_copies, *self.uncommitted_copies},
             [*self.in_flight_swap_outs, *self.uncommitted_swap_outs],
         )  # fmt: skip
         self.in_flight_blocks, self.in_flight_copies, self.in_flight_swap_outs = [], [], []
@@ -595,16 +596,18 @@ class KVCacheManager:
 
     def forget_computed(self, request: Request, rolled: RolledBack) -> int | None:
         """After a failed step: how many tokens of ``request`` still hold their K/V. From its first block the
-        failed step was to write on (a block it hashed or copied into, a prefix hit on another request's), they
-        count as not computed; a block whose hash went is hashed again once it is computed. None: the request
-        must start again from its first token (a sliding window already gave back blocks the tokens to compute
-        again attend to: the step scheduled ahead moved its window on)."""
-        rid, num_computed = request.request_id, request.num_computed_tokens
+        failed step was to fill on (a full block it found in the prefix cache but whose hash went, a block a copy
+        was to fill), they count as not computed; a block whose hash went is hashed again once it is computed.
+        (Its own block that the failed step was to complete keeps the tokens earlier steps wrote.) None: the
+        request must start again from its first token (a sliding window already gave back blocks the tokens to
+        compute again attend to: the step scheduled ahead moved its window on)."""
+        rid, num_computed, bs = request.request_id, request.num_computed_tokens, self.block_size
         for manager in self.managers:
             blocks = manager.req_to_blocks.get(rid, ())
-            for i, block in enumerate(blocks[: cdiv(num_computed, self.block_size)]):
-                if block.block_id in rolled.unwritten:
-                    num_computed = min(num_computed, i * self.block_size)
+            for i, block in enumerate(blocks[: cdiv(num_computed, bs)]):
+                full = (i + 1) * bs <= num_computed
+                if block.block_id in rolled.copied or (full and block.block_id in rolled.dropped):
+                    num_computed = min(num_computed, i * bs)
                     break
             for i, block in enumerate(blocks[: manager.num_cached_block.get(rid, 0)]):
                 if block.block_id in rolled.dropped:
