@@ -85,7 +85,19 @@ def test_input_batch_matches_the_specification(seed):
         run_step(sched, ex, lambda: 0.0)
         assert ex.steps < 5_000
     assert len(ex.batch) == 0 and not ex.batch.tables.any()  # every row given back, zeroed
-    assert ex.batch.tables.shape[1] > 2  # more requests at once than rows planned: the rows grew
+
+
+def test_rows_and_columns_grow_and_rows_are_reused():
+    batch = InputBatch(1, 1, 1, 4)
+    steps = [ScheduledRequest(r, 1, 0, 1, [1], block_updates=[(0, [2 + i, 9, 10 + i])]) for i, r in enumerate("abc")]
+    batch.apply(SchedulerOutput(steps, block_size=4))
+    assert batch.tables.shape[1:] == (4, 3) and batch.as_dict()["c"] == [[4, 9, 12]]
+    row_b = batch.rows["b"]
+    batch.apply(
+        SchedulerOutput([ScheduledRequest("d", 1, 0, 1, [1], block_updates=[(0, [7])])], finished_req_ids=["b"])
+    )
+    assert batch.rows["d"] == row_b and batch.as_dict() == {"a": [[2, 9, 10]], "c": [[4, 9, 12]], "d": [[7]]}
+    assert not batch.tables[0, row_b, 1:].any()  # the row's old ids are gone, not shadowed by a shorter table
 
 
 def test_a_position_past_the_table_is_refused_by_name():
