@@ -124,3 +124,66 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_still_runs(tiny_model, m
     assert all(len(o.outputs[0].token_ids) == 5 and o.error is None for o in out)
     assert "capture failed" in (llm.runner.graph_runner.off_reason or "")
     assert sum("CUDA graphs off" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---- warm start: every bucket captured when the engine starts ---------------------------------------------
+class _RecordingRunner(CUDAGraphRunner):
+    """A graph runner whose capture records what it was given (no CUDA here): the start-up logic alone."""
+
+    def __init__(self, sizes_for: int, fail_at: int | None = None, seconds: float = 0.0) -> None:
+        super().__init__(None, [], sizes_for, 4, torch.device("cpu"))  # type: ignore[arg-type]
+        self.fail_at, self.seconds, self.seen = fail_at, seconds, []
+
+    def _capture(self, rows: int) -> None:
+        import time
+
+        time.sleep(self.seconds)
+        meta = self.inputs.metadata(rows)
+        assert (meta.slot_mapping == -1).all() and (meta.block_tables == 0).all()  # padding only: writes nothing
+        self.seen.append(rows)
+        if rows == self.fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.graphs[rows] = (None, None)  # type: ignore[assignment]
+
+
+def test_start_up_captures_every_bucket_largest_first():
+    runner = _RecordingRunner(40)
+    count, _ = runner.capture_all()
+    assert runner.seen == sorted(capture_sizes(40), reverse=True) and count == len(capture_sizes(40))
+    assert runner.capture_all()[0] == count and runner.seen == sorted(capture_sizes(40), reverse=True)  # once
+
+
+def test_a_failed_start_up_capture_turns_graphs_off_as_a_step_capture_does(caplog):
+    runner = _RecordingRunner(20, fail_at=16)
+    count, _ = runner.capture_all()
+    assert runner.seen == [20, 18, 16] and count == 2  # stops at the failure
+    assert runner.off_reason is not None and "capture failed (RuntimeError" in runner.off_reason
+    assert runner.why_not(torch.zeros(1), decode_meta([[1]], [3])) == runner.off_reason  # every step eager now
+    assert "CUDA graphs off" in caplog.text
+
+
+def test_start_up_capture_is_bounded_in_time():
+    runner = _RecordingRunner(8, seconds=0.02)
+    count, seconds = runner.capture_all(budget_s=0.05)
+    assert 1 <= count < 8 and seconds < 0.2  # the rest are captured on their first step, as before
+
+
+def test_warm_up_runs_every_kind_of_step_without_touching_the_cache(tiny_model):
+    """The start-up steps (on a GPU: Triton compiles their kernels) are valid inputs for the model, and write
+    nothing: every slot is -1. Run here on the CPU runner, which does not warm up by itself."""
+    llm = small_engine(tiny_model, max_num_seqs=5)
+    runner = llm.runner
+    assert runner.warm_up_s is None  # a CPU engine starts as it is
+    before = [(k.clone(), v.clone()) for k, v in runner.cache.gpu_cache]
+    note = runner.warm_up(5, 16)
+    assert note.startswith("compiled the kernels of 5 kinds of step and no CUDA graphs") and runner.warm_up_s > 0
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(runner.cache.gpu_cache, before))
+    assert llm.generate([[5, 17, 3]], SamplingParams(max_tokens=3, temperature=0))[0].outputs[0].token_ids
+
+
+@needs_cuda
+def test_a_gpu_engine_starts_with_its_graphs_captured(tiny_model, capsys):
+    llm = LLM(model=tiny_model, device="cuda", max_num_seqs=20, kv_cache_memory="64MiB")
+    assert len(llm.runner.graph_runner.graphs) == len(capture_sizes(20))
+    assert f"captured {len(capture_sizes(20))} CUDA graphs" in capsys.readouterr().out
+    llm.shutdown()

@@ -635,6 +635,8 @@ class KVCacheManager:
             fork    blocks [7, 5, 9]   ->  (1, [5, 9])     a copy-on-write replaced block 1
 
         ``resend``: every group's whole table (the runner's copy is rebuilt from the first block)."""
+        if self.single_type:
+            return [self.managers[0].take_block_updates(request_id, resend)]
         return [m.take_block_updates(request_id, resend) for m in self.managers]
 
     def resend_block_tables(self) -> None:

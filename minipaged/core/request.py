@@ -89,10 +89,10 @@ class Request:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt must hold at least one token")
         self.output_token_ids = self._check_tokens("output_token_ids", self.output_token_ids)
-        if not isinstance(self.num_computed_tokens, int) or not 0 <= self.num_computed_tokens <= self.num_tokens:
-            raise ValueError(f"num_computed_tokens must be in [0, {self.num_tokens}], got {self.num_computed_tokens!r}")
         # One list for prompt + output, extended in place: block hashing slices it every step.
         self._all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
+        if not isinstance(self.num_computed_tokens, int) or not 0 <= self.num_computed_tokens <= self.num_tokens:
+            raise ValueError(f"num_computed_tokens must be in [0, {self.num_tokens}], got {self.num_computed_tokens!r}")
         self.update_block_hashes()
 
     @staticmethod
@@ -110,7 +110,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._all_token_ids)
 
     @property
     def num_tokens_with_spec(self) -> int:
@@ -128,6 +128,11 @@ class Request:
     # ---- growth ------------------------------------------------------------------------
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Add sampled tokens and hash any block they complete."""
+        if type(token_ids) is int and token_ids >= 0:  # one sampled token: the usual step, checked in place
+            self.output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+            self.update_block_hashes()
+            return
         new = self._check_tokens("output_token_ids", [token_ids] if isinstance(token_ids, int) else token_ids)
         self.output_token_ids.extend(new)
         self._all_token_ids.extend(new)
@@ -141,10 +146,12 @@ class Request:
 
     def resolve_placeholder(self, token_id: int) -> None:
         """The sampled token came back: it replaces the placeholder (the last output), and its block is hashed."""
-        (token_id,) = self._check_tokens("output_token_ids", [token_id])
-        self.drop_placeholder()
-        self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        if type(token_id) is not int or token_id < 0:
+            (token_id,) = self._check_tokens("output_token_ids", [token_id])  # says what is wrong with it
+        if self.num_output_placeholders < 1 or self.output_token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+            raise RuntimeError(f"request {self.request_id!r} has no placeholder token to replace")
+        self.output_token_ids[-1] = self._all_token_ids[-1] = token_id
+        self.num_output_placeholders -= 1
         self.update_block_hashes()
 
     def drop_placeholder(self) -> None:
@@ -166,8 +173,13 @@ class Request:
             self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
-        if self.block_hasher is not None:
-            self.block_hashes.extend(self.block_hasher(self))
+        hasher = self.block_hasher
+        if hasher is None:
+            return
+        block_size = getattr(hasher, "block_size", None)
+        if block_size is not None and len(self._all_token_ids) < (len(self.block_hashes) + 1) * block_size:
+            return  # no block completed since the last hash (most steps): nothing to hash
+        self.block_hashes.extend(hasher(self))
 
     # ---- life cycle (chapter 06) -------------------------------------------------------
     @property

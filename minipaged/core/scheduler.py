@@ -568,34 +568,38 @@ class Scheduler:
     def _add_to_step(self, out: SchedulerOutput, scheduled: list[tuple[str, int]]) -> int:
         """Put each ``(request id, new tokens)`` in the step; return the tokens they use."""
         parts_plugged = hooks.active(ignore=POLICY_PARTS)
+        take_block_updates = self.kv_cache_manager.take_block_updates
         for rid, num_new in scheduled:
             req = self.requests[rid]
+            tokens = req.all_token_ids
+            num_tokens, start = len(tokens), req.num_computed_tokens
+            end = start + num_new
             if num_new < 1:  # a row with no token would sample another request's logits
                 raise RuntimeError(
-                    f"request {rid!r} scheduled with {num_new} new tokens ({req.num_computed_tokens} "
-                    f"of {req.num_tokens} computed): scheduler state is broken"
+                    f"request {rid!r} scheduled with {num_new} new tokens ({start} "
+                    f"of {num_tokens} computed): scheduler state is broken"
                 )
-            start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
-            if end > req.num_tokens_with_spec:
+            if end > num_tokens + len(req.spec_token_ids):
                 raise RuntimeError(
-                    f"request {rid!r} scheduled with {num_new} new tokens ({start} of {req.num_tokens} computed, "
+                    f"request {rid!r} scheduled with {num_new} new tokens ({start} of {num_tokens} computed, "
                     f"{len(req.spec_token_ids)} drafts): scheduler state is broken"
                 )
-            samples = end >= req.num_tokens  # every known token computed (drafts too, if any)
-            first = req.num_output_tokens == 0 and req.parent_id is None
-            spec = req.spec_token_ids[: end - req.num_tokens] if end > req.num_tokens else []
+            samples = end >= num_tokens  # every known token computed (drafts too, if any)
+            first = not req.output_token_ids and req.parent_id is None
+            spec = req.spec_token_ids[: end - num_tokens] if end > num_tokens else []
+            params = req.sampling_params
             out.scheduled.append(
                 ScheduledRequest(
                     request_id=rid,
                     num_new_tokens=num_new,
                     start=start,
                     # a learner's part may have changed a table in place: then the whole table, every step
-                    block_updates=self.kv_cache_manager.take_block_updates(rid, resend=parts_plugged),
-                    num_samples=(req.sampling_params.n if first else 1) if samples else 0,
-                    token_ids=req.all_token_ids[start:end] + spec,
-                    sampling_params=req.sampling_params,
+                    block_updates=take_block_updates(rid, resend=parts_plugged),
+                    num_samples=(params.n if first else 1) if samples else 0,
+                    token_ids=tokens[start:end] + spec if spec else tokens[start:end],
+                    sampling_params=params,
                     sample_key=req.sample_key,
-                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_prompt_tokens=len(req.prompt_token_ids),
                     spec_token_ids=spec,
                 )
             )

@@ -136,9 +136,12 @@ class SingleTypeKVCacheManager:
     def take_block_updates(self, request_id: str, resend: bool = False) -> tuple[int, list[int]]:
         """What the runner lacks of the request's block table: (the first index it lacks, the ids from there
         on); the runner then holds the whole table. ``resend``: from the first block."""
-        blocks = self.req_to_blocks.get(request_id, [])
-        start = 0 if resend else min(self.num_sent.get(request_id, 0), len(blocks))
-        self.num_sent[request_id] = len(blocks)
+        blocks = self.req_to_blocks.get(request_id, ())
+        num = len(blocks)
+        start = 0 if resend else min(self.num_sent.get(request_id, 0), num)
+        if start == num:  # the runner has it all (most steps of a decode)
+            return num, []
+        self.num_sent[request_id] = num
         return start, [b.block_id for b in blocks[start:]]
 
 

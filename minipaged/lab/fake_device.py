@@ -13,7 +13,6 @@ in the step before (what ``ModelRunner._fill_placeholders`` does on a GPU) and c
 
 from __future__ import annotations
 
-import random
 import time
 
 import torch
@@ -24,10 +23,8 @@ from ..worker.input_batch import InputBatch, InputBuffers
 
 
 def wait_until(deadline: float) -> None:
-    """Sleep until just before ``deadline`` (perf_counter seconds), then spin: a sleep alone overshoots."""
-    left = deadline - time.perf_counter()
-    if left > 0.002:
-        time.sleep(left - 0.001)
+    """Spin until ``deadline`` (perf_counter seconds), as a CUDA event's synchronize does by default: a sleep
+    on a shared virtual machine overshoots by a millisecond or more and leaves the caches cold."""
     while time.perf_counter() < deadline:
         pass
 
@@ -57,7 +54,7 @@ class FakeDeviceExecutor:
 
     def token_at(self, request_id: str, position: int) -> int:
         """The fake model's token at ``position``: the same whatever the batch or the schedule."""
-        return random.Random(f"{request_id}/{position}").randrange(1, self.vocab)
+        return 1 + hash((request_id, position)) % (self.vocab - 1)  # cheap (a GPU samples, not the host)
 
     def launch(self, out: SchedulerOutput) -> _FakePending:
         self.num_launched += 1

@@ -16,9 +16,11 @@ A graph replays exactly what it recorded: the same kernels, the same grid, the s
 changes from step to step is copied into tensors that live as long as the runner (``StaticInputs``), the block
 tables keep their full width (``max_blocks_per_seq`` columns: the decode kernel's split count depends on it),
 and only decode-only steps go through a graph; prefill chunks (their row counts and causal masks vary) run
-eagerly, as in vLLM. A bucket is captured the first time a step needs it (at most ``len(capture_sizes)``
-graphs, sharing one memory pool). Capture is an optimisation: if it fails (an operation that cannot be
-captured, say), the runner logs one line, turns itself off and the step runs eagerly.
+eagerly, as in vLLM. Every bucket is captured when the engine starts (``capture_all``, largest first, within
+``CAPTURE_BUDGET_S``; vLLM's ``capture_model``), so the first requests do not pay for it; a bucket left out
+is captured the first time a step needs it (at most ``len(capture_sizes)`` graphs, sharing one memory pool).
+Capture is an optimisation: if it fails (an operation that cannot be captured, say), the runner logs one
+line, turns itself off and the steps run eagerly.
 
 Not used: on a CPU, under tensor parallelism, with a learner's attention kernel plugged in, or with
 ``enforce_eager=True`` (vLLM's name for the same switch).
@@ -27,6 +29,7 @@ Not used: on a CPU, under tensor parallelism, with a learner's attention kernel 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
     from .llama import LlamaForCausalLM
 
 log = logging.getLogger("minipaged")
+CAPTURE_BUDGET_S = 120.0  # start-up capture stops here; a bucket left out is captured on its first step
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -142,6 +146,24 @@ class CUDAGraphRunner:
         graph.replay()
         self.replays += 1
         return out[:n]
+
+    def capture_all(self, budget_s: float = CAPTURE_BUDGET_S) -> tuple[int, float]:
+        """Capture every bucket now, largest first (the shared pool is sized by the largest), on padding rows
+        only: slot -1, so nothing is written to the cache. Stops at a failed capture (the runner is then off, as
+        when a step's capture fails) or when ``budget_s`` has run out. Returns (graphs captured, seconds)."""
+        t0 = time.perf_counter()
+        for rows in reversed(self.sizes):
+            if self.off_reason is not None or time.perf_counter() - t0 > budget_s:
+                break
+            if rows in self.graphs:
+                continue
+            self.inputs.fill(self.inputs.input_ids[:0], self.inputs.positions[:0], self.inputs.metadata(0), rows)
+            try:
+                self._capture(rows)
+            except Exception as e:
+                self.off_reason = f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                log.warning("minipaged: CUDA graphs off: %s; decode steps run eagerly", self.off_reason)
+        return len(self.graphs), time.perf_counter() - t0
 
     def _capture(self, rows: int) -> None:
         """Record the model's forward pass on the static inputs of ``rows`` sequences.

@@ -50,6 +50,7 @@ from ..model import AttentionMetadata, LlamaForCausalLM
 from ..model.cuda_graphs import CUDAGraphRunner
 from ..model.llama import config_from_dict
 from ..profiling import span
+from ..sampling_params import SamplingParams
 from ..utils import cdiv
 from .block_table import make_block_table_tensor, slot_mapping
 from .cache_engine import CacheEngine
@@ -242,6 +243,10 @@ class ModelRunner:
         self.reset()
         if self.device.type == "cuda" and (tp is None or tp.rank == 0):  # how much of the card it took
             print(f"minipaged: {self.describe()}", flush=True)
+        self.warm_up_s: float | None = None
+        if self.device.type == "cuda" and tp is None:  # ranks would have to warm up in step: they start cold
+            note = self.warm_up(config.max_num_seqs, config.max_num_batched_tokens)
+            print(f"minipaged: {note}", flush=True)
 
     def _attention_backend(self, config: Config, hf_config: dict[str, Any] | None) -> str:
         """The kernels' family, ``auto`` resolved: PyTorch for a model with a sliding window (the Triton kernels
@@ -461,6 +466,49 @@ class ModelRunner:
         self.model.compute_logits(self.model(ids, pos, cache.gpu_cache, meta)[-1:])
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated(self.device) - base
+
+    # ---- warm start ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int) -> str:
+        """Start warm (vLLM: the profile run and ``capture_model``): run the kinds of step the engine will run
+        (a long prefill, a prefill chunk beside decodes, decode batches of a few sizes, greedy and random
+        sampling), so that Triton compiles their kernels now, then capture every CUDA graph bucket. Nothing is
+        written to the cache (every slot is -1) and nothing read from it counts. Returns what it did, in words."""
+        t0 = time.perf_counter()
+        bs, dev = self.block_size, self.device
+        long = max(1, min(max_num_batched_tokens, self.max_model_len) - 1)
+        shapes = [[long], [17, 1, 1], [1] * min(3, max_num_seqs), [1] * max_num_seqs, [1]]  # new tokens per row
+        for new_tokens in shapes:
+            num_rows, total = len(new_tokens), sum(new_tokens)
+            # a decode and a prefill chunk have a cached context before their new tokens; the long prefill has none
+            context = [n if n == long else min(n + 16, self.max_model_len) for n in new_tokens]
+            width = cdiv(max(context), bs)
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((total,), -1, dtype=torch.long, device=dev),  # write nowhere
+                block_tables=torch.zeros(num_rows, width, dtype=torch.int32, device=dev),  # read the null block
+                seq_lens=torch.tensor(context, dtype=torch.int32, device=dev),
+                cu_seqlens_q=torch.tensor([0, *np.cumsum(new_tokens).tolist()], dtype=torch.int32, device=dev),
+                max_query_len=max(new_tokens),
+            )
+            ids = torch.zeros(total, dtype=torch.long, device=dev)
+            positions = torch.cat([torch.arange(c - n, c, device=dev) for n, c in zip(new_tokens, context)])
+            logits = self.model.compute_logits(self.model(ids, positions, self.cache.gpu_cache, meta)[-num_rows:])
+            params = [SamplingParams(max_tokens=1, temperature=0.0)] + [SamplingParams(max_tokens=1, seed=0)] * (
+                num_rows - 1
+            )
+            Sampler().sample(logits.float(), [("warm-up", i) for i in range(num_rows)], params)
+        captured = 0
+        if self.graph_runner is not None:
+            captured, _ = self.graph_runner.capture_all()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.warm_up_s = time.perf_counter() - t0
+        graphs = (
+            f"captured {captured} CUDA graphs"
+            if self.graph_runner is not None and self.graph_runner.off_reason is None
+            else "no CUDA graphs (enforce_eager, or a capture failed)"
+        )
+        return f"compiled the kernels of {len(shapes)} kinds of step and {graphs} in {self.warm_up_s:.1f} s"
 
     # ---- a step -----------------------------------------------------------------------------
     def prepare_inputs(
