@@ -32,6 +32,11 @@ the engine's own step loop is profiled (schedule, prepare inputs, model, sample,
 the model's time is split by a PyTorch profile of the first 32 requests into matrix products,
 attention, other tensor ops and what is left (Python, glue).
 
+On a GPU the engine's first batch is timed too (``cold_seconds``: it starts warm, so it should be close to the
+second), and ``--cb-new-tokens`` (128 there) runs the prompts with that many new tokens each in minipaged and in
+transformers' own continuous batching (``generate_batch``, which takes one generation config for all), twice
+each: ``ratios.vs_transformers_cb`` compares the second calls, ``vs_transformers_cb_first_call`` the first.
+
 Beside the peers stands a floor: the seconds the workload's matrix products alone take at
 the rate this machine's GEMMs were just measured at (``gemm_floor``). On two CPU cores a
 135M-parameter model is GEMM-bound, so the floor says how much room any engine has left,
@@ -93,12 +98,18 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         enforce_eager=os.environ.get("BENCH_ENFORCE_EAGER") == "1",  # the cuda_graphs lever
     )
-    llm.generate(
-        [work["prompts"][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0), use_tqdm=False
-    )  # warm-up: first-call allocations
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["output_lens"]]
+    cold_seconds = None
+    if args.device == "cuda":  # a GPU engine starts warm (kernels compiled, graphs captured): time its first batch
+        t0 = time.perf_counter()
+        llm.generate(work["prompts"], params, use_tqdm=False)
+        cold_seconds = time.perf_counter() - t0
+    else:
+        llm.generate(
+            [work["prompts"][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0), use_tqdm=False
+        )  # warm-up: first-call allocations
     llm.runner.timers.clear()
     llm.step_stats.clear()
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["output_lens"]]
     t0 = time.perf_counter()
     outs = llm.generate(work["prompts"], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -112,8 +123,13 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
     stats = list(llm.step_stats)  # model_split below resets the engine: keep this run's record first
     floor = gemm_floor(llm.model, work, args, cached_tokens=hit_tokens)
     split = model_split(llm, work)
+    fixed = fixed_length_runs(llm, work, args) if args.cb_new_tokens else None
     return dict(
         seconds=seconds,
+        cold_seconds=cold_seconds,  # the same batch as the first call of a new engine (GPU only)
+        cold_over_warm=None if cold_seconds is None else round(seconds / cold_seconds, 3),
+        start_up_s=llm.runner.warm_up_s,
+        fixed_length=fixed,
         output_tokens=sum(got),
         profile=profile,
         model_split=split,
@@ -128,6 +144,56 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
         timeline=[(round(s["time"] - t_start, 3), s["running"], s["blocks_used"]) for s in stats],
         torch=torch.__version__,
         threads=torch.get_num_threads(),
+    )
+
+
+def fixed_length_runs(llm: object, work: dict, args: argparse.Namespace) -> dict:
+    """The workload's prompts with ``--cb-new-tokens`` new tokens each (greedy, ignore_eos), twice: what
+    transformers' ``generate_batch`` is measured on beside it (it takes one generation config for all)."""
+    from minipaged import SamplingParams
+
+    params = SamplingParams(max_tokens=args.cb_new_tokens, temperature=0, ignore_eos=True)
+    seconds = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        llm.generate(work["prompts"], params, use_tqdm=False)  # type: ignore[attr-defined]
+        seconds.append(time.perf_counter() - t0)
+    tokens = args.cb_new_tokens * len(work["prompts"])
+    return dict(new_tokens=args.cb_new_tokens, tok_per_s=[round(tokens / s, 1) for s in seconds])
+
+
+def worker_transformers_cb(work: dict, args: argparse.Namespace) -> dict:
+    """transformers' own continuous batching (``generate_batch``, paged attention) on the same prompts, each with
+    ``--cb-new-tokens`` new tokens, called twice: its first call (it captures its graphs then) and its second."""
+    import torch
+    import transformers
+    from transformers.generation import GenerationConfig
+
+    sys.path.insert(0, str(REPO))
+    from minipaged.model_loader import load_hf_model, quiet_transformers
+
+    model = load_hf_model(dtype=getattr(torch, args.dtype), device=args.device)
+    config = GenerationConfig(
+        max_new_tokens=args.cb_new_tokens, min_new_tokens=args.cb_new_tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    seconds, counts = [], []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        with torch.inference_mode(), quiet_transformers():
+            outs = model.generate_batch(inputs=work["prompts"], generation_config=config, progress_bar=False)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+        counts.append(sum(len(o.generated_tokens) for o in outs.values()))
+    assert counts[-1] == args.cb_new_tokens * len(work["prompts"]), f"generate_batch made {counts[-1]} tokens"
+    return dict(
+        seconds=seconds[-1],
+        output_tokens=counts[-1],
+        first_call_tok_per_s=round(counts[0] / seconds[0], 1),
+        new_tokens=args.cb_new_tokens,
+        transformers=transformers.__version__,
+        torch=torch.__version__,
     )
 
 
@@ -361,7 +427,12 @@ def worker_vllm(work: dict, args: argparse.Namespace) -> dict:
     )
 
 
-WORKERS = {"minipaged": worker_minipaged, "static": worker_static, "vllm": worker_vllm}
+WORKERS = {
+    "minipaged": worker_minipaged,
+    "static": worker_static,
+    "vllm": worker_vllm,
+    "transformers_cb": worker_transformers_cb,
+}
 
 
 def run_worker(
@@ -382,6 +453,8 @@ def run_worker(
         args.device,
         "--dtype",
         args.dtype,
+        "--cb-new-tokens",
+        str(args.cb_new_tokens),
     ]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
@@ -510,10 +583,19 @@ def main() -> int:
         default="chat",
         help="chat: the chat template around random user tokens (a shared system prompt); random: bare random prompts",
     )
+    ap.add_argument(
+        "--cb-new-tokens",
+        type=int,
+        default=None,
+        help="also run the prompts with this many new tokens each in minipaged and in transformers' continuous "
+        "batching (generate_batch), first and second call (default: 128 on a GPU, 0 = not at all, on a CPU)",
+    )
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--work-file", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--batch-size", type=int, default=32, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.cb_new_tokens is None:
+        args.cb_new_tokens = 128 if args.device == "cuda" else 0
 
     if args.worker:
         work = json.loads(args.work_file.read_text())
@@ -583,6 +665,10 @@ def main() -> int:
                 runs.setdefault(f"static{b}", []).append(
                     run_worker(sys.executable, "static", work_file, args, batch_size=b)
                 )
+            if args.cb_new_tokens:
+                runs.setdefault("transformers_cb", []).append(
+                    run_worker(sys.executable, "transformers_cb", work_file, args)
+                )
     finally:
         work_file.unlink(missing_ok=True)
 
@@ -595,6 +681,7 @@ def main() -> int:
         return top
 
     ours, theirs, ablation = best("minipaged"), best("vllm"), best("minipaged_default_gemm")
+    cb = best("transformers_cb")
     static = [best(f"static{b}") for b in args.static_batch_sizes]
 
     prof = ours["profile"]
@@ -639,6 +726,7 @@ def main() -> int:
         vllm=theirs,
         static=static,
         minipaged_default_gemm=ablation,
+        transformers_cb=cb,
         levers={
             lever: dict(
                 off=LEVERS[lever][1],
@@ -657,6 +745,13 @@ def main() -> int:
             onednn_gain=round(ours["tok_per_s"] / ablation["tok_per_s"], 3) if ablation else None,
             vs_best_static=round(ours["tok_per_s"] / best_static["tok_per_s"], 3) if best_static else None,
             vs_static={str(s["batch_size"]): round(ours["tok_per_s"] / s["tok_per_s"], 3) for s in static},
+            cold_over_warm=ours.get("cold_over_warm"),
+            # the same prompts, --cb-new-tokens each: minipaged's second call against transformers' second call,
+            # and the two first calls
+            vs_transformers_cb=round(ours["fixed_length"]["tok_per_s"][1] / cb["tok_per_s"], 3) if cb else None,
+            vs_transformers_cb_first_call=(
+                round(ours["fixed_length"]["tok_per_s"][0] / cb["first_call_tok_per_s"], 3) if cb else None
+            ),
         ),
     )
     (args.out / f"engine_{args.device}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -675,6 +770,15 @@ def main() -> int:
             f"{'static B=' + str(s['batch_size']):<22}{s['tok_per_s']:>9.1f}"
             f"{result['ratios']['vs_static'][str(s['batch_size'])]:>17.2f}×"
         )
+    if cb:
+        first = result["ratios"]["vs_transformers_cb_first_call"]
+        print(
+            f"{'transformers CB':<22}{cb['tok_per_s']:>9.1f}{result['ratios']['vs_transformers_cb']:>17.2f}×   "
+            f"(generate_batch, {args.cb_new_tokens} new tokens each, second calls; first calls {first:.2f}×)"
+        )
+    if ours.get("cold_seconds"):
+        print(f"{'minipaged, first call':<22}{ours['output_tokens'] / ours['cold_seconds']:>9.1f}"
+              f"   cold ÷ warm {ours['cold_over_warm']:.2f} (start-up {ours['start_up_s']:.1f} s)")  # fmt: skip
     print(
         f"{'GEMM floor':<22}{floor['tok_per_s']:>9.1f}{result['ratios']['of_gemm_floor']:>17.2f}×   "
         f"(matrix products alone: {floor['seconds']:.1f} s at {floor['gflops_prefill']:.0f} / "

@@ -228,7 +228,7 @@ def test_engine_reset_drops_the_step_in_flight(tiny_model, expected):
 
 
 def test_async_scheduling_defaults_and_refusals(tiny_model):
-    assert small_engine(tiny_model).pipeline is None  # a CPU runs the forward itself: nothing to hide it under
+    assert not small_engine(tiny_model).pipeline.overlap  # a CPU runs the forward itself: nothing to hide it under
     with pytest.raises(ValueError, match="async_scheduling=True needs tensor_parallel_size=1"):
         small_engine(tiny_model, async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="async_scheduling must be True or False"):

@@ -36,7 +36,6 @@ from .events import Observers, step_event
 from .inputs import ParamsLike, Prompt, Prompts, check_params, model_inputs
 from .outputs import RequestOutput, is_done, num_output_tokens, request_output, samples
 from .overlap import StepPipeline
-from .step import release_if_idle, run_step
 
 STEP_STATS_KEPT = 10_000  # about 5 MB of rows: enough for any widget or benchmark run
 P = ParamSpec("P")
@@ -90,12 +89,7 @@ class LLM:
         self._lock = threading.RLock()
         self.observers = Observers()  # watchers of every step (events.py); they outlive reset()
         self.kv_connector_factory: Callable[[], KVConnector] | None = None  # makes one per reset() (disagg.py)
-        # Async scheduling (overlap.py): the next step scheduled while the device runs this one. On by default
-        # for one process on a GPU; a CPU runs the forward itself, and tensor-parallel workers feed their own.
-        use = self.config.async_scheduling
-        if use is None:
-            use = self.device.type == "cuda" and self.config.tensor_parallel_size == 1
-        self.pipeline: StepPipeline | None = StepPipeline() if use else None
+        self.pipeline = StepPipeline.for_engine(self.config, self.device.type)  # the step driver (overlap.py)
         self.reset()
 
     model: LlamaForCausalLM = _held("model")
@@ -106,15 +100,13 @@ class LLM:
         """A fresh engine around the same weights and cache tensors: every request dropped, an empty pool and
         prefix cache, a new scheduler (a second ``LLM`` would load the model again)."""
         connector, r = None if self.kv_connector_factory is None else self.kv_connector_factory(), self.runner
-        if self.pipeline is not None:
-            self.pipeline.in_flight = None  # a step in flight serves requests that are dropped now
+        self.pipeline.forget()  # a step in flight serves requests that are dropped now
         self.scheduler = Scheduler.from_config(self.config, self.num_blocks, self.max_model_len, r.num_cpu_blocks,
                                                r.num_offload_blocks, connector, r.kv_cache_groups)  # fmt: skip
         self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.runner.reset()
         self.sampler = self.runner.sampler
-        # One row per step, what the widgets and benchmarks plot: the latest STEP_STATS_KEPT steps only.
-        self.step_stats: deque[dict[str, Any]] = deque(maxlen=STEP_STATS_KEPT)
+        self.step_stats: deque[dict[str, Any]] = deque(maxlen=STEP_STATS_KEPT)  # a row a step, for the widgets
         self.num_steps = 0  # steps run so far (a plugged-in part's error names the step it failed in)
         self._requests: dict[str, Request] = {}  # added and not yet handed back (the scheduler forgets finished)
         self._counter = 0
@@ -127,8 +119,7 @@ class LLM:
         notebook's history) still refers to the engine; dropping it does the same. Later calls raise."""
         with self._lock:
             self._requests.clear()
-            if self.pipeline is not None:
-                self.pipeline.in_flight = None
+            self.pipeline.forget()
             self.executor.shutdown()
 
     # ---- requests -------------------------------------------------------------------------------
@@ -139,15 +130,10 @@ class LLM:
         from ``arrival_time`` on the engine's clock (``now()``; a disaggregated decode side passes an earlier one)."""
         params = check_params(params or SamplingParams())
         if request_id is None:
-            (request_id,) = self._take_ids(1)
+            request_id, self._counter = str(self._counter), self._counter + 1  # the next automatic id: "0", "1", ...
         elif not isinstance(request_id, str) or not request_id or "#" in request_id:
             raise ValueError(f"request_id must be a non-empty string without '#', got {request_id!r}")
         return self._queue(request_id, self.processor.token_ids(prompt, request_id), params, arrival_time)
-
-    def _take_ids(self, n: int) -> list[str]:
-        """The next ``n`` automatic request ids ("0", "1", ...)."""
-        self._counter += n
-        return [str(i) for i in range(self._counter - n, self._counter)]
 
     def _queue(self, request_id: str, token_ids: list[int], params: SamplingParams,
                arrival: float | None = None) -> str:  # fmt: skip
@@ -170,9 +156,7 @@ class LLM:
                     for req in reversed(samples(self._requests[rid])):  # forked samples first
                         self.scheduler.abort(req.request_id)  # the runner drops its state with the next step
                     del self._requests[rid]
-        release_if_idle(self.scheduler, self.executor)
-        if self.pipeline is not None and not self.scheduler.has_unfinished():
-            self.pipeline.drain(self.scheduler)  # the step in flight serves nobody now: keep nothing
+        self.pipeline.release_if_idle(self.scheduler, self.executor)
 
     def now(self) -> float:
         """The engine's clock: seconds since it was built (what ``RequestMetrics`` times are measured on)."""
@@ -181,13 +165,11 @@ class LLM:
     # ---- the loop -------------------------------------------------------------------------------
     @_serialised
     def step(self) -> list[str]:
-        """One step (``step.run_step``: it happens whole or not at all); returns the ids of the requests that
-        finished in it. A request whose logits or sampling fail (NaN logits, say) finishes with an ``error``."""
+        """One step (``step.run_step``, through ``self.pipeline``: it happens whole or not at all); returns the ids
+        of the requests that finished in it. A request whose logits or sampling fail (NaN logits) finishes with an
+        ``error``."""
         self.num_steps += 1
-        if self.pipeline is not None:
-            res = self.pipeline.step(self.scheduler, self.executor, self.now, step_index=self.num_steps)
-        else:
-            res = run_step(self.scheduler, self.executor, self.now, step_index=self.num_steps)
+        res = self.pipeline.step(self.scheduler, self.executor, self.now, step_index=self.num_steps)
         self.runner.timers["schedule"] += res.schedule_s
         self.runner.timers["update"] += res.update_s
         self.step_stats.append(res.stats(self.scheduler, now := self.now()))
@@ -270,9 +252,9 @@ class LLM:
     def _add_prompts(self, prompts: Prompts, sampling_params: ParamsLike) -> list[str]:
         """Check the whole batch, then queue it: a bad prompt anywhere queues nothing."""
         batch = self.processor.batch(prompts, sampling_params)
-        first = self._counter  # the ids are taken once every prompt passed
-        checked = [self.processor.token_ids(p, str(first + i)) for i, (p, _) in enumerate(batch)]
-        ids = self._take_ids(len(batch))
+        ids = [str(self._counter + i) for i in range(len(batch))]  # the next automatic ids, taken once all passed
+        checked = [self.processor.token_ids(p, rid) for rid, (p, _) in zip(ids, batch)]
+        self._counter += len(batch)
         queued: list[str] = []
         try:
             for rid, token_ids, (_, params) in zip(ids, checked, batch):

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .. import hooks
+from ..config import Config
 from ..core.async_scheduler import PlannedStep, can_plan_ahead, plan_ahead, plans_ahead, schedule_ahead, settle, undo
-from ..core.request import Request
 from ..core.scheduler import Scheduler
-from ..core.scheduler_output import PendingOutput, RunnerOutput, SchedulerOutput
-from .step import Executor, StepResult, release_if_idle, run_step
+from ..core.scheduler_output import PendingOutput, SchedulerOutput
+from .step import Executor, StepResult, apply_result, release_if_idle, run_step
 
 
 @dataclass
@@ -51,9 +51,11 @@ class InFlight:
 
 
 class StepPipeline:
-    """Keeps at most one step on the device while the host prepares the next (see the module docstring)."""
+    """Keeps at most one step on the device while the host prepares the next (see the module docstring).
+    ``overlap=False``: every step is ``run_step``'s, one after the other (a CPU engine's default)."""
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: bool = True) -> None:
+        self.overlap = overlap
         self.in_flight: InFlight | None = None
         self.num_overlapped = 0  # steps scheduled while the one before still ran
         self.hidden_s = 0.0  # host seconds spent while a step was in flight (schedule + launch of the next)
@@ -61,7 +63,7 @@ class StepPipeline:
     def step(self, scheduler: Scheduler, executor: LaunchingExecutor, now: Callable[[], float],
              step_index: int | None = None) -> StepResult:  # fmt: skip
         """One step's results (the oldest in flight), with the next step launched before waiting for them."""
-        if hooks.active() or not plans_ahead(scheduler):  # the plain step (a learner's part: snapshot and all)
+        if not self.overlap or hooks.active() or not plans_ahead(scheduler):  # the plain step (a part: snapshot)
             self.drain(scheduler)
             return run_step(scheduler, executor, now, step_index)
         current = self.in_flight or self._launch(scheduler, executor, ahead=None)
@@ -77,7 +79,10 @@ class StepPipeline:
             t1 = time.perf_counter()
             result = current.pending.result()
             t2 = time.perf_counter()
-            finished = self._update(scheduler, current.output, planned, result, now())
+            if planned is not None:
+                finished = settle(scheduler, planned, result, now())
+            else:
+                finished = apply_result(scheduler, current.output, result, now())
         except BaseException:
             self._fail(scheduler, planned)
             raise
@@ -105,15 +110,6 @@ class StepPipeline:
             raise
         return InFlight(out, pending, t1 - t0, kv.prefix_cache_queries - queries, kv.prefix_cache_hits - hits)
 
-    @staticmethod
-    def _update(scheduler: Scheduler, out: SchedulerOutput, planned: PlannedStep | None, result: RunnerOutput,
-                now: float) -> list[Request]:  # fmt: skip
-        """Apply a step's result: ``settle`` its placeholders if it was planned ahead, else ``run_step``'s update."""
-        if planned is not None:
-            return settle(scheduler, planned, result, now)
-        failed = [scheduler.finish_with_error(rid, f"request {rid!r}: {why}") for rid, why in result.errors.items()]
-        return [r for r in failed if r is not None] + scheduler.update_from_output(out, result.sampled, now=now)
-
     def _fail(self, scheduler: Scheduler, planned: PlannedStep | None) -> None:
         """A step failed: the one launched ahead of it is dropped unread, what was counted ahead is taken back,
         and the hashes of both steps go."""
@@ -126,6 +122,25 @@ class StepPipeline:
         if planned is not None:
             undo(scheduler, planned)
         scheduler.rollback_step()
+
+    @classmethod
+    def for_engine(cls, config: Config, device_type: str) -> StepPipeline:
+        """An engine's: overlapped if asked (``async_scheduling``), or, not asked (None), for one process on a GPU.
+        A CPU runs the forward itself (nothing to hide the host's work under), and tensor-parallel workers would
+        need rank 0's tokens before they could run a step scheduled ahead."""
+        asked = config.async_scheduling
+        return cls(asked if asked is not None else device_type == "cuda" and config.tensor_parallel_size == 1)
+
+    def forget(self) -> None:
+        """Drop the step in flight unread: the engine drops every request it served (``reset``, ``shutdown``)."""
+        self.in_flight = None
+
+    def release_if_idle(self, scheduler: Scheduler, executor: Executor) -> None:
+        """After an abort (``step.release_if_idle``): with nothing left to schedule, the executor hears of the
+        requests that left now, and the step in flight, which serves nobody, is waited for and dropped."""
+        release_if_idle(scheduler, executor)
+        if not scheduler.has_unfinished():
+            self.drain(scheduler)
 
     def drain(self, scheduler: Scheduler) -> None:
         """Wait for the step in flight and drop its result: every request it served has left (aborted, or

@@ -122,8 +122,7 @@ def schedule_execute_update(scheduler: Scheduler, executor: Executor, now: Calla
     t1 = time.perf_counter()
     result = executor.execute(out)
     t2 = time.perf_counter()
-    failed = [scheduler.finish_with_error(rid, f"request {rid!r}: {why}") for rid, why in result.errors.items()]
-    finished = [r for r in failed if r is not None] + scheduler.update_from_output(out, result.sampled, now=now())
+    finished = apply_result(scheduler, out, result, now())
     release_if_idle(scheduler, executor)
     t3 = time.perf_counter()
     if spec is not None:
@@ -132,6 +131,13 @@ def schedule_execute_update(scheduler: Scheduler, executor: Executor, now: Calla
         out, finished, t1 - t0, t2 - t1, t3 - t2, kv.prefix_cache_queries - queries, kv.prefix_cache_hits - hits,
         drafts, accepted,
     )  # fmt: skip
+
+
+def apply_result(scheduler: Scheduler, out: SchedulerOutput, result: RunnerOutput, now: float) -> list[Request]:
+    """A step's result into the scheduler: the requests whose rows failed finish with their error, then the
+    update applies the rest at once. Returns the requests that finished."""
+    failed = [scheduler.finish_with_error(rid, f"request {rid!r}: {why}") for rid, why in result.errors.items()]
+    return [r for r in failed if r is not None] + scheduler.update_from_output(out, result.sampled, now=now)
 
 
 def release_if_idle(scheduler: Scheduler, executor: Executor) -> None:

@@ -154,14 +154,16 @@ class SampledOutput:
     """A step's tokens on their way back from the device (``PendingOutput``): ``result()`` waits for the one copy
     of every row, then hands each request its tokens or why it has none."""
 
-    def __init__(self, drawn: DeviceSamples, owners: list[str]) -> None:
-        self.drawn, self.owners = drawn, owners
+    def __init__(self, drawn: DeviceSamples, owners: list[str], timers: dict[str, float]) -> None:
+        self.drawn, self.owners, self.timers = drawn, owners, timers
         self.verified: dict[str, list[int]] = {}  # requests with drafts: the tokens they emit (waited for)
         self.errors: dict[str, str] = {}
 
     def result(self) -> RunnerOutput:
+        t0 = time.perf_counter()
         with span("gpu_wait"):  # the CPU waits for the GPU's kernels: neither glue nor a launch
             tokens, errors = self.drawn.to_host()
+        self.timers["model"] += time.perf_counter() - t0  # the model's time the launch did not see
         result = RunnerOutput(sampled=dict(self.verified), errors=dict(self.errors))
         for row, (rid, token) in enumerate(zip(self.owners, tokens)):
             if row in errors:
@@ -643,7 +645,7 @@ class ModelRunner:
         self._last_rows = {}
         for i, rid in enumerate(owners):
             self._last_rows.setdefault(rid, i)
-        pending = SampledOutput(drawn, owners)
+        pending = SampledOutput(drawn, owners, self.timers)
         for s, first_row in verifying:  # waits for the device: verification reads the tokens one by one
             verified, why = verify(
                 self.sampler, logits[first_row : first_row + len(s.spec_token_ids) + 1], s.spec_token_ids,
