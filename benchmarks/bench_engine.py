@@ -173,14 +173,12 @@ def worker_transformers_cb(work: dict, args: argparse.Namespace) -> dict:
     from minipaged.model_loader import load_hf_model, quiet_transformers
 
     model = load_hf_model(dtype=getattr(torch, args.dtype), device=args.device)
-    config = GenerationConfig(
-        max_new_tokens=args.cb_new_tokens, min_new_tokens=args.cb_new_tokens, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+    # no end-of-sequence token (generate_batch then never stops early): every prompt gets all its new tokens
+    config = GenerationConfig(max_new_tokens=args.cb_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     seconds, counts = [], []
     for _ in range(2):
         t0 = time.perf_counter()
-        with torch.inference_mode(), quiet_transformers():
+        with quiet_transformers():  # generate_batch runs its own thread: no inference_mode around it here
             outs = model.generate_batch(inputs=work["prompts"], generation_config=config, progress_bar=False)
         if args.device == "cuda":
             torch.cuda.synchronize()

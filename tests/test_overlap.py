@@ -233,3 +233,23 @@ def test_async_scheduling_defaults_and_refusals(tiny_model):
         small_engine(tiny_model, async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="async_scheduling must be True or False"):
         small_engine(tiny_model, async_scheduling="yes")
+
+
+def test_engine_a_part_plugged_in_while_a_step_is_in_flight(tiny_model, expected):
+    """The step in flight is waited for and applied, not dropped; then every step is the plain one, snapshot and
+    all, with the learner's function called (here the package's own slot mapping, so the tokens must match)."""
+    from minipaged.classroom import parts
+    from minipaged.worker.block_table import slot_mapping
+
+    llm = small_engine(tiny_model, async_scheduling=True)
+    ids = [llm.add_request(p, GREEDY) for p in PREEMPTING_PROMPTS]
+    llm.step()
+    assert llm.pipeline.in_flight is not None
+    with parts.use(slot_mapping=slot_mapping) as wrappers:
+        overlapped = llm.pipeline.num_overlapped
+        while llm.scheduler.has_unfinished():
+            llm.step()
+        assert llm.pipeline.num_overlapped == overlapped  # nothing scheduled ahead while a part is in
+    assert wrappers["slot_mapping"].calls > 0
+    assert [llm.get_output(rid).outputs[0].token_ids for rid in ids] == expected
+    assert_clean(llm)

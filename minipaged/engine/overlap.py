@@ -8,7 +8,9 @@ and the host idles while the device computes. ``StepPipeline.step`` keeps one st
                                    └─ the device runs 1 meanwhile             └─ then 2, already queued
 
 Each call returns one step's results, as ``run_step`` does, and synchronises with the device once: when it
-waits for that step's tokens (one copy of every sampled row, ``sampler.DeviceSamples``). The scheduler's side
+waits for that step's tokens (one copy of every sampled row, ``sampler.DeviceSamples``). A step in flight is
+never dropped while a request it serves is still there: when the next step cannot be planned ahead, it is
+waited for and applied as ``run_step`` applies a step. The scheduler's side
 (placeholders for the tokens still on the device, what a failed step takes back) is ``core/async_scheduler.py``;
 the runner's (the last step's tokens copied into this step's inputs on the device) is
 ``ModelRunner._fill_placeholders``.
@@ -31,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .. import hooks
 from ..config import Config
 from ..core.async_scheduler import PlannedStep, can_plan_ahead, plan_ahead, plans_ahead, schedule_ahead, settle, undo
 from ..core.scheduler import Scheduler
@@ -63,15 +64,14 @@ class StepPipeline:
     def step(self, scheduler: Scheduler, executor: LaunchingExecutor, now: Callable[[], float],
              step_index: int | None = None) -> StepResult:  # fmt: skip
         """One step's results (the oldest in flight), with the next step launched before waiting for them."""
-        if not self.overlap or hooks.active() or not plans_ahead(scheduler):  # the plain step (a part: snapshot)
-            self.drain(scheduler)
-            return run_step(scheduler, executor, now, step_index)
+        if self.in_flight is None and not (self.overlap and plans_ahead(scheduler)):
+            return run_step(scheduler, executor, now, step_index)  # the plain step (a learner's part: snapshot)
         current = self.in_flight or self._launch(scheduler, executor, ahead=None)
         self.in_flight = None
         planned: PlannedStep | None = None
         try:
             t0 = time.perf_counter()
-            if can_plan_ahead(scheduler, current.output) and scheduler.has_unfinished():
+            if self.overlap and can_plan_ahead(scheduler, current.output) and scheduler.has_unfinished():
                 planned = plan_ahead(scheduler, current.output)
                 self.in_flight = self._launch(scheduler, executor, ahead=planned)
                 self.num_overlapped += 1
@@ -81,10 +81,10 @@ class StepPipeline:
             t2 = time.perf_counter()
             if planned is not None:
                 finished = settle(scheduler, planned, result, now())
-            else:
+            else:  # nothing scheduled ahead of it (a fork, the end, a part just plugged in): the plain update
                 finished = apply_result(scheduler, current.output, result, now())
         except BaseException:
-            self._fail(scheduler, planned)
+            self._fail(scheduler, current, planned)
             raise
         release_if_idle(scheduler, executor)
         if self.in_flight is not None and not scheduler.has_unfinished():
@@ -110,15 +110,17 @@ class StepPipeline:
             raise
         return InFlight(out, pending, t1 - t0, kv.prefix_cache_queries - queries, kv.prefix_cache_hits - hits)
 
-    def _fail(self, scheduler: Scheduler, planned: PlannedStep | None) -> None:
-        """A step failed: the one launched ahead of it is dropped unread, what was counted ahead is taken back,
-        and the hashes of both steps go."""
+    def _fail(self, scheduler: Scheduler, current: InFlight, planned: PlannedStep | None) -> None:
+        """A step failed (waiting for it, applying it, or scheduling or launching the one after): both are
+        dropped unread once the device is done with them, what was counted ahead is taken back, and the hashes
+        of both steps go."""
         ahead, self.in_flight = self.in_flight, None
-        if ahead is not None:
-            try:
-                ahead.pending.result()  # let it finish: its buffers are the next step's
-            except BaseException:  # dropped: the first failure is the one to report
-                pass
+        for step in (current, ahead):
+            if step is not None:
+                try:
+                    step.pending.result()  # let it finish: its buffers are the next step's
+                except BaseException:  # dropped: the first failure is the one to report
+                    pass
         if planned is not None:
             undo(scheduler, planned)
         scheduler.rollback_step()

@@ -196,6 +196,9 @@ class InputBuffers:
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.sample_rows = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.placeholder_dst = torch.zeros(max_seqs, dtype=torch.long, device=device)  # async scheduling's
+        self.placeholder_src = torch.zeros(max_seqs, dtype=torch.long, device=device)
 
     def next_step(self) -> None:
         """Use the other staging set: the last step's copies may still be queued on the device."""
