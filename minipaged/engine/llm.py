@@ -85,8 +85,7 @@ class LLM:
         weakref.finalize(self, r.free_memory).atexit = False  # dropped without shutdown(): the memory goes back too
         self.block_size, self.num_blocks, self.max_model_len = r.block_size, r.num_blocks, r.max_model_len
         self.tokenizer, self.processor, self.eos_token_id = model_inputs(r.path, r.model.config)
-        self._t0 = time.perf_counter()
-        self._lock = threading.RLock()
+        self._t0, self._lock = time.perf_counter(), threading.RLock()
         self.observers = Observers()  # watchers of every step (events.py); they outlive reset()
         self.kv_connector_factory: Callable[[], KVConnector] | None = None  # makes one per reset() (disagg.py)
         self.pipeline = StepPipeline.for_engine(self.config, self.device.type)  # the step driver (overlap.py)
@@ -107,9 +106,8 @@ class LLM:
         self.runner.reset()
         self.sampler = self.runner.sampler
         self.step_stats: deque[dict[str, Any]] = deque(maxlen=STEP_STATS_KEPT)  # a row a step, for the widgets
-        self.num_steps = 0  # steps run so far (a plugged-in part's error names the step it failed in)
         self._requests: dict[str, Request] = {}  # added and not yet handed back (the scheduler forgets finished)
-        self._counter = 0
+        self.num_steps = self._counter = 0  # steps run (a part's error names its step), automatic ids handed out
 
     def describe(self) -> str:
         return self.runner.describe()
@@ -130,10 +128,15 @@ class LLM:
         from ``arrival_time`` on the engine's clock (``now()``; a disaggregated decode side passes an earlier one)."""
         params = check_params(params or SamplingParams())
         if request_id is None:
-            request_id, self._counter = str(self._counter), self._counter + 1  # the next automatic id: "0", "1", ...
+            (request_id,) = self._take_ids(1)
         elif not isinstance(request_id, str) or not request_id or "#" in request_id:
             raise ValueError(f"request_id must be a non-empty string without '#', got {request_id!r}")
         return self._queue(request_id, self.processor.token_ids(prompt, request_id), params, arrival_time)
+
+    def _take_ids(self, n: int) -> list[str]:
+        """The next ``n`` automatic request ids ("0", "1", ...)."""
+        self._counter += n
+        return [str(i) for i in range(self._counter - n, self._counter)]
 
     def _queue(self, request_id: str, token_ids: list[int], params: SamplingParams,
                arrival: float | None = None) -> str:  # fmt: skip
@@ -165,9 +168,8 @@ class LLM:
     # ---- the loop -------------------------------------------------------------------------------
     @_serialised
     def step(self) -> list[str]:
-        """One step (``step.run_step``, through ``self.pipeline``: it happens whole or not at all); returns the ids
-        of the requests that finished in it. A request whose logits or sampling fail (NaN logits) finishes with an
-        ``error``."""
+        """One step (``run_step`` through ``self.pipeline``: whole or not at all); returns the ids of the requests
+        that finished in it. A request whose logits or sampling fail (NaN logits, say) finishes with an ``error``."""
         self.num_steps += 1
         res = self.pipeline.step(self.scheduler, self.executor, self.now, step_index=self.num_steps)
         self.runner.timers["schedule"] += res.schedule_s
@@ -252,9 +254,9 @@ class LLM:
     def _add_prompts(self, prompts: Prompts, sampling_params: ParamsLike) -> list[str]:
         """Check the whole batch, then queue it: a bad prompt anywhere queues nothing."""
         batch = self.processor.batch(prompts, sampling_params)
-        ids = [str(self._counter + i) for i in range(len(batch))]  # the next automatic ids, taken once all passed
-        checked = [self.processor.token_ids(p, rid) for rid, (p, _) in zip(ids, batch)]
-        self._counter += len(batch)
+        first = self._counter  # the ids are taken once every prompt passed
+        checked = [self.processor.token_ids(p, str(first + i)) for i, (p, _) in enumerate(batch)]
+        ids = self._take_ids(len(batch))
         queued: list[str] = []
         try:
             for rid, token_ids, (_, params) in zip(ids, checked, batch):

@@ -14,6 +14,7 @@ in the step before (what ``ModelRunner._fill_placeholders`` does on a GPU) and c
 from __future__ import annotations
 
 import time
+import zlib
 
 import torch
 
@@ -51,10 +52,14 @@ class FakeDeviceExecutor:
         self.num_device_steps = 0  # launched steps with work in them (an empty one only hands back finished ids)
         self.events: list[tuple[str, int]] = []
         self.last_sampled: dict[str, int] = {}  # the "device's" tokens of the last step, by request
+        self._keys: dict[str, int] = {}
 
     def token_at(self, request_id: str, position: int) -> int:
         """The fake model's token at ``position``: the same whatever the batch or the schedule."""
-        return 1 + hash((request_id, position)) % (self.vocab - 1)  # cheap (a GPU samples, not the host)
+        key = self._keys.get(request_id)
+        if key is None:  # a stable number per request (str hashes change from one process to the next)
+            key = self._keys[request_id] = zlib.crc32(request_id.encode())
+        return 1 + (key * 1_000_003 + position * 7_919) % (self.vocab - 1)  # cheap: a GPU samples, not the host
 
     def launch(self, out: SchedulerOutput) -> _FakePending:
         self.num_launched += 1
@@ -88,6 +93,8 @@ class FakeDeviceExecutor:
 
     def release(self, request_ids: list[str], sample_keys: list[tuple[str, int]]) -> None:
         self.input_batch.drop(request_ids)
+        for rid in request_ids:
+            self._keys.pop(rid, None)
 
 
 class _FakePending:

@@ -495,6 +495,7 @@ class ModelRunner:
             ids = torch.zeros(total, dtype=torch.long, device=dev)
             positions = torch.cat([torch.arange(c - n, c, device=dev) for n, c in zip(new_tokens, context)])
             logits = self.model.compute_logits(self.model(ids, positions, self.cache.gpu_cache, meta)[-num_rows:])
+            assert logits is not None  # one process: it has the whole vocabulary
             params = [SamplingParams(max_tokens=1, temperature=0.0)] + [SamplingParams(max_tokens=1, seed=0)] * (
                 num_rows - 1
             )
