@@ -169,7 +169,7 @@ def test_engine_a_fault_in_any_phase_leaves_nothing_behind(tiny_model, expected,
         "schedule": (llm.scheduler, "schedule"),
         "forward": (llm.model, "forward"),
         "sample": (llm.sampler, "sample_on_device"),
-        "update": (llm.scheduler, "_finish_if_done"),
+        "update": (llm.scheduler, "finish_if_done"),
     }
     if phase == "wait":
         calls = [0]

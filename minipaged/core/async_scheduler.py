@@ -113,7 +113,7 @@ def settle(scheduler: Scheduler, planned: PlannedStep, result: RunnerOutput, now
             continue
         token = result.sampled[rid][0]
         req.resolve_placeholder(token)
-        finished += scheduler._finish_if_done(req, token, now)
+        finished += scheduler.finish_if_done(req, token, now)
     scheduler.kv_cache_manager.commit_in_flight()
     return finished
 

@@ -731,9 +731,9 @@ class Scheduler:
 
     def _append_token(self, req: Request, token: int, now: float) -> list[Request]:
         req.append_output_token_ids(token)
-        return self._finish_if_done(req, token, now)
+        return self.finish_if_done(req, token, now)
 
-    def _finish_if_done(self, req: Request, token: int, now: float) -> list[Request]:
+    def finish_if_done(self, req: Request, token: int, now: float) -> list[Request]:
         """A request's newest token is in (``token``): time it, and finish the request if it is done."""
         if req.first_token_time is None:
             req.first_token_time = now

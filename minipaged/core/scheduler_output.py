@@ -19,7 +19,8 @@ needs nothing else to build the step's tensors::
 
 Block tables travel once: a request's whole table in its first step (and after it was preempted, or a step
 failed), then only what changed (``KVCacheManager.take_block_updates``; vLLM's ``NewRequestData`` and
-``CachedRequestData``). The runner keeps the tables (``apply_block_updates``) and turns the step into tensors,
+``CachedRequestData``). The runner keeps the tables (``apply_block_updates``; the engine's runner, in numpy rows:
+``worker/input_batch.py``) and turns the step into tensors,
 the slot mapping included (``block_table.slot_mapping``), as vLLM's runner-side ``BlockTable`` does; a
 tensor-parallel step pickles a few ids per request, not every table.
 """

@@ -17,10 +17,16 @@ Before the forward pass it performs the step's block copies on the cache engine
 (swap out, swap in, copy-on-write), in that order: a block swapped out this step
 may be handed to another request in the same step, so its data must leave first.
 
-The step's index tensors live in ``InputBuffers``: device tensors allocated once, of
-the largest size a step can need, and filled in place each step (a step uses a prefix
-of each). On a GPU that saves an allocation per tensor per step, and it is what a CUDA
-graph will need later: the same addresses every step.
+The runner keeps the requests' block tables between steps and builds these arrays with array operations
+(``input_batch.py``: the persistent input batch); the step's index tensors live in ``InputBuffers``: device
+tensors allocated once, of the largest size a step can need, and filled in place each step (a step uses a
+prefix of each), from pinned memory on a GPU. That saves an allocation per tensor per step, and it is what a
+CUDA graph needs: the same addresses every step.
+
+Nothing here waits for the GPU: ``launch`` queues the copies, the forward pass and the sampling, and the
+tokens come back when the step's result is asked for (one copy, ``SampledOutput.result``). That is what lets
+the engine schedule the next step while this one runs (``engine/overlap.py``); ``warm_up`` compiles the
+kernels and captures the CUDA graphs before the first request.
 """
 
 from __future__ import annotations
