@@ -171,7 +171,7 @@ def test_start_up_capture_is_bounded_in_time():
 def test_warm_up_runs_every_kind_of_step_without_touching_the_cache(tiny_model):
     """The start-up steps (on a GPU: Triton compiles their kernels) are valid inputs for the model, and write
     nothing: every slot is -1. Run here on the CPU runner, which does not warm up by itself."""
-    llm = small_engine(tiny_model, max_num_seqs=5)
+    llm = small_engine(tiny_model, max_num_seqs=5, device="cpu")
     runner = llm.runner
     assert runner.warm_up_s is None  # a CPU engine starts as it is
     before = [(k.clone(), v.clone()) for k, v in runner.cache.gpu_cache]

@@ -81,9 +81,10 @@ def test_one_step_driver() -> None:
         "classroom/grading/ex06.py",
         "classroom/grading/ex07.py",
     }  # graders: one call
-    for module in (overlap, simulator, testing):  # the engine steps through overlap.StepPipeline
+    for module in (overlap, simulator):  # the engine and the checking driver step through overlap.StepPipeline
         assert "run_step(" in inspect.getsource(module), module.__name__
     assert "self.pipeline.step(" in inspect.getsource(engine.LLM.step)
+    assert "self.pipeline.step(" in inspect.getsource(testing.Driver.step)
     assert step.run_step.__module__ == "minipaged.engine.step"
 
 

@@ -41,7 +41,6 @@ from ..core.request import PLACEHOLDER_TOKEN_ID, Request
 from ..core.scheduler import Scheduler, SchedulerConfig, check_invariants
 from ..core.scheduler_output import PendingOutput, Ready, RunnerOutput, SchedulerOutput, apply_block_updates
 from ..engine.overlap import StepPipeline
-from ..engine.step import release_if_idle, run_step
 from ..sampling_params import SamplingParams
 from ..worker.block_table import slot_mapping
 from ..worker.cache_engine import CacheEngine
@@ -143,7 +142,7 @@ class Driver:
         self._step_requests: dict[str, Request] = {}  # the requests of the step being run, by id
         # Async scheduling (engine/overlap.py): steps go through the overlap loop, and a step scheduled ahead
         # feeds placeholders that this fake device fills with what it sampled last, as the runner does.
-        self.pipeline = StepPipeline() if overlap else None
+        self.pipeline = StepPipeline(overlap)
         self.last_sampled: dict[str, int] = {}  # request id -> its token of the last step that ran
         self.fail_next: str | None = None  # "launch" or "result": the next step fails there (a test's fault)
 
@@ -165,12 +164,9 @@ class Driver:
         return random.Random(f"{self.seed}/{request_id}/{step}").randrange(0, 40)
 
     def step(self):
-        """One step through ``step.run_step``, the engine's own driver (or, with ``overlap``, through the overlap
-        loop), with this fake model as the executor."""
-        if self.pipeline is not None:
-            res = self.pipeline.step(self.sched, self, lambda: float(self.steps))
-        else:
-            res = run_step(self.sched, self, lambda: float(self.steps))
+        """One step through the engine's own driver (``StepPipeline``: ``step.run_step``, or with ``overlap`` the
+        overlap loop), with this fake model as the executor."""
+        res = self.pipeline.step(self.sched, self, lambda: float(self.steps))
         self.finished += res.finished
         for r in res.finished:
             self.requests.setdefault(r.request_id, r)
@@ -204,9 +200,7 @@ class Driver:
         req = self.sched.abort(request_id)
         if req is not None:
             self.finished.append(req)
-        release_if_idle(self.sched, self)
-        if self.pipeline is not None and not self.sched.has_unfinished():
-            self.pipeline.drain(self.sched)
+        self.pipeline.release_if_idle(self.sched, self)
 
     def _fed(self, request_id: str, tokens: list[int]) -> list[int]:
         """A request's tokens as this step feeds them: a placeholder is the token it sampled in the last step."""
@@ -407,7 +401,7 @@ def fuzz(total_steps: int, seed: int = 0, overlap: bool = False, faults: bool = 
         seen["forks"] += sum(r.parent_id is not None for r in d.requests.values())
         seen["external_hit_tokens"] += d.kv_cache_manager.external_hits
         seen["hybrid_rounds"] += d.window is not None
-        seen["overlapped_steps"] += 0 if d.pipeline is None else d.pipeline.num_overlapped
+        seen["overlapped_steps"] += d.pipeline.num_overlapped
         if (spec := d.sched.spec_decoding_stats) is not None:
             seen["drafts"] += spec.num_draft_tokens
             seen["accepted_drafts"] += spec.num_accepted_tokens

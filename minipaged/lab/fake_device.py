@@ -50,6 +50,7 @@ class FakeDeviceExecutor:
         self.free_at = 0.0  # when the virtual device finishes the last step launched
         self.num_launched = 0
         self.num_device_steps = 0  # launched steps with work in them (an empty one only hands back finished ids)
+        self.idle_launches = 0  # steps launched after the device had finished the one before
         self.events: list[tuple[str, int]] = []
         self.last_sampled: dict[str, int] = {}  # the "device's" tokens of the last step, by request
         self._keys: dict[str, int] = {}
@@ -83,9 +84,12 @@ class FakeDeviceExecutor:
             if s.num_samples:
                 sampled[s.request_id] = [self.token_at(s.request_id, s.start + s.num_new_tokens)] * s.num_samples
         self.last_sampled = {rid: tokens[0] for rid, tokens in sampled.items()}
-        start = max(time.perf_counter(), self.free_at)
-        self.free_at = start + self.step_s if out.scheduled else start
-        self.num_device_steps += bool(out.scheduled)
+        now = time.perf_counter()
+        start = max(now, self.free_at)
+        if out.scheduled:
+            self.num_device_steps += 1
+            self.idle_launches += now >= self.free_at  # the device had finished the last step: it sat idle
+            self.free_at = start + self.step_s
         return _FakePending(self, n, self.free_at, RunnerOutput(sampled))
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
