@@ -10,7 +10,8 @@ GPU's peak HBM bandwidth. Measured in one run, on the same inputs:
 * **sdpa**        — PyTorch ``scaled_dot_product_attention`` on a contiguous ``[batch, kv_heads, ctx, d]``
                     cache (what you would run without paging);
 
-over a grid of batch size x context length, plus a block-size sweep at one point.
+over a grid of batch size x context length, plus a block-size sweep and a tile sweep (keys per K/V tile at the
+grid's block size: 16 is one block, 32 and 64 span two and four) at one point.
 Results go to ``assets/benchmarks/paged_attention_<device>.json`` and ``.png``.
 
     python benchmarks/bench_paged_attention.py                    # on a CUDA GPU
@@ -88,6 +89,14 @@ def parse_args() -> argparse.Namespace:
         help="block-size sweep at --sweep-batch x --sweep-context",
     )
     p.add_argument("--block-size", type=int, default=16, help="block size of the batch x context grid")
+    p.add_argument(
+        "--tile-sizes",
+        type=int,
+        nargs="+",
+        default=[16, 32, 64],
+        help="keys per K/V tile at --block-size, --sweep-batch x --sweep-context (the kernel's own tile is in the "
+        "block-size sweep and every grid row)",
+    )
     p.add_argument("--sweep-batch", type=int, default=32)
     p.add_argument("--sweep-context", type=int, default=4096)
     p.add_argument("--q-heads", type=int, default=32)
@@ -105,6 +114,7 @@ def parse_args() -> argparse.Namespace:
     if args.interpret_smoke:
         args.batches, args.contexts = [1, 3], [40, 100]
         args.block_sizes, args.block_size, args.sweep_batch, args.sweep_context = [16, 32], 16, 2, 64
+        args.tile_sizes = [16, 32]
         args.q_heads, args.kv_heads, args.head_dim, args.dtype = 4, 2, 64, "float32"
     return args
 
@@ -185,19 +195,23 @@ def main() -> int:
         k, v = (c.view(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous() for c in (kc, vc))
         return inputs["q"][:, :, None, :], k, v
 
-    def run_point(batch: int, ctx: int, block_size: int, with_sdpa: bool) -> dict:
+    def run_point(batch: int, ctx: int, block_size: int, with_sdpa: bool, tile_n: int | None = None) -> dict:
         gen = torch.Generator(device=device).manual_seed(batch * 100003 + ctx * 7 + block_size)
         inputs = make_inputs(batch, ctx, block_size, gen)
         q, lens = inputs["q"], inputs["lens"]
         kv_bytes = batch * ctx * hkv * d * 2 * elem
         total_bytes = kv_bytes + 2 * q.numel() * elem + inputs["paged"][2].numel() * 4 + lens.numel() * 4
-        out_paged = paged_decode_attention(q, *inputs["paged"], lens, scale)
-        out_contig = paged_decode_attention(q, *inputs["contiguous"], lens, scale)
         row = dict(batch=batch, context=ctx, block_size=block_size, kv_bytes=kv_bytes, bytes_read=total_bytes)
+        outs = {}
         for label in ("paged", "contiguous"):
             kc, vc, table = inputs[label]
-            launches = plan_paged_decode(q, kc, vc, table, lens, scale, torch.empty_like(q))
+            outs[label] = torch.empty_like(q)
+            launches = plan_paged_decode(q, kc, vc, table, lens, scale, outs[label], tile_n=tile_n)
+            row["tile_n"], row["num_segments"] = launches[0].constexprs["TILE_N"], launches[0].grid[2]
             row[f"{label}_ms"] = kernel_ms(lambda launches=launches: [launch.run() for launch in launches])
+        out_paged, out_contig = outs["paged"], outs["contiguous"]
+        if tile_n is None:  # the wrapper, checks included, computes what its plan computes
+            assert torch.equal(paged_decode_attention(q, *inputs["paged"], lens, scale), out_paged)
         # What one call of the wrapper costs, checks and planning on the host included (the engine plans once
         # a step and skips the checks after its first layer, so its layers pay the kernel time above).
         row["paged_call_ms"] = bench(lambda paged=inputs["paged"]: paged_decode_attention(q, *paged, lens, scale))
@@ -225,7 +239,7 @@ def main() -> int:
     def show(row: dict) -> None:
         frac = row.get("paged_frac_peak")
         print(
-            f"  batch {row['batch']:>4}  ctx {row['context']:>6}  bs {row['block_size']:>3}  "
+            f"  batch {row['batch']:>4}  ctx {row['context']:>6}  bs {row['block_size']:>3}  tile {row['tile_n']:>3}  "
             f"KV {row['kv_bytes'] / 2**20:9.1f} MiB  paged {row['paged_ms'] * 1e3:9.1f} us "
             f"{row['paged_gbps']:8.1f} GB/s"
             + (f" ({frac:5.1%} of peak)" if frac else "")
@@ -252,6 +266,12 @@ def main() -> int:
         row = run_point(args.sweep_batch, args.sweep_context, bs, with_sdpa=False)
         sweep.append(row)
         show(row)
+    tile_sweep = []
+    print(f"tile sweep (block size {args.block_size}, batch {args.sweep_batch}, context {args.sweep_context}):")
+    for tile in args.tile_sizes:
+        row = run_point(args.sweep_batch, args.sweep_context, args.block_size, with_sdpa=False, tile_n=tile)
+        tile_sweep.append(row)
+        show(row)
 
     min_bytes = 0 if args.interpret_smoke else TARGET_MIN_BYTES  # the smoke grid is tiny: summarise all of it
     big = [r for r in grid if r["kv_bytes"] >= min_bytes]
@@ -261,7 +281,8 @@ def main() -> int:
             summarised_points=len(big),
             summarised_min_kv_bytes=min_bytes,
             max_abs_err_vs_sdpa=max(r["max_abs_err_vs_sdpa"] for r in big),
-            paged_equals_contiguous=all(r["paged_equals_contiguous"] for r in grid + sweep),
+            paged_equals_contiguous=all(r["paged_equals_contiguous"] for r in grid + sweep + tile_sweep),
+            tile_n=big[0]["tile_n"],
             min_paged_frac_peak=min(r["paged_frac_peak"] for r in big) if peak else None,
             median_paged_frac_peak=statistics.median(r["paged_frac_peak"] for r in big) if peak else None,
             max_paged_over_contiguous=max(r["paged_over_contiguous"] for r in big),
@@ -305,6 +326,7 @@ def main() -> int:
         summary=summary,
         grid=grid,
         block_size_sweep=sweep,
+        tile_sweep=tile_sweep,
     )
     out_dir = args.out_dir or (
         Path(tempfile.mkdtemp(prefix="bench_paged_")) if args.interpret_smoke else REPO / "assets" / "benchmarks"
@@ -361,11 +383,11 @@ def plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=7)
 
     ax = axes[2]
-    sweep = result["block_size_sweep"]
-    labels = [str(r["block_size"]) for r in sweep]
+    sweep = result["block_size_sweep"] + result.get("tile_sweep", [])  # runs before the tile sweep have none
+    labels = [f"{r['block_size']}/{r['tile_n']}" if "tile_n" in r else str(r["block_size"]) for r in sweep]
     ax.bar(labels, [r[f"paged_{metric}"] for r in sweep], label="paged")
     ax.plot(labels, [r[f"contiguous_{metric}"] for r in sweep], "kx", label="contiguous")
-    ax.set_xlabel("block size (tokens)")
+    ax.set_xlabel("block size / keys per tile (tokens)")
     ax.set_ylabel(ylabel)
     cfg = result["config"]
     ax.set_title(f"block size (batch {cfg['sweep_batch']}, context {cfg['sweep_context']})")

@@ -552,9 +552,49 @@ def test_triton_per_token_addressing_matches_reference():
     close(out, R.paged_decode_attention(qd, kc, vc, tables, lens, 0.125), case.dtype)
 
 
+@pytest.mark.parametrize("tile_n", [16, 32, 64])
+def test_triton_decode_tiles_that_span_blocks(tile_n):
+    """At block 16 a decode tile of 32 or 64 keys reads two or four blocks, one table entry each; segments of
+    whole tiles end inside a block and sequences end mid-tile, and the table's padding is never read."""
+    from minipaged.kernels.paged_decode import decode_config, plan_paged_decode
+
+    assert decode_config(torch.float16, 128, 16).tile_n == 32  # the engine's block size, the table's tile
+    case = Case(torch.float32, 16, 3, 2, 64)
+    kc, vc, tables, lens = paged_cache(case, decode_lengths(16) + [33, 200], seed=12)
+    q = torch.randn(len(lens), case.num_q_heads, case.head_dim, device=DEVICE)
+    want = R.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
+    for splits in (1, 3):
+        out = torch.empty_like(q)
+        for launch in plan_paged_decode(q, kc, vc, tables, lens, 0.125, out, num_splits=splits, tile_n=tile_n):
+            launch.run()
+        assert plan_paged_decode(q, kc, vc, tables, lens, 0.125, out, tile_n=tile_n)[0].constexprs["TILE_N"] == tile_n
+        close(out, want, case.dtype)
+
+
+def test_decode_tiles_span_blocks_only_where_tensor_cores_are():
+    """sm_80 and later read 32 keys per tile at block 16; sm_75 (T4), whose tl.dot is FMA instructions with
+    registers growing with the tile, stays inside one block, and the compile report plans what a T4 launches."""
+    from minipaged.classroom.kernel_report import Config, example_launches
+    from minipaged.kernels.launch import has_tensor_cores
+    from minipaged.kernels.paged_decode import decode_config
+    from minipaged.kernels.paged_prefill import prefill_config
+
+    assert [has_tensor_cores(a) for a in ("sm_75", "sm_80", "sm_86", "sm_90", "sm_90a", None)] == [
+        False, True, True, True, True, True]  # fmt: skip
+    assert [decode_config(torch.float16, 128, 16, a).tile_n for a in ("sm_75", "sm_80", "sm_90", None)] == [
+        16, 32, 32, 32]  # fmt: skip
+    assert decode_config(torch.float16, 128, 64, "sm_75").tile_n == 32  # a big block still holds a big tile
+    assert decode_config(torch.float16, 128, 4, "sm_75").tile_n == 16  # tiny blocks: 16 keys, four blocks
+    assert prefill_config(torch.float16, 128, 16, 64).tile_n == 16  # prefill's tile stays inside one block
+    for arch, tile in (("sm_75", 16), ("sm_90", 32)):
+        launches = example_launches(Config("paged_decode", "float16", 128, 16, 4, 2, arch))
+        assert {launch.constexprs["TILE_N"] for name, launch in launches if name != "reduce_segments"} == {tile}
+
+
 @pytest.mark.parametrize("block_size", [3, 12, 24])
 def test_triton_refuses_block_sizes_it_cannot_tile(block_size):
-    """A tile never crosses a block, and tl.dot needs 16 keys: the block size must divide 16 or be a multiple."""
+    """A tile is a slice of one block or a run of whole ones, and tl.dot needs 16 keys: the block size must divide
+    16 or be a multiple of 16."""
     case = Case(torch.float32, block_size, 1, 1, 16)
     kc, vc, tables, lens = paged_cache(case, [5], seed=9)
     q = torch.randn(1, 1, 16, device=DEVICE)
@@ -569,7 +609,8 @@ def test_an_explicit_tile_must_fit_the_blocks():
     for tile, bs in ((8, 16), (48, 16), (32, 48), (True, 16)):
         with pytest.raises(ValueError, match="tile_n"):
             check_tile_n(tile, bs)
-    assert [kv_tile_n(bs, 32) for bs in (1, 4, 16, 32, 48, 64, 128)] == [16, 16, 16, 32, 16, 32, 32]
+    assert [kv_tile_n(bs, 32) for bs in (1, 4, 16, 32, 48, 64, 128)] == [32, 32, 32, 32, 16, 32, 32]
+    assert [kv_tile_n(bs, 64) for bs in (16, 48, 80, 96)] == [64, 16, 16, 32]
 
 
 def test_occupancy_follows_the_cuda_rules():

@@ -38,8 +38,9 @@ def _decode_launch(monkeypatch, block_tables, seq_lens, num_splits, block_size=1
 
 
 def test_picture_tiles_are_the_kernels():
-    assert KV.decode_tile(16) == paged_decode.decode_config(torch.bfloat16, 64, 16).tile_n == 16
-    assert KV.decode_tile(32) == 32 and KV.decode_tile(4) == 16  # tiny blocks: 4 blocks per tile
+    # decode reads 32 keys per tile whatever the block: two blocks of 16, eight of 4
+    assert KV.decode_tile(16) == paged_decode.decode_config(torch.bfloat16, 64, 16).tile_n == 32
+    assert KV.decode_tile(32) == 32 and KV.decode_tile(4) == 32 and KV.decode_tile(48) == 16
     assert KV.prefill_tiles(16, 70) == (64, 16) and KV.prefill_tiles(16, 20) == (32, 16)
 
 
@@ -189,7 +190,10 @@ LENS = [37, 100, 110]
 
 
 def test_read_view_driven_from_python():
-    view = PagedReadView(torch.tensor(TABLES, dtype=torch.int32), torch.tensor(LENS), 16, num_blocks=28, num_splits=1)
+    tables = torch.tensor(TABLES, dtype=torch.int32)
+    own = PagedReadView(tables, torch.tensor(LENS), 16, num_blocks=28)  # the kernel's tile: 32 keys, two blocks
+    assert own.tile == 32 and own.splits.max == 4 and own.segment_len == 128  # 112 tokens: 4 tiles of 32
+    view = PagedReadView(tables, torch.tensor(LENS), 16, num_blocks=28, num_splits=1, tile=16)
     assert view.splits.max == 7 and view.segment_len == 112  # 7 blocks x 16 = 112 tokens: 7 tiles of 16
     assert [p.label for p in view.programs] == ["seq 0 · segment 0", "seq 1 · segment 0", "seq 2 · segment 0"]
     assert view.selected is view.programs[0]

@@ -97,7 +97,7 @@ class Config:
     group: int  # query heads per KV head
     num_kv_heads: int
     arch: str  # "sm_80", "sm_90"
-    addressing: str = "block"  # "block": one table lookup per tile (the kernels'); "token": the first version's
+    addressing: str = "block"  # "block": one table lookup per block (the kernels'); "token": the first version's
     tile_n: int | None = None  # a key tile other than the kernel's table gives (experiments)
 
 
@@ -225,6 +225,7 @@ def example_launches(cfg: Config) -> list[tuple[str, Any]]:
             num_splits=1,
             per_token=per_token,
             tile_n=cfg.tile_n,
+            arch=cfg.arch,
         )
         split = plan_paged_decode(
             q,
@@ -237,6 +238,7 @@ def example_launches(cfg: Config) -> list[tuple[str, Any]]:
             num_splits=4,
             per_token=per_token,
             tile_n=cfg.tile_n,
+            arch=cfg.arch,
         )
         return [("paged_decode", one[0]), ("paged_decode_split", split[0]), ("reduce_segments", split[1])]
     if cfg.kernel == "paged_prefill":

@@ -12,6 +12,7 @@ same argument specialisation.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -66,24 +67,43 @@ def check_tile_n(tile_n: int, block_size: int) -> int:
     return tile_n
 
 
-def kv_tile_n(block_size: int, cap: int) -> int:
-    """Keys per tile: the largest power of two <= cap that divides the block (a tile never crosses a
-    block), and at least 16 (``tl.dot``'s minimum on a GPU); blocks under 16 tokens are tiled 16 at a time."""
-    if block_size < 16:
-        if 16 % block_size:
-            raise ValueError(
-                f"the Triton attention kernels need a block_size that divides 16 or is a multiple "
-                f"of 16, got {block_size}"
-            )
-        return 16
-    if block_size % 16:
+def kv_tile_n(block_size: int, cap: int, *, span_blocks: bool = True) -> int:
+    """Keys per K/V tile: the kernel table's ``cap`` (a power of two >= 16, ``tl.dot``'s minimum on a GPU).
+
+    A tile is either a slice of one block or a run of whole blocks, so that it reads each block's table entry
+    once. With a power-of-two block size every power-of-two tile is one of the two: at block 16 a tile of 32
+    keys spans two blocks (two lookups), at block 64 it is half of one. A block size that is a multiple of 16
+    but not a power of two (48, 80, ...) takes the largest power of two <= cap that divides it.
+    ``span_blocks=False`` keeps the tile inside one block (blocks under 16 tokens aside).
+    """
+    if block_size < 1 or (block_size % 16 and 16 % block_size):
         raise ValueError(
             f"the Triton attention kernels need a block_size that divides 16 or is a multiple of 16, got {block_size}"
         )
+    if not span_blocks:
+        cap = min(cap, max(16, block_size))
+    if block_size & (block_size - 1) == 0:
+        return cap
     tile = 16
     while tile * 2 <= cap and block_size % (tile * 2) == 0:
         tile *= 2
     return tile
+
+
+@functools.lru_cache(maxsize=16)  # planned once a step: ask the driver once per device
+def cuda_arch(device: torch.device) -> str | None:
+    """``sm_XY`` of a CUDA device; None elsewhere (Triton's interpreter runs the kernels on the CPU)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def has_tensor_cores(arch: str | None) -> bool:
+    """Whether Triton compiles a half-precision ``tl.dot`` to tensor-core instructions there: sm_80 and later
+    (below, and for fp32 "ieee" products everywhere, it emits FMA instructions). None (no GPU) counts as yes:
+    the tables describe the GPUs the engine is tuned for."""
+    return arch is None or int(arch.removeprefix("sm_").rstrip("a")) >= 80
 
 
 def kernel_device() -> torch.device:

@@ -42,15 +42,16 @@ tokens whose block table is [7, 2, 5, 0, 3]::
                       └ segment 0 ┘ └ segment 1 ┘ └ segment 2 (3 tokens, masked tail) ┘
     program (seq, h, 1) reads only physical blocks 5 and 0.
 
-Inside a program the segment is read one tile of ``TILE_N`` tokens at a time, and a
-tile never crosses a block: one block-table lookup gives the tile's 64-bit base
-address, and a ``[TILE_N, head_dim]`` tile of int32 offsets, computed once before the
-loop, gives every element (``paged_tile.py`` draws it). ``TILE_N``, ``num_warps`` and
-``num_stages`` come from a small table per dtype and head_dim (``decode_config``),
-chosen so that no configuration spills registers on sm_80 or sm_90
-(``python -m minipaged kernels`` prints them). When the whole sequence fits in one
-segment, the partial output *is* the output: the kernel writes it directly and the
-reduce kernel is skipped.
+Inside a program the segment is read one tile of ``TILE_N`` tokens at a time. A tile is
+a slice of one block or a run of whole blocks (32 keys at block size 16: two blocks), so
+it costs one block-table lookup per block, and a ``[TILE_N, head_dim]`` tile of int32
+offsets, computed once before the loop, gives every element (``paged_tile.py`` draws
+both). ``TILE_N``, ``num_warps`` and ``num_stages`` come from a small table per dtype and
+head_dim (``decode_config``), chosen so that no configuration spills registers on sm_80
+or sm_90 (``python -m minipaged kernels`` prints them); the block size does not cap the
+tile, because a bandwidth-bound loop wants as many bytes in flight per iteration as its
+registers allow. When the whole sequence fits in one segment, the partial output *is*
+the output: the kernel writes it directly and the reduce kernel is skipped.
 
 Softmax runs in base 2 (``exp2``, scores pre-multiplied by ``scale · log2 e``), in
 float32 whatever the cache dtype.
@@ -63,7 +64,7 @@ import triton
 import triton.language as tl
 
 from ..utils import check_int
-from .launch import Launch, TileConfig, check_tile_n, dot_precision, is_half, kv_tile_n
+from .launch import Launch, TileConfig, check_tile_n, cuda_arch, dot_precision, has_tensor_cores, is_half, kv_tile_n
 from .paged_tile import attend_tile, tile_offsets
 from .validation import check_last_dim_contiguous, check_paged_decode, check_triton_runtime
 
@@ -223,9 +224,10 @@ def _reduce_segments_kernel(
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-# (half precision?, head_dim padded to a power of two) -> tile cap, warps, stages. Decode is a race to
-# stream K/V: small tiles and 4 warps keep registers low (many resident warps per SM hide latency)
-# and num_stages keeps tiles in flight. Every row compiles without spills on sm_80 and sm_90.
+# (half precision?, head_dim padded to a power of two) -> keys per tile, warps, stages. Decode is a race to
+# stream K/V: 4 warps and tiles of 16-32 keys keep registers under ~100 (many resident warps per SM hide
+# latency) and num_stages keeps tiles in flight. Every row compiles without spills on sm_80 and sm_90 at every
+# block size (a tile may span blocks); fp32 at head_dim 128 and 32 keys spills on sm_90, hence 16.
 DECODE_TABLE: dict[tuple[bool, int], TileConfig] = {
     (True, 64): TileConfig(tile_n=32, num_warps=4, num_stages=3),
     (True, 128): TileConfig(tile_n=32, num_warps=4, num_stages=3),
@@ -241,13 +243,17 @@ def head_dim_p2(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def decode_config(dtype: torch.dtype, head_dim: int, block_size: int) -> TileConfig:
-    """The decode kernel's tiles and warps for this dtype, head_dim and block size (DECODE_TABLE)."""
+def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, arch: str | None = None) -> TileConfig:
+    """The decode kernel's tiles and warps for this dtype, head_dim and block size (DECODE_TABLE), on ``arch``.
+
+    A tile spans blocks where the GPU has tensor cores (sm_80 on); on sm_75 (T4) ``tl.dot`` is made of FMA
+    instructions whose registers grow with the tile (200+ at 32 keys), so there it stays inside one block."""
     hd = head_dim_p2(head_dim)
     if hd > 256:
         raise ValueError(f"the Triton attention kernels support head_dim up to 256, got {head_dim}")
     row = DECODE_TABLE[(is_half(dtype), max(64, hd))]
-    return TileConfig(kv_tile_n(block_size, row.tile_n), row.num_warps, row.num_stages)
+    tile_n = kv_tile_n(block_size, row.tile_n, span_blocks=has_tensor_cores(arch))
+    return TileConfig(tile_n, row.num_warps, row.num_stages)
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, capacity: int, device: torch.device) -> int:
@@ -272,19 +278,21 @@ def plan_paged_decode(
     num_splits: int | None = None,
     per_token: bool = False,
     tile_n: int | None = None,
+    arch: str | None = None,
 ) -> list[Launch]:
     """The launches of one decode call (the attention kernel, then the reduce kernel when a sequence
     has several segments), writing into ``out``. Checks nothing: the wrapper has.
 
     For comparisons (chapter 05, ``python -m minipaged kernels``): ``per_token=True`` plans the first
     version's addressing (a table lookup per token), ``tile_n`` another key tile than the table's.
+    ``arch`` (``sm_75``, ...) plans for that GPU instead of the query's device (the compile report).
     """
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if num_seqs == 0:
         return []
     group = num_q_heads // num_kv_heads
-    cfg = decode_config(query.dtype, head_dim, block_size)
+    cfg = decode_config(query.dtype, head_dim, block_size, arch or cuda_arch(query.device))
     if tile_n is not None:
         cfg = TileConfig(check_tile_n(tile_n, block_size), cfg.num_warps, cfg.num_stages)
     capacity = block_tables.shape[1] * block_size  # no sequence is longer: no need to read seq_lens

@@ -167,13 +167,16 @@ PREFILL_TABLE: dict[tuple[bool, int], TileConfig] = {
 
 
 def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int, max_q_len: int) -> TileConfig:
-    """The prefill kernel's tiles and warps (PREFILL_TABLE); the query tile shrinks to the longest new run."""
+    """The prefill kernel's tiles and warps (PREFILL_TABLE); the query tile shrinks to the longest new run.
+
+    Unlike decode's, prefill's key tile stays inside one block (blocks under 16 tokens aside): prefill is bound
+    by arithmetic, not by bytes in flight, and a 32-key tile at block 16 costs registers (on sm_75 it spills)."""
     hd = head_dim_p2(head_dim)
     if hd > 256:
         raise ValueError(f"the Triton attention kernels support head_dim up to 256, got {head_dim}")
     row = PREFILL_TABLE[(is_half(dtype), max(64, hd))]
     block_m = min(row.block_m, max(16, triton.next_power_of_2(max_q_len)))
-    return TileConfig(kv_tile_n(block_size, row.tile_n), row.num_warps, row.num_stages, block_m)
+    return TileConfig(kv_tile_n(block_size, row.tile_n, span_blocks=False), row.num_warps, row.num_stages, block_m)
 
 
 def plan_paged_prefill(

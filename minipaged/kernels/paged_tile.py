@@ -5,9 +5,9 @@ head for one token, or BLOCK_M new tokens of one head) and in which keys each qu
 may see; the tile of keys itself is read the same way.
 
 **Addressing: one table lookup per block, int32 offsets.** A tile holds ``TILE_N``
-consecutive tokens of one sequence and one KV head. Tiles start on a multiple of
-``TILE_N`` and ``TILE_N`` divides the block size, so a tile never crosses a block
-boundary: the whole tile needs *one* block-table entry. Its address splits in two::
+consecutive tokens of one sequence and one KV head, and starts on a multiple of
+``TILE_N``. When ``TILE_N`` divides the block size the tile lies inside one block and
+needs *one* block-table entry. Its address splits in two::
 
     start = 48, TILE_N = 16, BLOCK_SIZE = 32, block_table = [7, 2, 5]
 
@@ -28,9 +28,25 @@ per-tile work is one load and one 64-bit add; the compiler keeps ``inner`` in
 registers and can prove that ``dim`` is contiguous, so each thread issues wide,
 coalesced loads.
 
-Blocks smaller than 16 tokens (block sizes 1–8, used to draw pictures) cannot hold a
-``tl.dot`` tile of 16: then a tile covers ``TILE_N // BLOCK_SIZE`` whole blocks, looked
-up with one vector load (still one entry per block) and broadcast to their tokens.
+**A tile of several blocks.** A tile is also allowed to be a run of whole blocks
+(``TILE_N`` a multiple of the block size): the 16-token blocks the engine uses, read 32
+keys at a time, and the 1–8-token blocks of the pictures, which cannot hold a ``tl.dot``
+tile of 16 at all. Then one vector load reads the tile's ``TILE_N // BLOCK_SIZE`` table
+entries (still one per block), and each token's row adds its block's 64-bit base to the
+same int32 ``inner``::
+
+    start = 32, TILE_N = 32, BLOCK_SIZE = 16, block_table = [7, 2, 5, 0]
+
+    blocks = block_table[2:4] = [5, 0]                       one vector load per tile
+    row[t] = blocks[t // 16]·stride_b + (t % 16 − t)·stride_o     t < 32: 64-bit, per token
+    K tile = load(cache + kv_head·stride_h + row[:, None] + inner)
+
+Why bother: decode streams K/V from memory, and a program that reads 16 keys per loop
+iteration keeps too few bytes in flight to reach the memory's bandwidth (on an H100,
+block 16 read 16 keys at a time measured 71 % of peak, block 32 read 32 at a time 81 %:
+``assets/benchmarks/gpu/``). With tiles that span blocks the tile size is the kernel
+table's choice, whatever the block size (on sm_75, a T4, whose ``tl.dot`` has no tensor
+cores, decode keeps its tiles inside a block: ``decode_config``).
 
 Online softmax over the tile (base 2: scores were scaled by ``scale·log2 e``)::
 
@@ -91,7 +107,7 @@ def load_kv_tile(
         base = head_ptr + block * stride_b + (start % BLOCK_SIZE) * stride_o
         return tl.load(base + inner, mask=mask, other=0.0)
     else:
-        # Tiny blocks: TILE_N // BLOCK_SIZE whole blocks, one lookup each, broadcast to their tokens.
+        # A run of TILE_N // BLOCK_SIZE whole blocks: one lookup each, broadcast to their tokens.
         NUM_BLOCKS: tl.constexpr = TILE_N // BLOCK_SIZE
         first = start // BLOCK_SIZE + tl.arange(0, NUM_BLOCKS)
         blocks = tl.load(table_ptr + first, mask=first * BLOCK_SIZE < end, other=0)
