@@ -54,7 +54,8 @@ def test_split_kv_segments_is_what_the_wrapper_launches(monkeypatch, width, num_
 
 
 def test_split_kv_segments_examples_and_errors():
-    assert KV.split_kv_segments(32768, 33, 16) == (1008, 33)  # chapter 05's H100 question: 33 asked, 33 made
+    assert KV.split_kv_segments(32768, 64, 32) == (512, 64)  # chapter 05's H100 question: 64 asked, 64 made
+    assert KV.split_kv_segments(32768, 33, 16) == (1008, 33)
     assert KV.split_kv_segments(32768, 33, 64) == (1024, 32)  # with 64-token tiles only 32 would fit
     assert KV.split_kv_segments(208, 4, 16) == (64, 4)
     assert KV.split_kv_segments(208, 1, 16) == (208, 1)
@@ -234,3 +235,17 @@ def test_read_view_driven_from_python():
 def test_read_view_rejects_a_block_outside_the_pool():
     with pytest.raises(ValueError, match="outside a pool"):
         PagedReadView([[3, 40]], [20], 16, num_blocks=10)
+
+
+def test_default_split_fills_every_sm_with_four_programs(monkeypatch):
+    """chapter 05's question: one 32k context, 8 KV heads, 132 SMs -> 66 splits wanted, 64 allowed."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    cuda = torch.device("cuda")
+    assert paged_decode.PROGRAMS_PER_SM == 4
+    assert paged_decode.default_num_splits(1, 8, 32768, cuda) == 64  # ceil(528 / 8) = 66, capped at 64
+    assert paged_decode.default_num_splits(32, 8, 4096, cuda) == 3  # ceil(528 / 256)
+    assert paged_decode.default_num_splits(8, 8, 2048, cuda) == 8  # ceil(528 / 64) = 9, one per 256 tokens: 8
+    assert paged_decode.default_num_splits(128, 8, 8192, cuda) == 1  # 1024 programs already
+    assert paged_decode.default_num_splits(1, 8, 32768, torch.device("cpu")) == 1  # the interpreter: one segment

@@ -22,9 +22,9 @@ since the kernel is limited by bandwidth, not by tensor-core FLOPs)::
     └──────────────┘
 
 **2. Split the sequence into segments (split-KV).** A batch of 4 sequences × 2 KV
-heads is 8 programs — a handful of the GPU's 132 SMs. So each sequence's tokens are
-cut into segments of ``segment_len`` tokens and each (sequence, KV head, segment)
-gets its own program. Each program runs an online softmax over its segment and
+heads is 8 programs — a handful of the GPU's 132 SMs, which want several programs
+each. So each sequence's tokens are cut into segments of ``segment_len`` tokens and
+each (sequence, KV head, segment) gets its own program. Each program runs an online softmax over its segment and
 writes a *partial* result: the running max ``m``, the sum of exponentials ``l`` and the
 normalised output ``o = acc / l``. A second, tiny kernel combines the segments::
 
@@ -70,6 +70,7 @@ from .validation import check_last_dim_contiguous, check_paged_decode, check_tri
 
 LOG2E = 1.4426950408889634
 MIN_SEGMENT_LEN = 256  # the default split never makes a segment shorter than this
+PROGRAMS_PER_SM = 4  # the default split aims at this many decode programs on each SM (default_num_splits)
 MAX_SPLITS = 64  # the reduce kernel holds all segments of one head in one tile
 
 
@@ -257,10 +258,15 @@ def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, arch: str 
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, capacity: int, device: torch.device) -> int:
-    """Enough segments for about two waves of programs on the GPU, none shorter than MIN_SEGMENT_LEN tokens."""
+    """Enough segments for PROGRAMS_PER_SM programs on every SM of the GPU, none shorter than MIN_SEGMENT_LEN tokens.
+
+    One program's loop waits on each tile (its table entries, then K, then V), so a program alone streams far
+    less than an SM can: bandwidth comes from several programs resident on each SM at once. The decode
+    configurations leave room for 5-8 programs of 4 warps per SM (``python -m minipaged kernels``), so 4 per SM
+    fill the GPU in one wave, with no second, partly empty one."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        want = triton.cdiv(2 * sms, num_seqs * num_kv_heads)
+        want = triton.cdiv(PROGRAMS_PER_SM * sms, num_seqs * num_kv_heads)
     else:  # the interpreter runs programs one after another: fewer, longer segments
         want = 1
     return max(1, min(want, triton.cdiv(capacity, MIN_SEGMENT_LEN), MAX_SPLITS))
