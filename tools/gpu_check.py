@@ -70,7 +70,7 @@ BENCHMARKS = ["benchmarks/bench_paged_attention.py", "benchmarks/bench_engine.py
 BENCH_ARGS = "--device cuda --dtype bfloat16 --rounds 1 --no-vllm --levers cuda_graphs --num-requests 64".split()
 BENCH_ARGS += ["--static-batch-sizes", "16", "64"]
 # Seconds per step: 8 minutes in all on one H100, inside a lease call's 10.
-BUDGET_S = {"kernels": 60, "tests": 110, "exercises": 90, "notebooks": 120, "report": 20, "bandwidth": 35,
+BUDGET_S = {"kernels": 60, "tests": 110, "exercises": 90, "notebooks": 120, "report": 20, "bandwidth": 30,
             "bench": 50}  # fmt: skip
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja", "special_tokens_map.json")  # fmt: skip
