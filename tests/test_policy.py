@@ -139,11 +139,42 @@ def test_the_leaderboard_ranks_the_examples_and_lists_a_broken_file_last(tmp_pat
     assert set(names[4:]) == {"broken", "nothing"} and all(e.sim.error for e in board.entries[4:])
     ranked = board.entries[:4]
     assert [e.score for e in ranked] == sorted((e.score for e in ranked), reverse=True)
+    scores = {e.name: e.score for e in ranked}
     fcfs = next(e for e in ranked if e.name == "first come, first served")
-    assert fcfs.score == pytest.approx(1.0) and all(e.sim.finished == ex10b.SIM_REQUESTS for e in ranked)
+    assert fcfs.score == fcfs.sim.slo_attainment and all(e.sim.finished == ex10b.SIM_REQUESTS for e in ranked)
     assert len({(e.sim.throughput, e.sim.ttft_p99) for e in ranked}) == 4  # each example decides differently
+    # the burst separates them (issue 45): every example above FCFS, and shortest job first far above the rest
+    assert all(0.0 < v <= 1.0 for v in scores.values()) and len(set(scores.values())) == 4
+    assert min(scores.values()) == scores["first come, first served"]
+    assert scores["shortest_prompt_first"] >= 2 * scores["first come, first served"]
+    assert scores["capped_chunks"] >= 1.1 * scores["first come, first served"]
     text = str(board)
     assert text.splitlines()[0].split()[:3] == ["#", "policy", "score"] and "defines none of" in text
+    assert "score: the share of requests within the SLO" in text
+
+
+def test_the_score_is_slo_attainment_above_a_throughput_floor():
+    base = ex10b.Run(throughput=1000.0, ttft_p99=5.0, slo_attainment=0.3)
+    assert ex10b.score(ex10b.Run(throughput=950.0, ttft_p99=9.0, slo_attainment=0.8), base) == 0.8
+    assert ex10b.score(ex10b.Run(throughput=900.0, slo_attainment=0.8), base) == 0.8  # at the floor: counts
+    assert ex10b.score(ex10b.Run(throughput=899.0, slo_attainment=1.0), base) == 0.0  # under it: nothing
+    assert ex10b.score(ex10b.Run(throughput=2000.0, slo_attainment=0.5, error="boom"), base) == 0.0
+    assert ex10b.score(ex10b.Run(throughput=2000.0), base) == 0.0  # no attainment (an engine run): no score
+
+
+def test_the_reference_solution_leads_the_examples():
+    """The solution's policy (shortest job first, the already-late last) beats every example and triples FCFS."""
+
+    def admission_order(waiting):
+        now = max(r.arrival_time for r in waiting)
+        late = {r.request_id: r.arrival_time + 0.5 + 0.001 * r.num_prompt_tokens < now for r in waiting}
+        key = {r.request_id: (late[r.request_id], r.num_tokens - r.num_computed_tokens) for r in waiting}
+        return sorted(late, key=key.__getitem__)
+
+    base = ex10b.baseline_sim()
+    mine = ex10b.score(ex10b.simulate({"admission_order": admission_order}), base)
+    examples = [ex10b.score(ex10b.simulate(ex10b.load_policy(p)), base) for p in sorted(EXAMPLES.glob("*.py"))]
+    assert mine > max(examples) and mine >= 2.5 * ex10b.score(base, base)
 
 
 def test_policy_parts_refuses_unknown_names():
@@ -431,7 +462,8 @@ def test_the_leaderboard_ranks_no_policy_that_loops_exits_or_meddles(tmp_path, s
     assert "importing exits_on_import.py raised SystemExit: 2" in why["exits_on_import"]
     assert "importing loops_on_import.py did not answer within 0.3 s" in why["loops_on_import"]
     text = str(board)
-    assert all(line.split()[0] == "-" for line in text.splitlines()[3:])  # the failed ones carry no rank
+    assert all(line.split()[0] == "-" for line in text.splitlines()[3:-1])  # the failed ones carry no rank
+    assert text.splitlines()[-1].startswith("score: the share of requests within the SLO")
 
 
 def _tiny_workload(monkeypatch, tiny_model):

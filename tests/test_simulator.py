@@ -246,3 +246,31 @@ def test_thousands_of_requests_in_seconds():
     elapsed = time.perf_counter() - t0
     assert rows["continuous"]["throughput_tok_s"] > rows["static"]["throughput_tok_s"]
     assert elapsed < 30, f"{elapsed:.1f} s for 1000 requests"
+
+
+def test_slo_attainment_counts_each_request_against_its_own_objective():
+    """A first token within ttft_s + per-token·prompt, a mean gap between tokens within tpot_s; rejected misses."""
+    from dataclasses import replace
+
+    from minipaged.core.request import RequestMetrics
+
+    def req(i: int, arrival: float, prompt: int, times: list[float], rejected: bool = False) -> RequestMetrics:
+        return RequestMetrics(f"r{i}", arrival, prompt, len(times), first_token=times[0] if times else None,
+                              token_times=times, rejected=rejected)  # fmt: skip
+
+    reqs = [
+        req(0, 0.0, 100, [0.5, 0.54, 0.58]),  # ttft 0.5 <= 0.5 + 0.1; gaps 40 ms: met
+        req(1, 1.0, 100, [1.7, 1.74]),  # ttft 0.7 > 0.6: missed
+        req(2, 0.0, 2000, [2.4, 2.43]),  # a long prompt: ttft 2.4 <= 0.5 + 2.0 = 2.5: met
+        req(3, 0.0, 10, [0.1, 0.2, 0.21]),  # mean gap 55 ms > 50 ms: missed
+        req(4, 0.0, 10, [0.1]),  # one token: nothing to space out, met
+        req(5, 0.0, 10, [], rejected=True),  # never served: missed
+    ]
+    cfg = SimConfig(num_gpu_blocks_override=8)
+    res = simulate_continuous([], CostModel.for_model("llama-3-8b", "h100"), cfg)
+    res = replace(res, requests=reqs)
+    assert res.slo_attainment(0.5, 0.05, 0.001) == pytest.approx(3 / 6)
+    assert res.slo_attainment(0.5, 0.06, 0.001) == pytest.approx(4 / 6)  # a looser gap lets r3 in
+    assert res.slo_attainment(0.5, 0.05) == pytest.approx(2 / 6)  # no allowance per token: r2 misses
+    with pytest.raises(ValueError, match="no request"):
+        replace(res, requests=[]).slo_attainment(0.5, 0.05)

@@ -10,6 +10,7 @@ from minipaged.lab.workloads import (
     STATIC_VS_PAGED_PRINTED,
     Trace,
     TraceRequest,
+    bimodal_lengths,
     chat_mix_lengths,
     lognormal_lengths,
     make_trace,
@@ -162,3 +163,18 @@ def test_static_vs_paged_waste_is_under_one_block_per_request():
     assert ours["paged_blocks"] * 16 - ours["total_tokens"] < 100 * 16
     other = static_vs_paged_table(seed=1)
     assert other["static_utilisation_pct"] < 3.5 and other["paged_utilisation_pct"] > 94
+
+
+def test_bimodal_lengths_two_kinds_in_their_ranges():
+    p, o = bimodal_lengths(4000, rng=3, long_share=0.2)
+    long_ = p >= 1500
+    assert abs(long_.mean() - 0.2) < 0.03 and p.dtype == o.dtype == np.int64
+    assert p[long_].min() >= 1500 and p[long_].max() < 3500 and o[long_].max() < 128
+    assert p[~long_].min() >= 64 and p[~long_].max() < 400 and o[~long_].min() >= 16 and o[~long_].max() < 256
+    assert np.array_equal(bimodal_lengths(50, rng=7)[0], bimodal_lengths(50, rng=7)[0])  # seeded
+    assert (bimodal_lengths(100, long_share=0.0)[0] < 400).all() and (
+        bimodal_lengths(100, long_share=1.0)[0] >= 1500
+    ).all()
+    for bad in (dict(long_share=1.5), dict(short_prompt=(400, 64)), dict(long_output=(0, 10))):
+        with pytest.raises(ValueError):
+            bimodal_lengths(10, **bad)

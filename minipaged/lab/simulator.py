@@ -390,6 +390,19 @@ class SimResult:
     def finished(self) -> list[RequestMetrics]:
         return [r for r in self.requests if not r.rejected]
 
+    def slo_attainment(self, ttft_s: float, tpot_s: float, ttft_per_prompt_token_s: float = 0.0) -> float:
+        """The share of all requests served within their service-level objective (DistServe's goodput):
+        a first token within ``ttft_s + ttft_per_prompt_token_s · prompt_len`` seconds of arriving (a long prompt
+        may take longer to read) and a mean time per output token within ``tpot_s``. A rejected request misses."""
+        if not self.requests:
+            raise ValueError("no request to score")
+        met = 0
+        for r in self.finished:
+            ttft, tpot = r.ttft, r.mean_itl
+            if ttft is not None and ttft <= ttft_s + ttft_per_prompt_token_s * r.prompt_len:
+                met += tpot is None or tpot <= tpot_s
+        return met / len(self.requests)
+
     def summary(self) -> dict[str, float]:
         done = self.finished
         if not done:

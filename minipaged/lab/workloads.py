@@ -180,6 +180,34 @@ def sharegpt_like_pairs(
     return np.concatenate(prompts)[:n], np.concatenate(outputs)[:n]
 
 
+def bimodal_lengths(
+    n: int,
+    rng: int | np.random.Generator = 0,
+    long_share: float = 0.15,
+    short_prompt: tuple[int, int] = (64, 400),
+    long_prompt: tuple[int, int] = (1500, 3500),
+    short_output: tuple[int, int] = (16, 256),
+    long_output: tuple[int, int] = (16, 128),
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(prompt_lens, output_lens)`` of ``n`` requests of two kinds: chat turns (short prompts, answers of any
+    length) and, with probability ``long_share``, documents (long prompts, short answers). Each length is uniform
+    in its ``[low, high)`` range. Under load the long prompts hold up the short ones behind them under first come,
+    first served, which is what a scheduling policy can change (exercise 10b)."""
+    n = _check_n(n)
+    if not 0.0 <= long_share <= 1.0:
+        raise ValueError(f"long_share must be in [0, 1], got {long_share}")
+    for name, (lo, hi) in dict(
+        short_prompt=short_prompt, long_prompt=long_prompt, short_output=short_output, long_output=long_output
+    ).items():
+        if not 1 <= lo < hi:
+            raise ValueError(f"{name} must be a range (low, high) with 1 <= low < high, got {(lo, hi)}")
+    g = _rng(rng)
+    is_long = g.random(n) < long_share
+    prompts = np.where(is_long, g.integers(*long_prompt, n), g.integers(*short_prompt, n))
+    outputs = np.where(is_long, g.integers(*long_output, n), g.integers(*short_output, n))
+    return prompts.astype(np.int64), outputs.astype(np.int64)
+
+
 def generation_workload(
     n: int,
     vocab_size: int,

@@ -12,20 +12,22 @@ token budget, the seats); every answer is checked as it returns. A policy is sho
 requests (``scheduler.RequestView``: request_id, num_prompt_tokens, num_tokens, num_computed_tokens,
 arrival_time, num_preemptions, sampling_params.max_tokens) and answers within ``scheduler.POLICY_STEP_S`` seconds
 a step and ``SIM_POLICY_S`` / ``ENGINE_POLICY_S`` a run, or it is stopped and named. So a policy can make serving
-slower or faster but never wrong: the greedy tokens stay the package's, which the report card proves on SmolLM2. It then scores the policy against the package's own on
-one fixed workload, on the simulator (600 ShareGPT-like requests arriving over time, a Llama-3-8B on an H100,
-a pool that preemption has to make room in) and on the real engine (SmolLM2, 10 prompts at once, a 19-block
-pool), by throughput, p99 time to first token and preemptions. ``leaderboard(folder)`` ranks every policy file
-in a folder (``exercises/policies/`` holds three examples) by the same numbers.
+slower or faster but never wrong: the greedy tokens stay the package's, which the report card proves on
+SmolLM2. It then runs the policy beside the package's own on two fixed workloads: on the simulator, a burst of
+400 requests in about ten seconds to a Llama-3-8B on an H100, more than it can serve as they come (85 % chat
+turns of 64-400 prompt tokens, 15 % documents of 1,500-3,500), and on the real engine (SmolLM2, 10 prompts at
+once, a 19-block pool). ``leaderboard(folder)`` ranks every policy file in a folder (``exercises/policies/``
+holds three examples).
 
-The score: the geometric mean of two ratios against first come, first served on the simulator, throughput
-(yours ÷ FCFS) and p99 TTFT (FCFS ÷ yours); above 1 is better than the package on both counts combined.
+The score is **SLO attainment** on the simulator (DistServe's goodput, as a share): the fraction of the 400
+requests whose first token came within 0.5 s plus 1 ms per prompt token of arriving and whose output tokens came
+at most 50 ms apart on average. A policy must also keep the throughput at least 90 % of first come, first
+served's (the floor), or it scores 0: serving fewer tokens to meet more deadlines is not a better policy.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -41,6 +43,7 @@ from .core import Check, CheckOutcome, report
 POLICY_PARTS = ("admission_order", "preemption_order", "prefill_cap")
 Policy = Mapping[str, Callable[..., Any]]
 FCFS: dict[str, Callable[..., Any]] = {}  # the package's own rules: nothing plugged in
+BASELINE_NAME = "first come, first served"
 
 
 def policy_parts(policy: Any) -> dict[str, Callable[..., Any]]:
@@ -68,7 +71,10 @@ def _plug(policy: Any) -> dict[str, Any]:
 
 
 # ---- the simulator's workload ---------------------------------------------------------------------------
-SIM_REQUESTS, SIM_SEED, SIM_RATE, SIM_BLOCKS = 600, 11, 0.5, 1201
+SIM_REQUESTS, SIM_SEED, SIM_RATE, SIM_BLOCKS = 400, 1, 0.4, 1201  # arrivals per 10 ms step: 40 a second
+SIM_LONG_SHARE = 0.15  # documents among the requests; the rest are chat turns (workloads.bimodal_lengths)
+SLO_TTFT_S, SLO_TTFT_PER_TOKEN_S, SLO_TPOT_S = 0.5, 0.001, 0.05
+THROUGHPUT_FLOOR = 0.9  # of first come, first served's, or the score is 0
 # The most seconds a policy's answers may take in one run, in all (each step's: scheduler.POLICY_STEP_S): the
 # examples take about a second of the simulator's ~5,000 steps, and a tenth of that on the engine's ~100.
 SIM_POLICY_S, ENGINE_POLICY_S = 60.0, 20.0
@@ -76,12 +82,18 @@ LOAD_S = 10.0  # the most seconds a policy file may take to import
 
 
 def _sim_setup() -> tuple[Any, Any, Any]:
-    from ...lab.simulator import CostModel, SimConfig, requests_from_trace
-    from ...lab.workloads import sharegpt_like_trace
+    import numpy as np
 
-    trace = requests_from_trace(sharegpt_like_trace(SIM_REQUESTS, seed=SIM_SEED, arrival_rate=SIM_RATE), 0.01)
+    from ...lab.simulator import CostModel, SimConfig, requests_from_trace
+    from ...lab.workloads import bimodal_lengths, make_trace
+
+    rng = np.random.default_rng(SIM_SEED)
+    prompts, outputs = bimodal_lengths(SIM_REQUESTS, rng, SIM_LONG_SHARE)
+    trace = requests_from_trace(make_trace(prompts, outputs, SIM_RATE, rng), 0.01)
     cost = CostModel.for_model("llama-3-8b", "h100", step_overhead=0.002)
-    config = SimConfig(num_gpu_blocks_override=SIM_BLOCKS, max_num_batched_tokens=2048, max_num_seqs=128)
+    config = SimConfig(
+        num_gpu_blocks_override=SIM_BLOCKS, max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=4096
+    )
     return trace, cost, config
 
 
@@ -93,6 +105,7 @@ class Run:
     ttft_p99: float = 0.0  # seconds (the simulator) or steps (the engine)
     preemptions: int = 0
     finished: int = 0
+    slo_attainment: float | None = None  # the simulator's: the share of requests within their SLO
     tokens: list[list[int]] = field(default_factory=list)  # the engine's greedy tokens, per request
     decisions: list[tuple[float, str, str]] = field(default_factory=list)  # the simulator's events
     wall_s: float = 0.0
@@ -130,6 +143,7 @@ def simulate(policy: Policy) -> Run:
         ttft_p99=s["ttft_p99_s"],
         preemptions=int(s["preemptions"]),
         finished=int(s["requests"]),
+        slo_attainment=res.slo_attainment(SLO_TTFT_S, SLO_TPOT_S, SLO_TTFT_PER_TOKEN_S),
         decisions=res.events,
         wall_s=time.perf_counter() - start,
     )
@@ -250,10 +264,20 @@ def baseline_serve(llm: Any) -> Run:
 
 
 def score(run: Run, base: Run) -> float:
-    """Geometric mean of throughput (yours ÷ base) and p99 TTFT (base ÷ yours): 1.0 is the base's."""
-    if run.error or base.error or not (run.throughput and run.ttft_p99 and base.throughput):
+    """The simulator run's SLO attainment, if its throughput is at least ``THROUGHPUT_FLOOR`` of the base's
+    (first come, first served); else 0. A failed run scores 0."""
+    if run.error or base.error or run.slo_attainment is None or not base.throughput:
         return 0.0
-    return math.sqrt(run.throughput / base.throughput * base.ttft_p99 / run.ttft_p99)
+    return run.slo_attainment if run.throughput >= THROUGHPUT_FLOOR * base.throughput else 0.0
+
+
+def slo_text() -> str:
+    """The objective, in words (the report card and the leaderboard print it)."""
+    return (
+        f"the first token within {SLO_TTFT_S:g} s + {SLO_TTFT_PER_TOKEN_S * 1e3:g} ms per prompt token, "
+        f"at most {SLO_TPOT_S * 1e3:g} ms per output token on average; "
+        f"a throughput under {THROUGHPUT_FLOOR:.0%} of first come, first served's scores 0"
+    )
 
 
 # ---- the report card ------------------------------------------------------------------------------------
@@ -273,21 +297,24 @@ class ReportCard:
         def row(label: str, r: Run, unit_tp: str, unit_ttft: str) -> str:
             if r.error:
                 return f"  {label:<28} failed: {r.error}"
+            slo = " " * 16 if r.slo_attainment is None else f"SLO met {r.slo_attainment:6.1%}  "
             return (
-                f"  {label:<28} {r.throughput:>9.1f} {unit_tp:<10} p99 TTFT {r.ttft_p99:>7.2f} {unit_ttft:<6} "
+                f"  {label:<28} {slo}{r.throughput:>9.1f} {unit_tp:<10} p99 TTFT {r.ttft_p99:>7.2f} {unit_ttft:<6} "
                 f"{r.preemptions:>4} preemptions  {r.finished} finished"
             )
 
         lines = [
             f"Report card: {self.name}",
-            f"simulator ({SIM_REQUESTS} ShareGPT-like requests, Llama-3-8B on an H100, {SIM_BLOCKS - 1} blocks):",
+            f"simulator ({SIM_REQUESTS} chat turns and documents in a burst, Llama-3-8B on an H100, "
+            f"{SIM_BLOCKS - 1} blocks):",
             row("first come, first served", self.sim_base, "tok/s", "s"),
             row(self.name, self.sim, "tok/s", "s"),
             f"engine (SmolLM2, {len(ENGINE_LENGTHS)} prompts at once, {ENGINE_BLOCKS - 1} blocks of 16):",
             row("first come, first served", self.eng_base, "tok/step", "steps"),
             row(self.name, self.eng, "tok/step", "steps"),
             f"token for token the package's greedy output: {'yes' if self.exact else 'NO'}",
-            f"score (simulator, vs first come first served): {score(self.sim, self.sim_base):.3f}",
+            f"score (the share of requests within the SLO, on the simulator): {score(self.sim, self.sim_base):.3f}",
+            f"SLO: {slo_text()}",
         ]
         return "\n".join(lines)
 
@@ -370,16 +397,18 @@ class Leaderboard:
     def __str__(self) -> str:
         head = f"{'#':>2}  {'policy':<26}{'score':>7}{'tok/s':>8}{'p99 TTFT':>10}{'preempt':>9}  engine"
         lines = [head]
+        floor = next((e.sim.throughput for e in self.entries if e.name == BASELINE_NAME and not e.failure), None)
         for i, e in enumerate(self.entries, 1):
             if e.failure:
                 lines.append(f"{'-':>2}  {e.name:<26} failed: {e.failure[:100]}")
                 continue
             eng = "not run" if e.exact is None else "token-exact"
+            low = floor is not None and e.sim.throughput < THROUGHPUT_FLOOR * floor
             lines.append(
                 f"{i:>2}  {e.name:<26}{e.score:>7.3f}{e.sim.throughput:>8.0f}{e.sim.ttft_p99:>9.2f}s"
-                f"{e.sim.preemptions:>9}  {eng}"
+                f"{e.sim.preemptions:>9}  {eng}" + ("  (under the throughput floor)" if low else "")
             )
-        return "\n".join(lines)
+        return "\n".join(lines + [f"score: the share of requests within the SLO: {slo_text()}"])
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))
@@ -408,7 +437,7 @@ def leaderboard(
             raise type(exc)(f"extra[{key!r}]: {exc}") from None
     if not isinstance(with_engine, bool):
         raise TypeError(f"with_engine must be True or False, got {with_engine!r}")
-    policies: dict[str, Any] = {"first come, first served": FCFS}
+    policies: dict[str, Any] = {BASELINE_NAME: FCFS}
     for path in sorted(folder.glob("*.py")):
         try:
             policies[path.stem] = load_policy(path)
