@@ -148,7 +148,7 @@ def test_the_course_map_says_what_each_exercise_has_you_write():
                 if c.cell_type == "code" and "raise NotImplementedError  # YOUR CODE HERE" in c.source
             )
             for name in re.findall(r"`(\w+)`", names):
-                assert re.search(rf"def {name}\(", stubs), f"{starter.name} has no stub {name}()"
+                assert re.search(rf"(def {name}\(|class {name}\b)", stubs), f"{starter.name} has no stub {name}"
         for part in re.findall(r"`(\w+)`", runs_as):
             # a part of the row's exercise, or one the Triton puzzles (ex05b) plug in through puzzles.*_part
             assert PARTS[part].exercise in exercises or (part in ENGINE_PARTS and "ex05b" in exercises), (part, chapter)

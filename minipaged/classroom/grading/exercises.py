@@ -61,6 +61,12 @@ EXERCISES: dict[str, Exercise] = {
             ("remove_in_pool", "check_remove_in_pool", "remove", 4),
         ),
         _ex(
+            "ex03b_block_pool",
+            ("pool_spec", "check_pool_spec", "BlockPool", 11),
+            ("pool_twin", "check_pool_twin", "BlockPool", 4),
+            ("pool_O1", "check_pool_O1", "BlockPool", 5),
+        ),
+        _ex(
             "ex04_slots_and_admission",
             ("slot_mapping", "check_slot_mapping", "slot_mapping", 8),
             ("would_allocate", "check_would_allocate", "would_allocate", 9),
