@@ -1,5 +1,8 @@
 """The grading machinery every exercise reuses."""
 
+import contextlib
+import io
+
 import pytest
 
 from minipaged.classroom.grading import Check, close, format_table, parse_summaries, report
@@ -185,18 +188,31 @@ def test_the_command_line(tmp_path):
             [sys.executable, "-m", "minipaged", "grade", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
         )
 
-    for target in (folder, folder / "ex01_kv_bytes.ipynb"):
-        done = grade(str(target), "--timeout", "120")
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.splitlines()[-1].split() == ["TOTAL", "12/12"]
-    done = grade(str(tmp_path / "nowhere"))
-    assert done.returncode == 2 and f"no such file or folder: {tmp_path / 'nowhere'}" in done.stderr
+    done = grade(str(folder), "--timeout", "120")  # the real command, once, as a shell runs it
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].split() == ["TOTAL", "12/12"]
+    # the rest through the same entry point in this process (each notebook is still graded in a fresh one)
+    from minipaged.__main__ import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(["grade", *args])
+            except SystemExit as exc:  # argparse refuses a bad option by exiting
+                code = int(exc.code or 0)
+        return code, out.getvalue(), err.getvalue()
+
+    code, out, err = run(str(folder / "ex01_kv_bytes.ipynb"), "--timeout", "120")
+    assert code == 0 and out.splitlines()[-1].split() == ["TOTAL", "12/12"], err
+    code, _, err = run(str(tmp_path / "nowhere"))
+    assert code == 2 and f"no such file or folder: {tmp_path / 'nowhere'}" in err
     empty = tmp_path / "empty"
     empty.mkdir()
-    done = grade(str(empty))
-    assert done.returncode == 2 and f"no notebooks to grade in {empty}" in done.stderr
-    done = grade(str(folder), "--timeout", "0")
-    assert done.returncode == 2 and "must be a positive number" in done.stderr
+    code, _, err = run(str(empty))
+    assert code == 2 and f"no notebooks to grade in {empty}" in err
+    code, _, err = run(str(folder), "--timeout", "0")
+    assert code == 2 and "must be a positive number" in err
     make = (ROOT / "Makefile").read_text()
     assert 'grade "$(DIR)"' in make
 

@@ -75,9 +75,16 @@ def test_every_exercise_has_at_least_three_mutants():
 
 @pytest.mark.parametrize("m", ALL, ids=lambda m: f"{m.exercise}-{m.name}")
 def test_mutant_scores_below_full_marks(m):
-    summaries = grade(m.exercise, m.checks, m.fn)
-    passed, n = total(summaries)
-    assert passed < n, f"{m.exercise} mutant {m.name!r} ({m.mistake}) gets full marks: {summaries}"
+    """One check group that fails is enough to keep a mutant below full marks: the groups run one at a time and
+    the first that catches it ends the test (``python tests/test_mutants.py`` still prints every group's score)."""
+    seen = []
+    for check in m.checks:
+        summaries = grade(m.exercise, [check], m.fn)
+        passed, n = total(summaries)
+        if passed < n:
+            return
+        seen += summaries
+    pytest.fail(f"{m.exercise} mutant {m.name!r} ({m.mistake}) gets full marks: {seen}")
 
 
 # ex10b's solution is graded by its own notebook under nbval (exercises/solutions/ex10b_open_policy.ipynb runs the

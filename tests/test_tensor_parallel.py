@@ -94,7 +94,9 @@ def shm_entries() -> set[str]:
 
 
 # ---- the same tokens ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("size", [2, 4])
+# Two ranks of two KV heads each here; one KV head per rank is test_engine's tensor_parallel_size=3 on SmolLM2 (against
+# transformers), so four ranks on two cores (13 s) would add no case.
+@pytest.mark.parametrize("size", [2])
 def test_tp_gives_the_tokens_of_one_process(tp_model, reference, size) -> None:
     shm_before = shm_entries()
     llm = small_engine(tp_model, tensor_parallel_size=size)
