@@ -24,9 +24,10 @@ since the kernel is limited by bandwidth, not by tensor-core FLOPs)::
 **2. Split the sequence into segments (split-KV).** A batch of 4 sequences × 2 KV
 heads is 8 programs — a handful of the GPU's 132 SMs, which want several programs
 each. So each sequence's tokens are cut into segments of ``segment_len`` tokens and
-each (sequence, KV head, segment) gets its own program. Each program runs an online softmax over its segment and
-writes a *partial* result: the running max ``m``, the sum of exponentials ``l`` and the
-normalised output ``o = acc / l``. A second, tiny kernel combines the segments::
+each (sequence, KV head, segment) gets its own program. Each program runs an online
+softmax over its segment and writes a *partial* result: the running max ``m``, the
+sum of exponentials ``l`` and the normalised output ``o = acc / l``. A second, tiny
+kernel combines the segments::
 
     m* = max_g m_g      w_g = l_g · 2^(m_g − m*)      out = Σ_g w_g · o_g / Σ_g w_g
 
