@@ -179,18 +179,6 @@ def engine() -> Any:
     return LLM(**ENGINE_SETTINGS)
 
 
-_GRADERS_ENGINE: list[Any] = []
-
-
-def graders_engine() -> Any:
-    """The engine ``check_policy`` serves with, built once per process: ``serve`` resets it before a run and
-    empties it after, so a policy graded after another finds it as new (a grader grading many policies, the
-    mutants' test, loads SmolLM2 once)."""
-    if not _GRADERS_ENGINE:
-        _GRADERS_ENGINE.append(engine())
-    return _GRADERS_ENGINE[0]
-
-
 def _engine_arg(llm: Any) -> Any:
     """``llm`` (an ``LLM``, ideally built by ``engine()``), or a new ``engine()`` for None."""
     from ...engine.llm import LLM
@@ -499,7 +487,7 @@ def check_policy(my_policy: Callable[[], Policy]) -> list[CheckOutcome]:
 
     def eng() -> Run:
         if "eng" not in cache:
-            llm = graders_engine()
+            llm = engine()
             cache["eng"], cache["eng_base"] = serve(got(), llm), baseline_serve(llm)
         return cache["eng"]
 
