@@ -394,7 +394,9 @@ def test_stream_disconnect_aborts_and_frees_blocks(server, http):
             data += line.startswith("data: ")
             if data == 2:
                 break
-        assert metric(http, "kv_blocks_in_use") > 0  # it holds blocks while it runs
+        # it holds blocks while it runs: the gauges are read between steps, so a scrape can land just before the
+        # snapshot that first shows them (seen under load): poll while the stream is still open
+        assert wait_for(lambda: metric(http, "kv_blocks_in_use") > 0, 5.0)
     assert wait_for(lambda: idle(http)), "the request was not aborted"
     assert metric(http, "request_aborted_total") == aborted + 1
     assert metric(http, "generation_tokens_total") - generated < 200  # stopped early, not run to 400
