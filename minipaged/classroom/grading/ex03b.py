@@ -84,6 +84,12 @@ def _raises(fn: Callable[[], Any]) -> str:
     return "no error"
 
 
+def _found(pool: Any, h: BlockHash) -> int | None:
+    """The id of the block ``h`` finds in ``pool``, or None."""
+    block = pool.get_cached_block(h)
+    return None if block is None else block.block_id
+
+
 def _drain(pool: Any) -> list[int]:
     """The order the free blocks would be handed out in: take them all (a final look; the pool is spent)."""
     return _ids(pool.get_new_blocks(pool.get_num_free_blocks()))
@@ -150,9 +156,9 @@ def _cached_then_evicted(cls: PoolClass) -> list[Any]:
     pool.cache_full_blocks(fake_request("r", hashes), blocks, 0, 2, BLOCK_SIZE)
     in_use = [_ids([pool.get_cached_block(h)]) for h in hashes]
     pool.free_blocks(list(reversed(blocks)))
-    free = [(pool.get_cached_block(h) or SimpleNamespace(block_id=None)).block_id for h in hashes]
+    free = [_found(pool, h) for h in hashes]
     pool.get_new_blocks(2)  # the lone never-used block, then block 2 (freed first): its hash must go
-    after = [(pool.get_cached_block(h) or SimpleNamespace(block_id=None)).block_id for h in hashes]
+    after = [_found(pool, h) for h in hashes]
     return [in_use, free, after, pool.get_cached_block(block_hash("never")) is None]
 
 
@@ -174,7 +180,7 @@ def _partly_cached(cls: PoolClass) -> list[Any]:
     hashes = [block_hash(f"q{i}") for i in range(4)]
     pool.cache_full_blocks(fake_request("r", hashes), blocks, 0, 1, BLOCK_SIZE)
     pool.cache_full_blocks(fake_request("r", hashes), blocks, 1, 3, BLOCK_SIZE)  # block 3 is not full
-    return [(pool.get_cached_block(h) or SimpleNamespace(block_id=None)).block_id for h in hashes]
+    return [_found(pool, h) for h in hashes]
 
 
 SPEC_CASES: list[tuple[str, Callable[[PoolClass], Any], str]] = [
@@ -370,18 +376,25 @@ def check_pool_twin(BlockPool: PoolClass) -> list[CheckOutcome]:
 
 
 # ---- O(1) ----------------------------------------------------------------------------------------------------
+def _half_cached(pool: Any) -> Any:
+    """``pool`` with half its blocks handed out and cached, then every other one freed: cached blocks spread
+    through the free blocks (block i + 1 holds hash b{i})."""
+    blocks = pool.get_new_blocks(HUGE // 2)
+    pool.cache_full_blocks(
+        fake_request("big", [block_hash(f"b{i}") for i in range(len(blocks))]), blocks, 0, len(blocks), BLOCK_SIZE
+    )
+    pool.free_blocks(blocks[::2])
+    return pool
+
+
 def _probed(cls: PoolClass) -> Any:
-    """A pool of HUGE blocks whose blocks count touches; half handed out and cached, then freed in turn."""
+    """A ``_half_cached`` pool of HUGE blocks whose blocks count touches."""
     pool = cls(HUGE)
     for b in pool.blocks:
         if type(b) is not KVCacheBlock:
             raise TypeError(f"pool.blocks must hold KVCacheBlock objects, found {type(b).__name__}")
         b.__class__ = PoolProbe
-    blocks = pool.get_new_blocks(HUGE // 2)
-    pool.cache_full_blocks(
-        fake_request("big", [block_hash(f"b{i}") for i in range(len(blocks))]), blocks, 0, len(blocks), BLOCK_SIZE
-    )
-    pool.free_blocks(blocks[::2])  # every other one: cached blocks spread through the free blocks
+    _half_cached(pool)
     ProbeBlock.touches.clear()
     return pool
 
@@ -396,17 +409,7 @@ def _touches(pool: Any, op: Callable[[], Any], allowed: set[int]) -> int:
 
 def _o1_ops(cls: PoolClass) -> list[int]:
     """Touches on blocks an operation has no business with, for five operations on a HUGE-block pool."""
-    pool = _probed(cls)
-    ref = PackagePool(HUGE)
-    ref_blocks = ref.get_new_blocks(HUGE // 2)
-    ref.cache_full_blocks(
-        fake_request("big", [block_hash(f"b{i}") for i in range(len(ref_blocks))]),
-        ref_blocks,
-        0,
-        len(ref_blocks),
-        BLOCK_SIZE,
-    )
-    ref.free_blocks(ref_blocks[::2])
+    pool, ref = _probed(cls), _half_cached(PackagePool(HUGE))
 
     def near(block_id: int) -> set[int]:
         """A block and its neighbours in the package's free queue (a linked pool may touch those)."""
