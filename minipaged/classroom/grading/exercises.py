@@ -72,6 +72,11 @@ EXERCISES: dict[str, Exercise] = {
             ("would_allocate", "check_would_allocate", "would_allocate", 9),
         ),
         _ex(
+            "ex04b_kv_cache_manager",
+            ("manager_spec", "check_manager_spec", "KVCacheManager", 13),
+            ("manager_twin", "check_manager_twin", "KVCacheManager", 4),
+        ),
+        _ex(
             "ex05_scatter_write",
             ("scatter_write", "check_scatter_write", "reshape_and_cache", 8),
             ("scatter_edges", "check_scatter_edges", "reshape_and_cache", 6),
