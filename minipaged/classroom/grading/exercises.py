@@ -100,6 +100,11 @@ EXERCISES: dict[str, Exercise] = {
             ("admission_state", "check_admission_state", "admit_waiting", 10),
         ),
         _ex(
+            "ex06b_scheduler",
+            ("scheduler_spec", "check_scheduler_spec", "Scheduler", 10),
+            ("scheduler_twin", "check_scheduler_twin", "Scheduler", 3),
+        ),
+        _ex(
             "ex07_preemption",
             ("preempt_recompute", "check_preempt_recompute", "preempt_recompute", 5),
             ("schedule_running", "check_schedule_running", "schedule_running", 7),
