@@ -124,6 +124,11 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex("ex09b_step_inputs", ("step_inputs", "check_step_inputs", "step_inputs", 8)),
         _ex(
+            "ex09c_decoder_layer",
+            ("layer_spec", "check_layer_spec", "decoder_layer", 9),
+            ("layer_smollm2", "check_layer_smollm2", "decoder_layer", 2),
+        ),
+        _ex(
             "ex10_capstone",
             ("capstone_parts", "check_parts", "my_parts", 12),
             ("capstone_engine", "check_engine_settings", "engine_settings", 6),
