@@ -136,6 +136,13 @@ EXERCISES: dict[str, Exercise] = {
             triton=True,
         ),
         _ex("ex10b_open_policy", ("policy", "check_policy", "my_policy", 5)),
+        _ex(
+            "ex10c_your_engine",
+            ("engine_inputs", "check_engine_inputs", "Engine", 4),
+            ("engine_tiny", "check_engine_tiny", "Engine", 2),
+            ("engine_rollback", "check_engine_rollback", "Engine", 2),
+            ("engine_smollm2", "check_engine_smollm2", "Engine", 3),
+        ),
     )
 }
 
