@@ -53,9 +53,9 @@ INVISIBLE = {
     "ex08-ignores_salt": "LLM sets no cache salt",
     "ex08-skips_misses": "a chain of cached blocks never has a gap in the engine: a block is freed no later "
     "than its prefix (fewer owners; tail first in one request), so it is evicted first",
-    "ex09-ignores_scale": "the engine's scale is head_dim ** -0.5, the very value this mutant assumes",
-    "ex09-no_float32": "in a float32 engine there is nothing to upcast",
-    "ex09-whole_table_row": "the engine fills the null block with finite numbers, so reading it is harmless here",
+    "ex05a-ignores_scale": "the engine's scale is head_dim ** -0.5, the very value this mutant assumes",
+    "ex05a-no_float32": "in a float32 engine there is nothing to upcast",
+    "ex05a-whole_table_row": "the engine fills the null block with finite numbers, so reading it is harmless here",
 }
 
 # Invisible in the engine's calls, caught by the probes that ``use(check=True)`` runs first.
@@ -65,8 +65,8 @@ PROBED = {
     "ex08-salts_every_block",
     "ex08-ignores_salt",
     "ex08-skips_misses",
-    "ex09-ignores_scale",
-    "ex09-no_float32",
+    "ex05a-ignores_scale",
+    "ex05a-no_float32",
 }
 
 

@@ -23,7 +23,7 @@ imports nothing from the package; this module fills it) and calls the learner's 
     ex08  find_prefix_hits        KVCacheManager.get_computed_blocks: the longest cached prefix
     ex08  get_new_blocks          BlockPool.get_new_blocks: the least recently freed blocks, hashes evicted
     ex08  free_blocks             BlockPool.free_blocks: blocks reaching ref count 0 join the back of the queue
-    ex09  paged_decode_attention  PagedAttention: a decode-only step's attention (or puzzle 5's Triton kernel)
+    ex05a paged_decode_attention  PagedAttention: a decode-only step's attention (or puzzle 5's Triton kernel)
     ex09b step_inputs             ModelRunner.prepare_inputs: the flat inputs of a mixed prefill + decode step
     ex05b paged_prefill_attention PagedAttention: a step with new prompt tokens (puzzle 6's Triton kernel)
     ex10b admission_order         Scheduler.schedule: the order waiting requests are tried in (a policy)
@@ -1093,7 +1093,7 @@ PARTS: dict[str, Part] = {
         ),
         Part(
             "paged_decode_attention",
-            "ex09",
+            "ex05a",
             "paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale) -> Tensor",
             "PagedAttention: the attention of a decode-only step",
             _attention_before,

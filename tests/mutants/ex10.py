@@ -32,7 +32,7 @@ def right_parts() -> dict:
         "find_prefix_hits": mine["ex08"].find_prefix_hits,
         "get_new_blocks": mine["ex08"].get_new_blocks,
         "free_blocks": mine["ex08"].free_blocks,
-        "paged_decode_attention": mine["ex09"].paged_decode_attention,
+        "paged_decode_attention": mine["ex05a"].paged_decode_attention,
     }
 
 

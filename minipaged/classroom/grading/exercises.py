@@ -83,6 +83,12 @@ EXERCISES: dict[str, Exercise] = {
             triton=True,
         ),
         _ex(
+            "ex05a_paged_decode",
+            ("paged_decode", "check_paged_decode", "paged_decode_attention", 8),
+            ("paged_decode_edges", "check_paged_decode_edges", "paged_decode_attention", 8),
+            triton=True,
+        ),
+        _ex(
             "ex05b_triton_puzzles",
             ("scatter", "check_scatter", "scatter_kernel", 4),
             ("gather", "check_gather", "gather_kernel", 4),
@@ -115,12 +121,6 @@ EXERCISES: dict[str, Exercise] = {
             ("find_prefix_hits", "check_find_prefix_hits", "find_prefix_hits", 8),
             ("free_blocks", "check_free_blocks", "free_blocks", 5),
             ("get_new_blocks", "check_get_new_blocks", "get_new_blocks", 6),
-        ),
-        _ex(
-            "ex09_paged_decode",
-            ("paged_decode", "check_paged_decode", "paged_decode_attention", 8),
-            ("paged_decode_edges", "check_paged_decode_edges", "paged_decode_attention", 8),
-            triton=True,
         ),
         _ex("ex09b_step_inputs", ("step_inputs", "check_step_inputs", "step_inputs", 8)),
         _ex(

@@ -1,4 +1,4 @@
-"""Exercise 09 — paged decode attention in PyTorch: wrong solutions a learner writes."""
+"""Exercise 05a — paged decode attention in PyTorch: wrong solutions a learner writes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checks for exercise 09: paged decode attention in plain PyTorch.
+"""Checks for exercise 05a: paged decode attention in plain PyTorch.
 
 The learner's ``paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)``
 is run on seeded batches and compared, sequence by sequence, with
