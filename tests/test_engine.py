@@ -144,7 +144,7 @@ def test_tensor_parallel_3_matches_transformers(hf, prompt_ids, reference):
     llm = LLM(dtype="float32", **{"attention_backend": BACKEND, **kw})
     try:
         assert [r["num_kv_heads"] for r in llm.executor.ranks()] == [1, 1, 1]
-        check_all(llm, hf, prompt_ids, reference)
+        check_all(llm, hf, prompt_ids[:4], reference[:4])  # four prompts: three ranks on two cores cost 20 s for eight
         assert max(s["tokens"] for s in llm.step_stats) == 64  # prefills were chunked
     finally:
         llm.shutdown()

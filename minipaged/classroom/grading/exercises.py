@@ -143,6 +143,14 @@ EXERCISES: dict[str, Exercise] = {
             ("engine_rollback", "check_engine_rollback", "Engine", 2),
             ("engine_smollm2", "check_engine_smollm2", "Engine", 3),
         ),
+        _ex(
+            "ex13_speculation",
+            ("propose", "check_propose", "propose", 8),
+            ("draft_twin", "check_draft_twin", "propose", 3),
+            ("accept", "check_accept", "accept", 5),
+            ("accept_twin", "check_accept_twin", "accept", 1),
+            ("speculate_smollm2", "check_speculate_smollm2", "propose accept", 2),
+        ),
     )
 }
 
