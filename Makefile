@@ -1,7 +1,9 @@
 # minipaged — every command a learner, an instructor or CI needs.
 #   make demo   set up .venv (first time), then run the main job
 #   make test   set up .venv (first time), then every test: unit tests, notebooks, exercises, on
-#               WORKERS processes (pytest-xdist; 2 by default, one per core of the CI machine)
+#               WORKERS processes (pytest-xdist; 2 by default, one per core of the CI machine), within 10 minutes
+#               on 2 cores; all but the tests marked slow
+#   make test-slow  the tests marked slow: the graders' full mutant proofs, the multi-process fault tests
 #   make lint   ruff (lint and format check) and mypy (configured in pyproject.toml)
 #   make test-browser  every widget in a real JupyterLab, driven in Debian's chromium (Playwright);
 #                      saves screenshots to assets/screenshots/
@@ -20,7 +22,7 @@ DIR    ?= exercises
 # Each test file (or notebook) runs whole in one worker, in order: a notebook's cells share one kernel.
 WORKERS ?= 2
 
-.PHONY: setup demo test durations lint test-browser lab grade kernels gpu-check clean
+.PHONY: setup demo test test-slow durations lint test-browser lab grade kernels gpu-check clean
 
 setup: $(STAMP)
 
@@ -52,7 +54,10 @@ demo: setup
 	$(BIN)/python -m minipaged demo
 
 test: setup
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow"
+
+test-slow: setup  # the graders' full mutant proofs and the multi-process fault tests (CI runs them after make test)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m slow
 
 durations: setup  # each test file's seconds, for the longest-first order of `make test` (tests/conftest.py)
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --durations=0 -q | $(BIN)/python tools/test_durations.py

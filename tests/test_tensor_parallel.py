@@ -207,6 +207,7 @@ def test_distributed_knobs_are_checked(knobs, words) -> None:
 
 
 # ---- faults ------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # processes killed, interrupted or on two 'machines': make test-slow
 def test_a_killed_worker_fails_the_step_within_seconds_and_ends_every_rank(tp_model, reference) -> None:
     shm_before = shm_entries()
     llm = small_engine(tp_model, tensor_parallel_size=4)
@@ -230,6 +231,7 @@ def test_a_killed_worker_fails_the_step_within_seconds_and_ends_every_rank(tp_mo
     again.shutdown()
 
 
+@pytest.mark.slow  # processes killed, interrupted or on two 'machines': make test-slow
 def test_an_interrupted_step_ends_every_rank(tp_model, monkeypatch) -> None:
     """Ctrl-C that lands inside a step: the workers sit mid-collective, waiting for a rank 0 that will not come.
     Every rank is ended, the KeyboardInterrupt reaches the caller, and this call's requests are gone."""
@@ -251,6 +253,7 @@ def test_an_interrupted_step_ends_every_rank(tp_model, monkeypatch) -> None:
         llm.generate([[1, 2]], GREEDY)
 
 
+@pytest.mark.slow  # processes killed, interrupted or on two 'machines': make test-slow
 def test_ctrl_c_in_a_script_leaves_no_process(tp_model, tmp_path) -> None:
     """A real SIGINT to a script serving with two ranks: the script ends, and so does its worker."""
     script = tmp_path / "serve.py"
@@ -284,6 +287,7 @@ def test_ctrl_c_in_a_script_leaves_no_process(tp_model, tmp_path) -> None:
 
 
 # ---- two machines -------------------------------------------------------------------------------------------
+@pytest.mark.slow  # processes killed, interrupted or on two 'machines': make test-slow
 def test_two_machines_through_torch_rendezvous(tp_model, reference) -> None:
     """Two groups of processes on 127.0.0.1 stand for two machines: this one runs rank 0 (the engine) and rank 1;
     the other, started by hand with ``python -m minipaged worker``, runs ranks 2 and 3 — it learns the model and

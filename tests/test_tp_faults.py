@@ -26,6 +26,8 @@ from minipaged.model_loader import save_tiny_llama
 from minipaged.sampling_params import SamplingParams
 from minipaged.worker.executor import TensorParallelError
 
+pytestmark = pytest.mark.slow  # processes killed, interrupted and restarted: make test-slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 

@@ -144,6 +144,13 @@ EXERCISES: dict[str, Exercise] = {
             ("engine_smollm2", "check_engine_smollm2", "Engine", 3),
         ),
         _ex(
+            "ex12_tensor_parallel_mlp",
+            ("ring", "check_ring", "all_reduce", 5),
+            ("shards", "check_shards", "shard_mlp", 3),
+            ("partial", "check_partial", "mlp_partial", 2),
+            ("tp_mlp", "check_tp_mlp", "shard_mlp mlp_partial all_reduce", 3),
+        ),
+        _ex(
             "ex13_speculation",
             ("propose", "check_propose", "propose", 8),
             ("draft_twin", "check_draft_twin", "propose", 3),
