@@ -3,7 +3,8 @@
 #   make test   set up .venv (first time), then every test: unit tests, notebooks, exercises, on
 #               WORKERS processes (pytest-xdist; 2 by default, one per core of the CI machine), within 10 minutes
 #               on 2 cores; all but the tests marked slow
-#   make test-slow  the tests marked slow: the graders' full mutant proofs, the multi-process fault tests
+#   make test-slow  the tests marked slow: the graders' full mutant proofs; the system tests that start processes
+#                   or servers or inject faults (tensor parallelism, disaggregated prefill, the server, engine faults)
 #   make lint   ruff (lint and format check) and mypy (configured in pyproject.toml)
 #   make test-browser  every widget in a real JupyterLab, driven in Debian's chromium (Playwright);
 #                      saves screenshots to assets/screenshots/
@@ -56,7 +57,7 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m "not slow"
 
-test-slow: setup  # the graders' full mutant proofs and the multi-process fault tests (CI runs them after make test)
+test-slow: setup  # the graders' full mutant proofs and the system tests: processes, servers, faults (CI runs them too)
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile -m slow
 
 durations: setup  # each test file's seconds, for the longest-first order of `make test` (tests/conftest.py)

@@ -18,6 +18,8 @@ from minipaged.engine.llm import LLM
 from minipaged.model_loader import chat_prompt_ids, load_tokenizer
 from minipaged.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # two engine processes, prefill and decode: make test-slow
+
 PROMPTS = [
     "What is the capital of France?",
     "Tell me a fun fact about octopuses.",

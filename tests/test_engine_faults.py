@@ -21,6 +21,8 @@ from minipaged.core.block_pool import BlockPool
 from minipaged.engine.llm import LLM
 from minipaged.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # injected faults in every public call: make test-slow
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 

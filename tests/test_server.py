@@ -35,6 +35,8 @@ from minipaged.sampling_params import SamplingParams
 from minipaged.serving import AsyncEngine, ServerHandle, build_app, start_server
 from minipaged.serving.serving_engine import TextDeltas
 
+pytestmark = pytest.mark.slow  # HTTP servers, load tests and dropped clients: make test-slow
+
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 512
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
