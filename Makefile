@@ -4,7 +4,7 @@
 #               WORKERS processes (pytest-xdist; 2 by default, one per core of the CI machine), within 10 minutes
 #               on 2 cores; all but the tests marked slow
 #   make test-slow  the tests marked slow: the graders' full mutant proofs; the system tests that start processes
-#                   or servers or inject faults (tensor parallelism, disaggregated prefill, the server, engine faults)
+#                   or servers or inject faults (tensor-parallel ranks, disaggregated prefill, the server, engine faults)
 #   make lint   ruff (lint and format check) and mypy (configured in pyproject.toml)
 #   make test-browser  every widget in a real JupyterLab, driven in Debian's chromium (Playwright);
 #                      saves screenshots to assets/screenshots/

@@ -132,6 +132,7 @@ def test_prefix_caching_and_chunked_prefill_match(hf, prompt_ids, reference):
     assert len(pool.cached_block_hash_to_block) > 0
 
 
+@pytest.mark.slow  # three rank processes: make test-slow (chapter 12's notebook serves TP 3 in make test)
 def test_tensor_parallel_3_matches_transformers(hf, prompt_ids, reference):
     """SmolLM2 split over three processes (3 of its 9 query heads and 1 of its 3 KV heads each), with chunked
     prefill: the greedy tokens of one process (tests/test_tensor_parallel.py covers the rest on a tiny model).

@@ -32,6 +32,10 @@ from minipaged.model_loader import save_tiny_llama
 from minipaged.sampling_params import SamplingParams
 from minipaged.worker.executor import TensorParallelError
 
+# Every test here starts rank processes (and kills, interrupts or joins them): make test-slow. make test still
+# serves SmolLM2 over three ranks in chapter 12's notebook.
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # PREEMPTING_PROMPTS preempt in the small pool; two more share a 9-token prefix (two full blocks of 4) with the
 # first, so prefix caching hits; the budget of 16 tokens a step chunks every prompt longer than that.
@@ -207,7 +211,6 @@ def test_distributed_knobs_are_checked(knobs, words) -> None:
 
 
 # ---- faults ------------------------------------------------------------------------------------------------
-@pytest.mark.slow  # processes killed, interrupted or on two 'machines': make test-slow
 def test_a_killed_worker_fails_the_step_within_seconds_and_ends_every_rank(tp_model, reference) -> None:
     shm_before = shm_entries()
     llm = small_engine(tp_model, tensor_parallel_size=4)
@@ -231,7 +234,6 @@ def test_a_killed_worker_fails_the_step_within_seconds_and_ends_every_rank(tp_mo
     again.shutdown()
 
 
-@pytest.mark.slow  # processes killed, interrupted or on two 'machines': make test-slow
 def test_an_interrupted_step_ends_every_rank(tp_model, monkeypatch) -> None:
     """Ctrl-C that lands inside a step: the workers sit mid-collective, waiting for a rank 0 that will not come.
     Every rank is ended, the KeyboardInterrupt reaches the caller, and this call's requests are gone."""
@@ -253,7 +255,6 @@ def test_an_interrupted_step_ends_every_rank(tp_model, monkeypatch) -> None:
         llm.generate([[1, 2]], GREEDY)
 
 
-@pytest.mark.slow  # processes killed, interrupted or on two 'machines': make test-slow
 def test_ctrl_c_in_a_script_leaves_no_process(tp_model, tmp_path) -> None:
     """A real SIGINT to a script serving with two ranks: the script ends, and so does its worker."""
     script = tmp_path / "serve.py"
@@ -287,7 +288,6 @@ def test_ctrl_c_in_a_script_leaves_no_process(tp_model, tmp_path) -> None:
 
 
 # ---- two machines -------------------------------------------------------------------------------------------
-@pytest.mark.slow  # processes killed, interrupted or on two 'machines': make test-slow
 def test_two_machines_through_torch_rendezvous(tp_model, reference) -> None:
     """Two groups of processes on 127.0.0.1 stand for two machines: this one runs rank 0 (the engine) and rank 1;
     the other, started by hand with ``python -m minipaged worker``, runs ranks 2 and 3 — it learns the model and
