@@ -129,6 +129,13 @@ EXERCISES: dict[str, Exercise] = {
             ("layer_smollm2", "check_layer_smollm2", "decoder_layer", 2),
         ),
         _ex(
+            "ex09d_sampler",
+            ("mask", "check_mask", "apply_top_k_top_p", 16),
+            ("streams", "check_streams", "Sampler", 13),
+            ("distribution", "check_distribution", "Sampler", 8),
+            ("sample_smollm2", "check_sample_smollm2", "Sampler", 2),
+        ),
+        _ex(
             "ex10_capstone",
             ("capstone_parts", "check_parts", "my_parts", 12),
             ("capstone_engine", "check_engine_settings", "engine_settings", 6),
@@ -142,6 +149,13 @@ EXERCISES: dict[str, Exercise] = {
             ("engine_tiny", "check_engine_tiny", "Engine", 2),
             ("engine_rollback", "check_engine_rollback", "Engine", 2),
             ("engine_smollm2", "check_engine_smollm2", "Engine", 3),
+        ),
+        _ex(
+            "ex11_streaming",
+            ("merged", "check_merged", "merged", 9),
+            ("events", "check_events", "completion_events", 10),
+            ("disconnect", "check_disconnect", "unless_disconnected", 7),
+            ("served", "check_served", "completion_events unless_disconnected", 7),
         ),
         _ex(
             "ex12_tensor_parallel_mlp",
