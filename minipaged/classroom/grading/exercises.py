@@ -101,6 +101,13 @@ EXERCISES: dict[str, Exercise] = {
             triton=True,
         ),
         _ex(
+            "ex05c_decode_speed",
+            ("paged_decode", "check_paged_decode", "batched_decode", 8),
+            ("paged_decode_edges", "check_paged_decode_edges", "batched_decode", 8),
+            ("launches", "check_launches", "batched_decode", 2),
+            ("traffic", "check_traffic", "batched_decode", 4),
+        ),
+        _ex(
             "ex06_admission",
             ("admit_waiting", "check_admit_waiting", "admit_waiting", 10),
             ("admission_state", "check_admission_state", "admit_waiting", 10),
