@@ -8,6 +8,8 @@
 #   make lint   ruff (lint and format check) and mypy (configured in pyproject.toml)
 #   make test-browser  every widget in a real JupyterLab, driven in Debian's chromium (Playwright);
 #                      saves screenshots to assets/screenshots/
+#   make site   build the static site of the whole course into _build/site/ (chapters executed, about ten minutes)
+#   make test-site  every page of the built site in a real browser (Playwright + Debian's chromium)
 #   make lab    open the course in JupyterLab
 #   make grade  grade a folder of exercise notebooks (DIR=exercises by default)
 #   make kernels      compile every Triton kernel for sm_75/sm_80/sm_90 (no GPU needed): registers, spills, occupancy
@@ -23,7 +25,7 @@ DIR    ?= exercises
 # Each test file (or notebook) runs whole in one worker, in order: a notebook's cells share one kernel.
 WORKERS ?= 2
 
-.PHONY: setup demo test test-slow durations lint test-browser lab grade kernels gpu-check clean
+.PHONY: setup demo test test-slow durations lint test-browser site test-site lab grade kernels gpu-check clean
 
 setup: $(STAMP)
 
@@ -65,7 +67,7 @@ test-slow: setup  # the graders' full mutant proofs and the system tests: proces
 durations: setup  # each test file's seconds, for the longest-first order of `make test` (tests/conftest.py)
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --durations=0 -q | $(BIN)/python tools/test_durations.py
 
-LINT_PATHS := minipaged tests benchmarks tools
+LINT_PATHS := minipaged tests benchmarks tools site
 
 lint: setup
 	$(BIN)/python -m ruff check $(LINT_PATHS)
@@ -76,6 +78,13 @@ lint: setup
 # root (apt-get install chromium); never downloads a browser build (`playwright install` is not used).
 test-browser: setup
 	$(BIN)/python tools/browser_test.py
+
+# Installs the `site` extra (Sphinx, myst-nb, the Sphinx Book Theme, pinned) if missing; no network at build time.
+site: setup
+	$(BIN)/python tools/build_site.py
+
+test-site: setup
+	$(BIN)/python tools/site_test.py
 
 lab: setup  # as root (containers, cloud sandboxes) Jupyter refuses to start unless told --allow-root
 	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -90,4 +99,4 @@ gpu-check: setup
 	$(BIN)/python tools/gpu_check.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache _build
