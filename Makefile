@@ -8,7 +8,7 @@
 #   make lint   ruff (lint and format check) and mypy (configured in pyproject.toml)
 #   make test-browser  every widget in a real JupyterLab, driven in Debian's chromium (Playwright);
 #                      saves screenshots to assets/screenshots/
-#   make site   build the static site of the whole course into _build/site/ (chapters executed, about ten minutes)
+#   make site   build the static site of the whole course into _build/site/ (chapters executed, about four minutes)
 #   make test-site  every page of the built site in a real browser (Playwright + Debian's chromium)
 #   make lab    open the course in JupyterLab
 #   make grade  grade a folder of exercise notebooks (DIR=exercises by default)

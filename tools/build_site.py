@@ -4,7 +4,7 @@ Sphinx reads the repository with ``site/conf.py`` and writes ``_build/site/index
 executed now, the exercises' task text, a sidebar in chapter order and a search page. It needs no network: the
 `site` extra is installed from the project's pins, and plotly.js comes from the plotly package.
 
-    python tools/build_site.py                 # the whole site (about ten minutes on 2 cores)
+    python tools/build_site.py                 # the whole site (about four minutes on 2 cores)
     python tools/build_site.py --only notebooks/01_kv_cache_math.ipynb   # one page and the index, to try a change
 """
 
