@@ -14,6 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
+from nbclient.client import NotebookClient
+
 ROOT = Path(__file__).resolve().parent.parent
 project = "minipaged"
 author = "the minipaged authors"
@@ -33,10 +35,9 @@ nb_execution_show_tb = True
 nb_merge_streams = True
 # The widgets are shown as snapshots, so their live state is not kept: nbclient would store every widget model in
 # the notebook, and myst-nb would embed it in the page (a plotly FigureWidget's model carries its own 5 MB plotly.js).
-__import__("nbclient.client", fromlist=["NotebookClient"]).NotebookClient.set_widgets_metadata = lambda self: None
+NotebookClient.set_widgets_metadata = lambda self: None  # type: ignore[method-assign]
 # The kernel inherits this environment: its IPython startup file installs the site's renderers.
 os.environ["IPYTHONDIR"] = str(ROOT / "_build" / "site-ipython")
-os.environ["MINIPAGED_SITE"] = "1"
 
 # ---- pages -----------------------------------------------------------------------------------------------------
 myst_enable_extensions = ["dollarmath", "colon_fence"]
@@ -78,10 +79,13 @@ def _prepare(app: object) -> None:
 def _copy_mathjax(app: object, exception: Exception | None) -> None:
     import importlib.util
 
+    if exception is not None:
+        return
     spec = importlib.util.find_spec("sphinx-mathjax-offline")
-    if exception is None and spec is not None and spec.origin is not None:
-        source = Path(spec.origin).parent / "static" / "mathjax"
-        shutil.copytree(source, Path(app.outdir) / "_static" / "mathjax", dirs_exist_ok=True)  # type: ignore[attr-defined]
+    if spec is None or spec.origin is None:
+        raise RuntimeError("sphinx-mathjax-offline is missing: install the `site` extra (make site does)")
+    source = Path(spec.origin).parent / "static" / "mathjax"
+    shutil.copytree(source, Path(app.outdir) / "_static" / "mathjax", dirs_exist_ok=True)  # type: ignore[attr-defined]
 
 
 def setup(app: object) -> None:

@@ -54,14 +54,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16)
 Step = tuple[float, tuple[tuple[str, str | None], ...] | BaseException]
 
 
-def texts(delay: float, *pieces: str, reason: str | None = None, last: bool = False) -> list[Step]:
-    """A one-sample script: the text grows by each piece, ``delay`` seconds apart; the last ends with ``reason``."""
+def texts(delay: float, *pieces: str, reason: str | None = None) -> list[Step]:
+    """A one-sample script: the text grows by each piece, ``delay`` seconds apart; the last ends with ``reason``
+    (None: the request never finishes in this script, as when it is cut short)."""
     steps: list[Step] = []
     text = ""
     for k, piece in enumerate(pieces):
         text += piece
-        done = reason if (k == len(pieces) - 1 and (last or reason)) else None
-        steps.append((delay, ((text, done),)))
+        steps.append((delay, ((text, reason if k == len(pieces) - 1 else None),)))
     return steps
 
 
