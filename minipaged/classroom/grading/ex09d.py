@@ -16,7 +16,8 @@ tokens in every implementation that follows it: the package's ``Sampler`` is the
 * ``mask``: chosen cases, each named by what it tries, and seeded random rows, against the package's mask (the
   positions of -inf exactly, the kept logits unchanged); the input must come back unmodified.
 * ``streams``: properties (a seeded request's tokens do not depend on the batch around it or its row; a fresh
-  sampler repeats them; ``forget`` starts a stream again; seeds differ) and the package's tokens for the same seeds.
+  sampler repeats them; ``forget`` starts a stream again; two ``seed`` values differ) and the package's tokens for
+  the same ``seed``.
 * ``distribution``: thousands of seeded draws per setting: never outside the support, and frequencies within a
   total-variation distance of the masked softmax that a right answer meets by a wide margin whatever its draws.
 * ``sample_smollm2``: SmolLM2 sampling three requests in one batch with the learner's ``Sampler``, against the
@@ -351,13 +352,13 @@ def check_streams(Sampler: SamplerClass) -> list[CheckOutcome]:
                   hint="keep the generators in the instance (self), not in the class or the module"),
             Check("forget(key) starts that key's stream again from its seed, and leaves the others' alone",
                   lambda: _forget(Sampler), "a starts again, b goes on",
-                  hint="forget drops the key's generator; the next draw makes a new one from the seed"),
+                  hint="forget drops the key's generator; the next draw makes a new one from params.seed"),
             Check("a stream advances: one seeded key, the same nearly uniform logits 20 times, not one token 20 times",
                   lambda: _advances(Sampler), True,
                   hint="make the key's generator once and keep it: each draw moves it on"),
-            Check("two seeds, the same nearly uniform logits, 20 draws: different tokens",
+            Check("two seed values, the same nearly uniform logits, 20 draws: different tokens",
                   lambda: _two_seeds(Sampler), True, hint="each key's generator is seeded with its own params.seed"),
-            Check("the package's Sampler, same seeds and rows: the same tokens (the draw the spec pins)",
+            Check("the package's Sampler, same seed values and rows: the same tokens (the draw the spec pins)",
                   lambda: _differ(_batched(Sampler, 3), _batched(PackageSampler, 3), "the package's Sampler"),
                   "same",
                   hint="row / temperature, your mask, softmax over the whole row, then torch.multinomial(probs, 1, "
@@ -508,7 +509,7 @@ def sampled_generate(
 
 
 def package_tokens() -> list[list[int]]:
-    """The package's ``Sampler`` in the loop: what the learner's must give for the same seeds."""
+    """The package's ``Sampler`` in the loop: what the learner's must give for the same ``seed`` values."""
     if "package" not in _HF:
         model, ids = _smollm2()
         keys, params = [k for k, _, _ in SYS_REQUESTS], [p for _, _, p in SYS_REQUESTS]

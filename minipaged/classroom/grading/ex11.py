@@ -111,14 +111,15 @@ def _others() -> list[asyncio.Task[Any]]:
     return [t for t in asyncio.all_tasks() if t is not me and not t.done()]
 
 
-def _run(make: Callable[[], Awaitable[Any]], deadline: float = DEADLINE_S) -> Any:
-    """``await make()`` on a fresh event loop in a thread of its own; its result, or the error in words.
-
-    A thread, because a notebook's kernel already runs a loop in this one; a deadline, because a wrong answer
-    may wait forever (a loop blocked by a synchronous wait is left behind in its daemon thread)."""
+def _in_thread(make: Callable[[], Awaitable[Any]], deadline: float | None) -> dict[str, Any]:
+    """``await make()`` on a fresh event loop in a thread of its own: ``{"r": result}``, ``{"e": error}``, or ``{}``
+    if the thread is still blocked ``deadline + 5`` seconds on (its loop held by a synchronous wait; the daemon
+    thread is left behind). A thread, because a notebook's kernel already runs a loop in this one."""
     box: dict[str, Any] = {}
 
     async def main() -> Any:
+        if deadline is None:
+            return await make()
         # The deadline cancels this task itself (asyncio.timeout's way, which Python 3.10 lacks): wait_for would
         # run make() in a task of its own, and _others() must see only the learner's tasks.
         me, late = asyncio.current_task(), []
@@ -142,28 +143,27 @@ def _run(make: Callable[[], Awaitable[Any]], deadline: float = DEADLINE_S) -> An
         try:
             box["r"] = asyncio.run(main())
         except BaseException as exc:  # a learner's error is an answer
-            box["r"] = f"{type(exc).__name__}: {exc}"
+            box["e"] = exc
 
-    thread = threading.Thread(target=target, daemon=True, name="ex11-check")
+    thread = threading.Thread(target=target, daemon=True, name="ex11")
     thread.start()
-    thread.join(deadline + 5)
+    thread.join(None if deadline is None else deadline + 5)
+    return box
+
+
+def _run(make: Callable[[], Awaitable[Any]], deadline: float = DEADLINE_S) -> Any:
+    """``await make()`` with a deadline, for a check: its result, or what went wrong in words (a wrong answer may
+    raise, or wait forever)."""
+    box = _in_thread(make, deadline)
+    if "e" in box:
+        return _words(box["e"])
     return box.get("r", f"did not finish within {deadline:.0f} s (the event loop was blocked)")
 
 
 def run_async(make: Callable[[], Awaitable[Any]]) -> Any:
-    """``await make()`` on an event loop of its own, in a thread (a notebook's kernel already runs one here):
-    its result, or its error raised here. For trying cases by hand; the checks use ``_run``."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["r"] = asyncio.run(make())  # type: ignore[arg-type]
-        except BaseException as exc:
-            box["e"] = exc
-
-    thread = threading.Thread(target=target, daemon=True, name="ex11-try")
-    thread.start()
-    thread.join()
+    """``await make()`` on an event loop of its own (a notebook's kernel already runs one here): its result, or its
+    error raised here. For trying cases by hand; the checks use ``_run``."""
+    box = _in_thread(make, None)
     if "e" in box:
         raise box["e"]
     return box["r"]
@@ -366,7 +366,11 @@ def check_events(completion_events: Events) -> list[CheckOutcome]:
     def plain() -> Any:  # two prompts, one sample each: text split over snapshots, one snapshot unchanged
         if "plain" not in cache:
             scripts: dict[int, list[Step]] = {
-                0: [*texts(0.01, "Hel", "lo", " wor"), (0.01, (("Hello wor", None),)), (0.01, (("Hello world", "length"),))],
+                0: [
+                    *texts(0.01, "Hel", "lo", " wor"),
+                    (0.01, (("Hello wor", None),)),  # a snapshot whose text did not grow
+                    (0.01, (("Hello world", "length"),)),
+                ],
                 1: texts(0.015, "One", ", two", reason="stop"),
             }  # fmt: skip
             cache["plain"] = _run(_stream(completion_events, scripts))
