@@ -6,6 +6,8 @@
 #   make test-slow  the tests marked slow: the graders' full mutant proofs; the system tests that start processes
 #                   or servers or inject faults (tensor-parallel ranks, disaggregated prefill, the server, engine faults)
 #   make lint   ruff (lint and format check) and mypy (configured in pyproject.toml)
+#   make test-hosted  a hosted notebook rehearsed on the CPU: a fresh venv with only torch and Jupyter, the course
+#                     fetched by chapter 00's set-up cell into another folder, then chapters 00, 01, 03, 09 there
 #   make test-browser  every widget in a real JupyterLab, driven in Debian's chromium (Playwright);
 #                      saves screenshots to assets/screenshots/
 #   make site   build the static site of the whole course into _build/site/ (chapters executed, about four minutes)
@@ -25,7 +27,7 @@ DIR    ?= exercises
 # Each test file (or notebook) runs whole in one worker, in order: a notebook's cells share one kernel.
 WORKERS ?= 2
 
-.PHONY: setup demo test test-slow durations lint test-browser site test-site lab grade kernels gpu-check clean
+.PHONY: setup demo test test-slow test-hosted durations lint test-browser site test-site lab grade kernels gpu-check clean
 
 setup: $(STAMP)
 
@@ -66,6 +68,10 @@ test-slow: setup  # the graders' full mutant proofs and the system tests: proces
 
 durations: setup  # each test file's seconds, for the longest-first order of `make test` (tests/conftest.py)
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --durations=0 -q | $(BIN)/python tools/test_durations.py
+
+# No .venv: the rehearsal builds its own runtime, as a hosted notebook has one (tools/hosted_rehearsal.py).
+test-hosted:
+	$(PYTHON) tools/hosted_rehearsal.py
 
 LINT_PATHS := minipaged tests benchmarks tools site
 

@@ -458,3 +458,44 @@ def parse_memory(value: int | float | str, name: str = "memory size") -> int:
     if 0 < num < 1:  # would read as 0, which turns some stores off: say so instead
         raise ValueError(f"{name}={value!r} is less than one byte: give 0 to turn it off, or a size such as '1GiB'")
     return int(num)
+
+
+def device_summary(model: str | os.PathLike | None = None, block_size: int = 16) -> str:
+    """What ``LLM(model)`` with its defaults would get on this machine, without building it (no memory taken):
+    the device, its compute capability, the dtype ``dtype="auto"`` picks there, and the KV pool. On a GPU the
+    pool is an upper bound: the engine also sets aside its activation peak, which it measures when it starts."""
+    from .kv_math import KVSpec, format_bytes, num_blocks_at_startup
+    from .model_loader import model_dir
+
+    path = Path(model) if model is not None else model_dir()
+    device = resolve_device(None)
+    dtype = resolve_dtype("auto", model_config_dtype(path), device)
+    width = torch.finfo(dtype).bits // 8
+    spec = KVSpec.from_hf_config(path / "config.json", dtype=width)
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        major, minor = props.major, props.minor
+        why = "bfloat16 natively" if cuda_computes_bf16(device) else "no native bfloat16 below 8.0: float16"
+        weights = (
+            sum(os.path.getsize(f) for f in path.glob("*.safetensors")) // 4 * width
+        )  # the cache stores float32 weights
+        blocks = num_blocks_at_startup(props.total_memory, 0.9, weights, 0, spec, block_size)
+        lines = [
+            f"device: {torch.cuda.get_device_name(device)} (cuda), compute capability {major}.{minor}, "
+            f"{format_bytes(props.total_memory)}",
+            f"dtype the engine picks: {name} ({why})",
+            f"KV pool: at most {blocks:,} blocks of {block_size} tokens ({blocks * block_size:,} tokens, "
+            f"{spec.bytes_per_token:,} B each): 0.9 of the card after {format_bytes(weights)} of weights and "
+            "before the activation peak the engine measures at start",
+        ]
+    else:
+        cap = spec.capacity(GiB, block_size)
+        bf16 = "native bfloat16: yes" if cpu_has_native_bf16() else "native bfloat16: no"
+        lines = [
+            f"device: CPU ({os.cpu_count()} cores, {bf16}); no CUDA GPU: Triton kernels run in its interpreter",
+            f"dtype the engine picks: {name} (the dtype whose products are fast on every CPU)",
+            f"KV pool: {cap.num_blocks:,} blocks of {block_size} tokens ({cap.num_blocks * block_size:,} tokens, "
+            f"{spec.bytes_per_token:,} B each) from the default budget of 1 GiB",
+        ]
+    return "\n".join(lines)

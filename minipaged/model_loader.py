@@ -36,6 +36,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -296,6 +297,71 @@ def hf_greedy_token_ids(model: Any, prompt_ids: list[list[int]], max_new_tokens:
             )
         outs.append(gen[0, len(ids) :].tolist())
     return outs
+
+
+# How far apart two logits may be and still count as a tie the dtype cannot break: two rounding steps of the
+# largest logit in the model's dtype (one step of a logit near 32 is 0.25 in bfloat16, 0.03 in float16), plus
+# 0.02 for float32's differing sums (our oneDNN products against PyTorch's default ones). Measured on SmolLM2 on a
+# CPU, engine against transformers: float32 0, float16 at most 0.016, bfloat16 at most 0.25 (tests/test_fp16.py).
+NEAR_TIE_STEPS, NEAR_TIE_FLOOR = 2, 0.02
+
+
+@dataclass(frozen=True)
+class GreedyAgreement:
+    """Whether greedy tokens are what transformers would pick, read position by position (teacher forcing).
+
+    At every position transformers sees the prompt and *our* tokens so far and ranks the next token. Ours agrees
+    where it is transformers' argmax, or a near tie: its logit within ``tolerance`` of the argmax's. Two engines
+    that add the same numbers in another order (other kernels, another device) can break a tie differently; after
+    that the two texts go separate ways, and comparing texts would call a right engine wrong. A real bug shows up
+    as a gap far beyond a rounding step.
+    """
+
+    tokens: int  # positions compared
+    near_ties: tuple[tuple[int, float], ...]  # (position, gap) where ours is not the argmax, within tolerance
+    wrong: tuple[tuple[int, float], ...]  # (position, gap) beyond tolerance
+    tolerance: float  # the largest tolerance used (it scales with the logit's size)
+
+    @property
+    def ok(self) -> bool:
+        return not self.wrong
+
+    def __str__(self) -> str:
+        if self.wrong:
+            pos, gap = self.wrong[0]
+            return (f"differs at token {pos}: transformers' best logit is {gap:.3f} above ours "
+                    f"(a near tie would be at most {self.tolerance:.3f})")  # fmt: skip
+        ties = f", {len(self.near_ties)} near tie(s) broken the other way" if self.near_ties else ""
+        return f"{self.tokens} tokens, each transformers' greedy choice{ties}"
+
+
+def greedy_agreement(model: Any, prompt_ids: list[int], token_ids: list[int]) -> GreedyAgreement:
+    """Check ``token_ids`` (greedy output for ``prompt_ids``) against transformers' ``model``, in its own dtype
+    and on its own device, in one forward pass; raises if its logits are not finite (a float16 overflow)."""
+    import torch
+
+    if not token_ids:
+        return GreedyAgreement(0, (), (), NEAR_TIE_FLOOR)
+    x = torch.tensor([list(prompt_ids) + list(token_ids[:-1])], device=model.device)
+    with torch.no_grad():
+        logits = model(x).logits[0, len(prompt_ids) - 1 :]
+    if not torch.isfinite(logits).all():
+        raise FloatingPointError(f"transformers' logits in {model.dtype} hold inf or NaN: the dtype overflowed")
+    eps = torch.finfo(model.dtype).eps  # the dtype the model computes in (its logits may come back in float32)
+    logits = logits.float()
+    top = logits.max(-1).values
+    gaps = (
+        top - logits[torch.arange(len(token_ids), device=logits.device), torch.tensor(token_ids, device=logits.device)]
+    )
+    step = eps * torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(1.0))))  # one rounding step of the top logit
+    tol = NEAR_TIE_STEPS * step + NEAR_TIE_FLOOR
+    rows = [(i, float(g), float(t)) for i, (g, t) in enumerate(zip(gaps.tolist(), tol.tolist())) if g > 0]
+    return GreedyAgreement(
+        tokens=len(token_ids),
+        near_ties=tuple((i, g) for i, g, t in rows if g <= t),
+        wrong=tuple((i, g) for i, g, t in rows if g > t),
+        tolerance=float(tol.max()),
+    )
 
 
 def hf_greedy_generate(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int = 32) -> list[str]:

@@ -20,8 +20,14 @@ def requirements(extras: list[str], leave_out: set[str]) -> list[str]:
         import tomli as tomllib  # type: ignore[no-redef]
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     reqs = list(project["dependencies"])
-    for extra in extras:
-        reqs += project["optional-dependencies"][extra]
+    todo = list(extras)
+    while todo:  # an extra may name another of this project's ("minipaged[course]")
+        for req in project["optional-dependencies"][todo.pop(0)]:
+            own = re.fullmatch(rf"{project['name']}\[([a-z0-9_,-]+)\]", req)
+            if own:
+                todo += own.group(1).split(",")
+            elif req not in reqs:
+                reqs.append(req)
     name = re.compile(r"^[A-Za-z0-9_.-]+")
     return [r for r in reqs if (m := name.match(r)) and m.group(0).lower() not in leave_out]
 

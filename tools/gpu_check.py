@@ -4,6 +4,7 @@ On a machine with CUDA it runs these steps, in order, each bounded in time, and 
 failing step must not hide the others on a short lease); it exits 1 if any failed:
 
 =========== ======================================================================================================
+setup       chapter 00's set-up on this GPU: what it would install (``--dry-run``), the device, dtype and pool it reports
 kernels     ``tests/test_kernels.py`` compiled on the GPU: every kernel against the PyTorch reference, bf16 too
 tests       the CUDA tests: the engine's equality tests on the Triton backend (``test_engine_triton.py``, and
             ``test_engine.py`` with ``MINIPAGED_TEST_BACKEND=triton``), CUDA graphs, memory given back
@@ -29,8 +30,8 @@ fills DIR with both.
 
 ``--dry-run`` (no GPU needed) lists every test file, notebook, exercise and benchmark the run would take, and
 exits 1 if a notebook, an exercise or a CUDA test of the tree is missing from the plan: ``make test`` runs it.
-``--steps`` takes some of the steps; each step's outcome and time land in ``gpu_check.json``, merged with an
-earlier run's steps on the same device, so a short lease can take them in two calls.
+``--steps`` takes some of the steps; each step's outcome and time land in ``gpu_check_<the GPU>.json`` (one file
+per GPU: ``recorded()`` reads them, the README lists them), merged with an earlier run's steps on the same device, so a short lease can take them in two calls.
 """
 
 from __future__ import annotations
@@ -67,10 +68,10 @@ CUDA_TESTS = [
 ]
 BENCHMARKS = ["benchmarks/bench_paged_attention.py", "benchmarks/bench_engine.py"]
 # The engine benchmark, sized for a lease: 64 mixed-length requests, one round, against itself without graphs.
-BENCH_ARGS = "--device cuda --dtype bfloat16 --rounds 1 --no-vllm --levers cuda_graphs --num-requests 64".split()
+BENCH_ARGS = "--device cuda --rounds 1 --no-vllm --levers cuda_graphs --num-requests 64".split()
 BENCH_ARGS += ["--static-batch-sizes", "16", "64"]
-# Seconds per step: 8 minutes in all on one H100, inside a lease call's 10.
-BUDGET_S = {"kernels": 60, "tests": 110, "exercises": 90, "notebooks": 120, "report": 20, "bandwidth": 30,
+# Seconds per step: 8 minutes and 10 s in all on one H100, inside a lease call's 10.
+BUDGET_S = {"setup": 10, "kernels": 60, "tests": 110, "exercises": 90, "notebooks": 120, "report": 20, "bandwidth": 30,
             "bench": 50}  # fmt: skip
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja", "special_tokens_map.json")  # fmt: skip
@@ -78,6 +79,18 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 WHEELS = ["nbval", "nbclient", "nbformat", "ipykernel", "ipywidgets", "plotly", "anywidget", "pytest",
           "pytest-xdist", "hypothesis", "gguf", "safetensors", "accelerate", "fastapi", "uvicorn", "openai",
           "matplotlib"]  # fmt: skip
+
+
+def result_path(device: str) -> Path:
+    """One result file per GPU, named by it: ``gpu_check_nvidia-h100-80gb-hbm3.json``."""
+    return OUT / f"gpu_check_{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.json"
+
+
+def recorded() -> dict[str, dict]:
+    """Each GPU with a committed result file: its device name → the file's contents."""
+    return {
+        json.loads(p.read_text())["device"]: json.loads(p.read_text()) for p in sorted(OUT.glob("gpu_check_*.json"))
+    }
 
 
 def notebooks() -> list[str]:
@@ -100,10 +113,21 @@ def cuda_tests_in_tree() -> list[str]:
     return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if pattern.search(p.read_text()))
 
 
+def bench_dtype(arch: str) -> str:
+    """The dtype the engine picks on that GPU: float16 below compute capability 8.0 (a T4 has no bfloat16 units)."""
+    return "float16" if int(arch.removeprefix("sm_")) < 80 else "bfloat16"
+
+
 def plan(py: str, arch: str = "sm_90") -> dict[str, list[tuple[list[str], dict[str, str]]]]:
     """Each step's commands (argv, extra environment), in order."""
     triton = {"MINIPAGED_TEST_BACKEND": "triton"}
     return {
+        # What chapter 00's set-up cell reports on this GPU (device, compute capability, dtype, pool), and what it
+        # would install beside the machine's own torch and Triton.
+        "setup": [
+            ([py, "tools/setup_course.py", "--dry-run"], {}),
+            ([py, "-c", "from minipaged.config import device_summary; print(device_summary())"], {}),
+        ],
         "kernels": [([py, *PYTEST, "tests/test_kernels.py"], {})],
         "tests": [
             ([py, *PYTEST, "tests/test_engine_triton.py", "tests/test_engine.py"], triton),
@@ -123,7 +147,7 @@ def plan(py: str, arch: str = "sm_90") -> dict[str, list[tuple[list[str], dict[s
         "notebooks": [([py, *NBVAL, "-n", "4", "--dist", "loadfile", *notebooks()], {})],
         "report": [([py, "-m", "minipaged", "kernels", "--arch", arch, "--json"], {})],
         "bandwidth": [([py, BENCHMARKS[0], "--out-dir", str(OUT)], {})],
-        "bench": [([py, BENCHMARKS[1], *BENCH_ARGS, "--out", str(OUT)], {})],
+        "bench": [([py, BENCHMARKS[1], *BENCH_ARGS, "--dtype", bench_dtype(arch), "--out", str(OUT)], {})],
     }
 
 
@@ -254,7 +278,6 @@ def main(argv: list[str] | None = None) -> int:
         env["MINIPAGED_CACHE_DIR"] = str(cache)
     props = torch.cuda.get_device_properties(0)
     arch = f"sm_{props.major}{props.minor}"
-    summary_path = OUT / "gpu_check.json"
     summary: dict = dict(
         device=torch.cuda.get_device_name(0),
         arch=arch,
@@ -268,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         or None,
         steps={},
     )
+    summary_path = result_path(summary["device"])
     if summary_path.is_file():  # an earlier call's steps on the same device and software are kept
         old = json.loads(summary_path.read_text())
         if all(old.get(k) == summary[k] for k in ("device", "torch", "triton")):
