@@ -102,3 +102,13 @@ def test_device_summary_on_a_t4(monkeypatch):
     spec = KVSpec.from_hf_config(model_dir() / "config.json", dtype=2)
     blocks = num_blocks_at_startup(t4.total_memory, 0.9, weights, 0, spec, 16)
     assert f"at most {blocks:,} blocks of 16 tokens" in text and "23,040 B each" in text
+
+
+def test_asks_for_a_restart_when_an_old_version_is_already_loaded(setup_mod, tmp_path, monkeypatch, capsys):
+    """A package this kernel imported before the install keeps its old version until the kernel restarts."""
+    course = fake_course(tmp_path, ["numpy>=999"], ["no-such-package-xyz==1.0"])
+    monkeypatch.setitem(setup_mod["install_packages"].__globals__, "pip", lambda args, dry: None)
+    setup_mod["install_packages"](course)
+    out = capsys.readouterr().out
+    assert "numpy: " in out and "does not satisfy >=999" in out and "no-such-package-xyz: not installed" in out
+    assert "RESTART this kernel" in out and "numpy were already loaded" in out

