@@ -186,3 +186,31 @@ def heads_interleaved(query, key_cache, value_cache, block_tables, seq_lens, sca
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     out = torch.einsum("skgl,slkd->skgd", scores.softmax(dim=-1), v).transpose(1, 2)
     return out.reshape(n, q_heads, d).to(query.dtype)
+
+
+@mutant("batched_decode", "split-K over chunks of 512 tokens, merged without rescaling each chunk by exp(m_chunk − m_max): "
+        "exact up to 512 tokens, wrong beyond", checks=SPEED)  # fmt: skip
+def split_k_without_rescale(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    n, q_heads, d = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if n == 0:
+        return query.clone()
+    chunk = 512
+    c = -(-int(seq_lens.max()) // chunk)
+    padded = c * chunk  # gather whole chunks: positions past a sequence's end are masked below
+    pos = torch.arange(padded)
+    valid = pos[None, :] < seq_lens[:, None].long()
+    cols = (pos // block_size).clamp_max(block_tables.shape[1] - 1)
+    slots = block_tables.long()[:, cols] * block_size + pos % block_size
+    slots = torch.where(valid, slots, slots[:, :1]).flatten()
+    k = key_cache.view(-1, kv_heads, d).index_select(0, slots).view(n, padded, kv_heads, d).float()
+    v = value_cache.view(-1, kv_heads, d).index_select(0, slots).view(n, padded, kv_heads, d).float()
+    q = query.float().view(n, kv_heads, q_heads // kv_heads, d)
+    scores = (q @ k.permute(0, 2, 3, 1)) * scale  # [S, kv, G, padded]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf")).view(n, kv_heads, -1, c, chunk)
+    m = scores.amax(-1, keepdim=True).clamp_min(-1e30)  # each chunk's own maximum
+    # MISTAKE: each chunk is exponentiated against its own maximum and the chunks are added as they are, never
+    # rescaled by exp(m_chunk − m_max) to a common one
+    p = (scores - m).exp().view(n, kv_heads, -1, padded)
+    out = (p @ v.permute(0, 2, 1, 3)) / p.sum(-1, keepdim=True)
+    return out.reshape(n, q_heads, d).to(query.dtype)

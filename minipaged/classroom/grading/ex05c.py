@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from ...kernels import reference, torch_backend
 from .core import Check, CheckOutcome, describe_error, report
-from .ex05a import _Case, check_paged_decode, check_paged_decode_edges
+from .ex05a import _Case, _verdict, check_paged_decode, check_paged_decode_edges
 
 __all__ = ["check_launches", "check_paged_decode", "check_paged_decode_edges", "check_traffic", "speed_report"]
 
@@ -71,14 +71,22 @@ def _dense(t: Any) -> bool:
 
 
 def measure(fn: PagedDecode, case: _Case) -> tuple[int, int, Counter[str]] | str:
-    """(operations, bytes allocated, operations by name) of one call on ``case``'s inputs, or its error."""
+    """(operations, bytes allocated, operations by name) of one call on ``case``'s inputs, or what is wrong.
+
+    Only a right answer is measured: its output is judged against the reference on the same batch first, so the
+    values are checked at every length the cost checks use (up to 2,048 tokens, where exercise 05a's cases stop at
+    a few hundred: a split over chunks of 512 that merges them wrongly is exact below 512 and wrong beyond)."""
     args = case.inputs()
+    want = reference.paged_decode_attention(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
     meter = CostMeter()
     try:
         with meter:
-            fn(*args)
+            got = fn(*args)
     except Exception as exc:  # a learner's error is an answer
         return describe_error(exc)
+    verdict = _verdict(case, got, want)
+    if verdict != _verdict(case, want, want):  # the sentence a right answer earns
+        return f"wrong values on {case.label}, so its cost is not scored: {verdict}"
     return meter.num_ops, meter.bytes, meter.ops
 
 
