@@ -227,7 +227,9 @@ class BlockPool:
         num_blocks: blocks in the pool, the null block included (so ``num_blocks - 1``
             are usable). At least 2.
         enable_caching: keep hashes of full blocks so that later requests with the
-            same prefix can reuse them (automatic prefix caching).
+            same prefix can reuse them (automatic prefix caching). Off, ``cache_full_blocks``
+            records nothing and ``get_cached_block`` finds nothing (the swap pool; an engine
+            without prefix caching).
 
     The life of a block (``ref_cnt`` in brackets)::
 
@@ -381,8 +383,8 @@ class BlockPool:
                       cached        cached     ^ new: hash h2   not cached (not full)
                       (num_cached_blocks = 2, num_full_blocks = 3)
         """
-        if num_cached_blocks >= num_full_blocks:
-            return
+        if not self.enable_caching or num_cached_blocks >= num_full_blocks:
+            return  # a pool without prefix caching keeps no hashes: nothing to find, nothing to evict
         if num_full_blocks > len(blocks):
             raise ValueError(f"num_full_blocks={num_full_blocks} but the request has {len(blocks)} blocks")
         if len(request.block_hashes) < num_full_blocks:

@@ -27,6 +27,7 @@ class DictPool:
         self.free: OrderedDict[int, KVCacheBlock] = OrderedDict((i, self.blocks[i]) for i in range(1, num_blocks))
         self.by_hash: dict[bytes, KVCacheBlock] = {}
         self.hash_of: dict[int, bytes] = {}
+        self.caching = enable_caching
 
     def get_num_free_blocks(self) -> int:
         return len(self.free)
@@ -74,6 +75,8 @@ class DictPool:
     def cache_full_blocks(
         self, request: Any, blocks: list[KVCacheBlock], num_cached_blocks: int, num_full_blocks: int, block_size: int
     ) -> None:
+        if not self.caching:
+            return
         for i in range(num_cached_blocks, num_full_blocks):
             b = blocks[i]
             if b.block_id not in self.hash_of:
@@ -181,3 +184,10 @@ class SearchingPool(DictPool):
             if b.ref_cnt == 0:
                 self.queue.remove(b)  # MISTAKE: O(n), a comparison with every free block before it
             b.ref_cnt += 1
+
+
+@mutant("BlockPool", "enable_caching ignored: a pool told to keep no hashes caches blocks and finds them")
+class IgnoresTheCachingSwitch(DictPool):
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        super().__init__(num_blocks, enable_caching)
+        self.caching = True  # MISTAKE: self.caching = enable_caching

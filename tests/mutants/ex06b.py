@@ -210,3 +210,25 @@ class SamplesEveryChunk(PhaseScheduler):
                 self.kv_cache_manager.free(req)
                 done.append(req)
         return done
+
+
+@mutant("Scheduler", "admits in a step that preempted: the request just preempted is admitted again at once")
+class AdmitsAfterPreemption(PhaseScheduler):
+    def may_admit(self, victims: list[str]) -> bool:
+        return True  # MISTAKE: not victims (a step that preempted admits nobody: the pool is short)
+
+
+@mutant("Scheduler", "the prefix hits charged to the step's token budget: they cost no compute")
+class HitsChargedToBudget(PhaseScheduler):
+    def admit(self, plan: list[tuple[str, int]], left: int) -> None:
+        while self.waiting and left > 0 and self.seats_free() > 0:
+            req = self.waiting[0]
+            hits, num_hit = self.lookup(req)
+            n = self.chunk(req, num_hit, left)
+            if self.kv_cache_manager.allocate_slots(req, n, num_hit, hits) is None:
+                return
+            self.waiting.popleft()
+            req.num_computed_tokens, req.status = num_hit, RequestStatus.RUNNING
+            self.running.append(req)
+            plan.append((req.request_id, n))
+            left -= n + num_hit  # MISTAKE: left -= n (a hit is read from the cache, not computed)

@@ -183,6 +183,17 @@ def _partly_cached(cls: PoolClass) -> list[Any]:
     return [_found(pool, h) for h in hashes]
 
 
+def _caching_off(cls: PoolClass) -> list[Any]:
+    """``enable_caching=False``: cache_full_blocks records nothing, so nothing is found and nothing evicted."""
+    pool = cls(6, enable_caching=False)
+    blocks = pool.get_new_blocks(2)
+    hashes = [block_hash("o0"), block_hash("o1")]
+    pool.cache_full_blocks(fake_request("r", hashes), blocks, 0, 2, BLOCK_SIZE)
+    found = [_found(pool, h) for h in hashes]
+    pool.free_blocks(list(reversed(blocks)))
+    return [found, [_found(pool, h) for h in hashes], [b.block_hash is None for b in blocks], _drain(pool)]
+
+
 SPEC_CASES: list[tuple[str, Callable[[PoolClass], Any], str]] = [
     (
         "BlockPool(6): [free count, block ids, null_block is blocks[0], the order they are handed out]",
@@ -233,6 +244,11 @@ SPEC_CASES: list[tuple[str, Callable[[PoolClass], Any], str]] = [
         "cache_full_blocks(req, blocks, 0, 1) then (req, blocks, 1, 3): what each of 4 hashes finds",
         _partly_cached,
         "blocks[num_cached_blocks:num_full_blocks] are the new full blocks, hashed request.block_hashes[i]",
+    ),
+    (
+        "BlockPool(6, enable_caching=False): cache 2 blocks, free them: [found in use, found free, hashless, order]",
+        _caching_off,
+        "enable_caching=False keeps no hashes: cache_full_blocks records nothing, get_cached_block finds nothing",
     ),
 ]
 

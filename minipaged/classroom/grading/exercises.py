@@ -62,7 +62,7 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex(
             "ex03b_block_pool",
-            ("pool_spec", "check_pool_spec", "BlockPool", 11),
+            ("pool_spec", "check_pool_spec", "BlockPool", 12),
             ("pool_twin", "check_pool_twin", "BlockPool", 4),
             ("pool_O1", "check_pool_O1", "BlockPool", 5),
         ),
@@ -114,7 +114,7 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex(
             "ex06b_scheduler",
-            ("scheduler_spec", "check_scheduler_spec", "Scheduler", 10),
+            ("scheduler_spec", "check_scheduler_spec", "Scheduler", 12),
             ("scheduler_twin", "check_scheduler_twin", "Scheduler", 3),
         ),
         _ex(
