@@ -1,14 +1,18 @@
 """Exercise 10c — the learner's engine: step loops a learner gets wrong, each one mistake from a right one.
 
 ``SnapshotEngine`` is a right answer written differently from the solution notebook's: its inputs are built with
-tensor operations from the block tables, its rollback pickles what a step changes, and its forward pass keeps the
+tensor operations from the block tables, its rollback keeps a shallow copy of every object a step can change, found through the garbage collector, and its forward pass keeps the
 last-row logits only. It is graded (on the tiny model, with the package's pieces behind the build track's
 interfaces) for full marks as the mutants' helper. Each mutant below changes one method of it.
 """
 
 from __future__ import annotations
 
+import copy
+import gc
 import pickle
+import types
+from collections import deque
 from typing import Any
 
 import torch
@@ -81,12 +85,35 @@ class SnapshotEngine:
     def sample(self, logits: torch.Tensor) -> list[int]:
         return [int(row.argmax()) for row in logits]
 
-    def snapshot(self) -> bytes:
-        return pickle.dumps((self.scheduler, self.requests))
+    def snapshot(self) -> list[tuple[Any, Any]]:
+        """A shallow copy of every mutable object the scheduler and the requests reach, found through the garbage
+        collector's referents with a stack (a 10,000-block free list is too deep for recursion)."""
+        saved, seen, todo = [], set(), [self.scheduler, self.requests]
+        while todo:
+            obj = todo.pop()
+            if id(obj) in seen or isinstance(obj, (type, types.FunctionType, types.ModuleType, torch.Tensor)):
+                continue
+            seen.add(id(obj))
+            todo.extend(gc.get_referents(obj))
+            if hasattr(obj, "__dict__") and not isinstance(obj, type):
+                todo.append(vars(obj))  # saved as a dict (3.11 keeps attributes inline, out of get_referents' sight)
+            if isinstance(obj, (dict, list, deque, set)) or hasattr(type(obj), "__slots__"):
+                saved.append((obj, copy.copy(obj)))
+        return saved
 
-    def restore(self, saved: bytes) -> None:
-        self.scheduler, self.requests = pickle.loads(saved)
-        self.kv_cache_manager = self.scheduler.kv_cache_manager
+    def restore(self, saved: list[tuple[Any, Any]]) -> None:
+        for obj, was in saved:
+            if isinstance(obj, (dict, set)):
+                obj.clear()
+                obj.update(was)
+            elif isinstance(obj, (list, deque)):
+                obj.clear()
+                obj.extend(was)
+            else:
+                for c in type(obj).__mro__:
+                    for name in c.__dict__.get("__slots__", ()):
+                        if hasattr(was, name):
+                            object.__setattr__(obj, name, getattr(was, name))
 
     def run_step(self) -> list[tuple[str, int]]:
         scheduled, _ = self.scheduler.schedule()
@@ -177,3 +204,16 @@ class ExceptionOnly(SnapshotEngine):
         except Exception:  # MISTAKE: BaseException (KeyboardInterrupt is not an Exception)
             self.restore(saved)
             raise
+
+
+@mutant(
+    "Engine",
+    "rollback by pickling (as copy.deepcopy): right on a small pool, RecursionError along a 10,000-block free list",
+)
+class DeepcopyRollback(SnapshotEngine):
+    def snapshot(self) -> Any:
+        return pickle.dumps((self.scheduler, self.requests))  # MISTAKE: recursion along the free list's links
+
+    def restore(self, saved: Any) -> None:
+        self.scheduler, self.requests = pickle.loads(saved)
+        self.kv_cache_manager = self.scheduler.kv_cache_manager

@@ -41,7 +41,10 @@ class Check:
     tried: str  # shown on failure, e.g. "bytes_per_token(80, 8, 128, 2)"
     run: Thunk
     expected: Any
-    hint: str = ""
+    # Shown on failure. A hint whose advice holds only in some failures is a function of what the check got,
+    # returning the advice that fits (or "" for none): a hint that says "X passes but this fails" must not be
+    # printed when X fails too.
+    hint: str | Callable[[Any], str] = ""
     same: Callable[[Any, Any], bool] = field(default=operator.eq)
 
 
@@ -94,10 +97,22 @@ def report(group: str, checks: Sequence[Check]) -> Outcomes:
         lines.append(f"  ✗ tried    {o.check.tried}")
         lines.append(f"    expected {o.check.expected!r}")
         lines.append(f"    got      {got}")
-        if o.check.hint:
-            lines.append(f"    hint     {o.check.hint}")
+        hint = _hint(o)
+        if hint:
+            lines.append(f"    hint     {hint}")
     print("\n".join(lines))
     return outcomes
+
+
+def _hint(outcome: CheckOutcome) -> str:
+    """The check's hint for this failure: its text, or what its function says of the value the check got."""
+    hint = outcome.check.hint
+    if not callable(hint):
+        return hint
+    try:
+        return hint(outcome.got)
+    except Exception as exc:  # a hint that cannot decide gives none, rather than hide the failure behind an error
+        return f"(no hint: deciding which one fits raised {describe_error(exc)})"
 
 
 def parse_summaries(text: str) -> list[tuple[str, int, int]]:

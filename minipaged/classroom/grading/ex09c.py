@@ -227,16 +227,38 @@ def _spec_case(fn: LayerFn, cfg_name: str, plan_index: int) -> str:
     return _compare(got, want)
 
 
+# One hint per rung of the ladder: what the case adds to the one before it.
+PLAN_HINTS = [
+    "one step, whole prompts: RMSNorm in float32 with eps inside the root; RoPE on the two halves of each head at "
+    "the row's own position; each query row sees its sequence up to its own position; query head h reads KV head "
+    "h // (heads / kv heads)",
+    "the second chunk attends to the first chunk's K/V read back from the cache: write this step's K/V into their "
+    "slots before attention reads, and give the second chunk positions 4-9, not 0-5",
+    "a decode step is one query row at the sequence's last position, over every cached key up to it",
+    "a mixed step: each row reads its own sequence's block table and length; the rows of a sequence are "
+    "cu_seqlens_q[i]..cu_seqlens_q[i + 1]; a decode row and a prompt row must not see each other",
+    "blocks of 2: a position's slot is block_table[pos // block_size] * block_size + pos % block_size, for any "
+    "block size; a sequence that arrives late starts from position 0",
+]
+
+
+def _after_the_first(decoder_layer: LayerFn, i: int) -> Callable[[Any], str]:
+    """The rung's own hint, unless the one-step case fails too: then that is where to start."""
+
+    def hint(_got: Any) -> str:
+        if _spec_case(decoder_layer, next(iter(SMALL)), 0) != "matches":
+            return "the one-step case fails too: start there (its hint says what each stage must do)"
+        return PLAN_HINTS[i]
+
+    return hint
+
+
 def check_layer_spec(decoder_layer: LayerFn) -> list[CheckOutcome]:
     """Small layers with random weights, each plan, against transformers' ``LlamaDecoderLayer`` on whole sequences."""
-    hint = (
-        "compare one stage at a time with the spec: RMSNorm in float32 with eps inside the root; RoPE on the "
-        "two halves of each head at the row's own position; K/V written before attention reads them; each "
-        "query row sees its sequence's positions up to its own; query head h reads KV head h // (heads / kv heads)"
-    )
     checks = []
     for i, (label, *_rest) in enumerate(PLANS):
         for name in SMALL if i in (3, 4) else list(SMALL)[:1]:
+            hint = PLAN_HINTS[0] if i == 0 else _after_the_first(decoder_layer, i)
             checks.append(Check(f"{name}: {label}", lambda n=name, i=i: _spec_case(decoder_layer, n, i), "matches",
                                 hint=hint))  # fmt: skip
     return report("layer_spec", checks)
@@ -328,6 +350,15 @@ def _smollm2_run(fn: LayerFn) -> list[str]:
     return [first_bad, tokens]
 
 
+def _spec_passes(decoder_layer: LayerFn) -> bool:
+    """Whether every layer_spec case matches (run quietly: for a hint's condition)."""
+    return all(
+        _spec_case(decoder_layer, name, i) == "matches"
+        for i in range(len(PLANS))
+        for name in (SMALL if i in (3, 4) else list(SMALL)[:1])
+    )
+
+
 def check_layer_smollm2(decoder_layer: LayerFn) -> list[CheckOutcome]:
     """SmolLM2's 30 layers, each replaced by the learner's, over a chunked mixed schedule of three prompts."""
     cache: dict[str, list[str]] = {}
@@ -345,15 +376,23 @@ def check_layer_smollm2(decoder_layer: LayerFn) -> list[CheckOutcome]:
                 "to it; the first layer whose output differs",
                 lambda: result(0),
                 "every layer matches",
-                hint="a first layer that differs while layer_spec passes: look at what SmolLM2 has that the small "
-                "layers lack (9 query heads over 3 KV heads, rope_theta 100000, 576 wide, long rows of 1536)",
+                hint=lambda got: (
+                    "a first layer that differs while layer_spec passes: look at what SmolLM2 has that the small "
+                    "layers lack (9 query heads over 3 KV heads, rope_theta 100000, 576 wide, long rows of 1536)"
+                    if _spec_passes(decoder_layer)
+                    else "layer_spec fails too: fix the small layers first (their checks name the case)"
+                ),
             ),
             Check(
                 "the 30 layers chained (each given your previous output), then transformers' final norm and LM head: "
                 "the next token of each prompt",
                 lambda: result(1),
                 "the same next tokens",
-                hint="layer by layer passes but chained does not: an error small in one layer grows over 30",
+                hint=lambda got: (
+                    "layer by layer passes but chained does not: an error small in one layer grows over 30"
+                    if result(0) == "every layer matches"
+                    else "a layer differs given transformers' input (the check above): fix that one first"
+                ),
             ),
         ],
     )

@@ -455,7 +455,7 @@ def _observable(engine: Any) -> Any:
     )  # fmt: skip
 
 
-def _rollback_run(cls: EngineClass, exc_type: type[BaseException], fail_at_step: int) -> str:
+def _rollback_run(cls: EngineClass, exc_type: type[BaseException], fail_at_step: int, num_blocks: int = 0) -> str:
     calls = {"n": 0, "armed": False}
 
     def flaky(*args: Any) -> torch.Tensor:
@@ -465,7 +465,7 @@ def _rollback_run(cls: EngineClass, exc_type: type[BaseException], fail_at_step:
         return package_decoder_layer(*args)
 
     parts = {**package_parts(), "decoder_layer": flaky}
-    engine = cls(tiny(), parts, **TINY_SETTINGS)
+    engine = cls(tiny(), parts, **{**TINY_SETTINGS, "num_blocks": num_blocks or TINY_SETTINGS["num_blocks"]})
     prompts = tiny_prompts()
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, TINY_MAX_TOKENS)
@@ -494,21 +494,29 @@ def _rollback_run(cls: EngineClass, exc_type: type[BaseException], fail_at_step:
 def check_engine_rollback(Engine: EngineClass) -> list[CheckOutcome]:
     """A step whose second layer fails: it raises, changes nothing, and the run then ends with the right tokens."""
     hint = (
-        "keep a copy of what a step changes (the scheduler, which holds the manager, the pool and the requests) "
-        "before schedule(); on any exception (BaseException: Ctrl-C too) put it back, then raise"
+        "save what a step changes (the scheduler, which holds the manager, the pool, its blocks and the requests) "
+        "before schedule(); on any exception (BaseException: Ctrl-C too) put it back in place, then raise"
     )
-    cases = [(_Fault, 2, "a RuntimeError"), (KeyboardInterrupt, 4, "Ctrl-C (KeyboardInterrupt)")]
+    big = (
+        "save without recursion: copy.deepcopy follows the free list link by link and runs out of stack on a big "
+        "pool; walk the objects with a stack and save each one's attributes and each container's contents"
+    )
+    cases = [
+        (_Fault, 2, "a RuntimeError", 0, hint),
+        (KeyboardInterrupt, 4, "Ctrl-C (KeyboardInterrupt)", 0, hint),
+        (_Fault, 3, "a RuntimeError, in a pool of 10,000 blocks", 10_000, big),
+    ]
     return report(
         "engine_rollback",
         [
             Check(
                 f"tiny run, {label} in layer 2 of step {at}: it raises, every request, table and the pool are as "
                 "before the step, and the run finishes token-exact",
-                lambda exc=exc, at=at: _rollback_run(Engine, exc, at),
+                lambda exc=exc, at=at, n=n: _rollback_run(Engine, exc, at, n),
                 "token-exact",
-                hint=hint,
+                hint=h,
             )
-            for exc, at, label in cases
+            for exc, at, label, n, h in cases
         ],
     )
 
@@ -522,6 +530,13 @@ def notebook_folder() -> Path:
     (Jupyter, nbval) runs in the notebook's folder."""
     arg = sys.argv[1] if len(sys.argv) > 1 else ""
     return Path(arg).resolve().parent if arg.endswith(".ipynb") else Path.cwd()
+
+
+def _tiny_passes(Engine: EngineClass) -> bool:
+    """Whether the learner's step loop, with the package's components, serves the tiny model token-exact."""
+    engine = Engine(tiny(), package_parts(), **TINY_SETTINGS)
+    got = [list(o) for o in engine.generate(tiny_prompts(), TINY_MAX_TOKENS)]
+    return _compare_outputs(got, _tiny_reference(tiny_prompts(), TINY_MAX_TOKENS)) == "token-exact"
 
 
 def check_engine_smollm2(Engine: EngineClass) -> list[CheckOutcome]:
@@ -557,8 +572,12 @@ def check_engine_smollm2(Engine: EngineClass) -> list[CheckOutcome]:
                 "token, step by step",
                 lambda: _compare_outputs(run().outputs, ex10.reference_outputs(ex10.prompt_ids())),
                 "token-exact",
-                hint="engine_tiny passes but this fails: a component of yours (the layer on SmolLM2's shape, the "
-                "scheduler or manager under this pool) — its own exercise's checks say which",
+                hint=lambda got: (
+                    "engine_tiny passes but this fails: a component of yours (the layer on SmolLM2's shape, the "
+                    "scheduler or manager under this pool) — its own exercise's checks say which"
+                    if _tiny_passes(Engine)
+                    else "engine_tiny fails too, with the package's components: fix your step loop first"
+                ),
             ),
             Check(
                 "and the run preempted, chunked prompts, and admitted on prefix-cache hits",

@@ -154,7 +154,7 @@ EXERCISES: dict[str, Exercise] = {
             "ex10c_your_engine",
             ("engine_inputs", "check_engine_inputs", "Engine", 4),
             ("engine_tiny", "check_engine_tiny", "Engine", 2),
-            ("engine_rollback", "check_engine_rollback", "Engine", 2),
+            ("engine_rollback", "check_engine_rollback", "Engine", 3),
             ("engine_smollm2", "check_engine_smollm2", "Engine", 3),
         ),
         _ex(
