@@ -43,3 +43,13 @@ def test_layer_smollm2_says_layer_spec_passes_only_when_it_does(capsys):
     ex09c.check_layer_smollm2(mutants09c.layer_norm)  # fails layer_spec too
     hints = _hints(capsys.readouterr().out)
     assert hints[0].startswith("layer_spec fails too") and not any("while layer_spec passes" in h for h in hints)
+
+
+def test_a_failed_trace_marks_its_first_wrong_item(capsys):
+    report("g", [Check("trace", lambda: [[1, 2], [3, 4], [5, 6]], [[1, 2], [3, 9], [5, 7]]),
+                 Check("short", lambda: [1, 2], [1, 2, 3]),
+                 Check("scalar", lambda: 1, 2)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "first    item 1 differs: got [3, 4], expected [3, 9]; within it, item 1 differs: got 4, expected 9" in out
+    assert "first    the first 2 items agree; got 2 items, expected 3" in out
+    assert sum(line.strip().startswith("first") for line in out.splitlines()) == 2  # a scalar has none

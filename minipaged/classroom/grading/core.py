@@ -97,11 +97,28 @@ def report(group: str, checks: Sequence[Check]) -> Outcomes:
         lines.append(f"  ✗ tried    {o.check.tried}")
         lines.append(f"    expected {o.check.expected!r}")
         lines.append(f"    got      {got}")
+        first = _first_difference(o.got, o.check.expected)
+        if first:
+            lines.append(f"    first    {first}")
         hint = _hint(o)
         if hint:
             lines.append(f"    hint     {hint}")
     print("\n".join(lines))
     return outcomes
+
+
+def _first_difference(got: Any, expected: Any) -> str:
+    """Where a trace (a list of steps or observations) first parts from the expected one: the line that marks the
+    first wrong step, so that a long trace need not be read side by side."""
+    if not isinstance(got, (list, tuple)) or not isinstance(expected, (list, tuple)) or len(expected) < 2:
+        return ""
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if a != b:
+            inner = _first_difference(a, b)
+            return f"item {i} differs: got {a!r}, expected {b!r}" + (f"; within it, {inner}" if inner else "")
+    if len(got) != len(expected):
+        return f"the first {min(len(got), len(expected))} items agree; got {len(got)} items, expected {len(expected)}"
+    return ""
 
 
 def _hint(outcome: CheckOutcome) -> str:
