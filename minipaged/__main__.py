@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .classroom.grading.runner import DEFAULT_MEMORY_BYTES as DEFAULT_GRADE_MEMORY
 from .classroom.grading.runner import DEFAULT_TIMEOUT_S as DEFAULT_GRADE_TIMEOUT_S
 
 DEMO_PROMPTS = [
@@ -325,7 +326,7 @@ def cmd_grade(args: argparse.Namespace) -> int:
         print(f"grading {path} ...", file=sys.stderr, flush=True)
 
     try:
-        scores = grade_folder(args.paths, timeout=args.timeout, progress=progress)
+        scores = grade_folder(args.paths, timeout=args.timeout, progress=progress, memory=args.memory)
     except (FileNotFoundError, ValueError) as exc:
         print(f"minipaged grade: {exc}", file=sys.stderr)
         return 2
@@ -334,6 +335,15 @@ def cmd_grade(args: argparse.Namespace) -> int:
     if details:
         print("\nwhere points were lost:\n\n" + details)
     return 0
+
+
+def _grade_memory(text: str) -> int:
+    from .config import parse_memory
+
+    try:
+        return parse_memory(text, "--memory")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive(text: str) -> int:
@@ -523,6 +533,13 @@ def _add_grade(sub: Any) -> None:
         default=DEFAULT_GRADE_TIMEOUT_S,
         metavar="SECONDS",
         help=f"time limit for each notebook, its cells and its checks together (default {DEFAULT_GRADE_TIMEOUT_S} s)",
+    )
+    grade.add_argument(
+        "--memory",
+        type=_grade_memory,
+        default=DEFAULT_GRADE_MEMORY,
+        metavar="SIZE",
+        help="memory limit for each notebook, e.g. 4GiB: what its code may allocate (default 6GiB)",
     )
 
 

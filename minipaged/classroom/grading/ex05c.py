@@ -77,7 +77,10 @@ def measure(fn: PagedDecode, case: _Case) -> tuple[int, int, Counter[str]] | str
     values are checked at every length the cost checks use (up to 2,048 tokens, where exercise 05a's cases stop at
     a few hundred: a split over chunks of 512 that merges them wrongly is exact below 512 and wrong beyond)."""
     args = case.inputs()
-    want = reference.paged_decode_attention(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+    query, key_cache, value_cache, tables, seq_lens, scale = args
+    want = reference.paged_decode_attention(
+        query.clone(), key_cache.clone(), value_cache.clone(), tables.clone(), seq_lens.clone(), scale
+    )
     meter = CostMeter()
     try:
         with meter:

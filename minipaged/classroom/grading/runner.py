@@ -32,6 +32,7 @@ import json
 import linecache
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .exercises import EXERCISES, Exercise, exercise_for
+from .sandbox import MEMORY_WORDS, TIME_UP
 
 if sys.version_info >= (3, 11):
     from contextlib import chdir as _chdir
@@ -64,6 +66,9 @@ CHECK_MARK = "NBVAL_CHECK_OUTPUT"
 # it as its output.
 METADATA_KEY = "minipaged"
 DEFAULT_TIMEOUT_S = 300  # per notebook; the slowest solution (ex10) takes about 40 s on 2 cores
+# Per notebook: private writable memory (sandbox.py). The hungriest solution (ex10c: SmolLM2 served, transformers'
+# reference beside it) maps about 3 GiB.
+DEFAULT_MEMORY_BYTES = 6 * 2**30
 # A check cell calls one of the grading modules' check functions; such a cell is never run as the learner's code,
 # even when its NBVAL mark was deleted.
 _CHECK_CALL = re.compile(r"\bex\d\d\.check_\w+\s*\(")
@@ -214,9 +219,13 @@ def _tail(path: Path, lines: int = 6) -> str:
     return "\n".join(text[-lines:])
 
 
-def grade_notebook(path: str | os.PathLike, timeout: float = DEFAULT_TIMEOUT_S) -> list[GroupScore]:
-    """Every group of the notebook's exercise, scored by running the learner's code in a fresh process that is
-    killed after ``timeout`` seconds. Never raises for what is in the notebook: each problem is a row's note."""
+def grade_notebook(
+    path: str | os.PathLike, timeout: float = DEFAULT_TIMEOUT_S, memory: int = DEFAULT_MEMORY_BYTES
+) -> list[GroupScore]:
+    """Every group of the notebook's exercise, scored by running the learner's code in a fresh process, in a
+    throwaway copy of the notebook's folder, under a time limit (``timeout`` seconds) and a memory limit
+    (``memory`` bytes); every process it starts is ended with it (``sandbox.py``). Never raises for what is in the
+    notebook: each problem is a row's note."""
     path = Path(path)
     name = path.name
     exercise = exercise_for(name)
@@ -239,34 +248,55 @@ def grade_notebook(path: str | os.PathLike, timeout: float = DEFAULT_TIMEOUT_S) 
     with tempfile.TemporaryDirectory(prefix="minipaged-grade-") as tmp:
         events_path, err_path = Path(tmp, "events.jsonl"), Path(tmp, "stderr.txt")
         events_path.touch()
-        cmd = [
-            sys.executable,
-            "-m",
-            "minipaged.classroom.grading.worker",
-            str(path.resolve()),
-            exercise.key,
-            str(events_path),
-        ]
+        work = _throwaway_copy(path.resolve().parent, Path(tmp, "work"))
+        worker = [sys.executable, "-m", "minipaged.classroom.grading.worker", str(work / name), exercise.key,
+                  str(events_path)]  # fmt: skip
+        cmd = [sys.executable, "-m", "minipaged.classroom.grading.sandbox", str(timeout), str(memory), "--", *worker]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
         with open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=path.resolve().parent,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                env=env,
-                start_new_session=True,
-            )
+            proc = subprocess.Popen(cmd, cwd=work, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                    env=env, start_new_session=True)  # fmt: skip
             try:
-                rc: int | None = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:  # a time limit, Ctrl-C, anything: the worker and whatever it started go with it
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        return _scores_from_events(name, exercise, _events(events_path), rc, timeout, _tail(err_path))
+                code = proc.wait(timeout=timeout + 60)  # the supervisor keeps the time; this is its own bound
+            except BaseException as exc:  # Ctrl-C, or a supervisor that hangs: it ends the worker and descendants
+                _stop_supervisor(proc)
+                if not isinstance(exc, subprocess.TimeoutExpired):
+                    raise
+                code = TIME_UP
+        rc = None if code == TIME_UP else (128 - code if code > 128 else code)
+        scores = _scores_from_events(name, exercise, _events(events_path), rc, timeout, _tail(err_path))
+        return _with_memory_note(scores, memory)
+
+
+def _stop_supervisor(proc: subprocess.Popen) -> None:
+    """SIGTERM: the supervisor ends everything it watches, then itself; SIGKILL to its group if it does not."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _throwaway_copy(folder: Path, work: Path) -> Path:
+    """The notebook's folder as the worker sees it: its files (the exercise's siblings, data), not its subfolders
+    (``solutions/``), copied, so that whatever the notebook deletes or writes is thrown away with the copy."""
+    work.mkdir()
+    for item in folder.iterdir():
+        if item.is_file() and not item.is_symlink():
+            shutil.copy2(item, work / item.name)
+    return work
+
+
+def _with_memory_note(scores: list[GroupScore], memory: int) -> list[GroupScore]:
+    """Name the memory limit in every row of a notebook whose code ran out of it (a cell, or the checks)."""
+    texts = [e for s in scores for e in s.cell_errors] + [s.detail for s in scores] + [s.note for s in scores]
+    if not any(word in t for t in texts for word in MEMORY_WORDS):
+        return scores
+    note = f"over the memory limit of {memory / 2**30:g} GiB"
+    return [dataclasses.replace(s, note=f"{note}; {s.note}" if s.note else note) for s in scores]
 
 
 def _where(events: list[dict[str, Any]]) -> str:
@@ -339,6 +369,7 @@ def grade_folder(
     folder: str | os.PathLike | Iterable[str | os.PathLike] = "exercises",
     timeout: float = DEFAULT_TIMEOUT_S,
     progress: Callable[[Path], None] | None = None,
+    memory: int = DEFAULT_MEMORY_BYTES,
 ) -> list[GroupScore]:
     """Scores of every notebook in ``folder`` (or of each path in a list of folders and notebooks). One notebook
     of each exercise counts in the total (the one named like the starter, else the first by name); another one of
@@ -362,7 +393,7 @@ def grade_folder(
     for nb in notebooks:
         if progress is not None:
             progress(nb)
-        rows = grade_notebook(nb, timeout)
+        rows = grade_notebook(nb, timeout, memory)
         exercise = exercise_for(nb.name)
         if exercise is not None and counted[exercise.key] != nb:
             first = counted[exercise.key].name
