@@ -33,40 +33,181 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# Peak HBM bandwidth in GB/s (vendor datasheets), matched in order against torch.cuda.get_device_name().
-PEAK_GBPS = [
-    ("H200", 4800.0),
-    ("H100 NVL", 3900.0),
-    ("H100 PCIe", 2000.0),
-    ("H100", 3350.0),  # SXM5, "NVIDIA H100 80GB HBM3"
-    ("GH200", 4000.0),
-    ("A100-SXM4-80GB", 2039.0),
-    ("A100 80GB PCIe", 1935.0),
-    ("A100", 1555.0),
-    ("L40S", 864.0),
-    ("L4", 300.0),
-    ("A10G", 600.0),
-    ("A10", 600.0),
-    ("RTX 4090", 1008.0),
-    ("RTX 3090", 936.0),
-]
+from minipaged.gpus import by_device_name  # noqa: E402  (the package's table of GPUs: peak bandwidth by name)
+
 TARGET_FRACTION, TARGET_MIN_BYTES, TARGET_PAGED_RATIO = 0.80, 64 * 2**20, 1.05
 
 
 def peak_for(name: str) -> float | None:
-    for key, gbps in PEAK_GBPS:
-        if key.lower() in name.lower():
-            return gbps
-    return None
+    """Peak memory bandwidth in GB/s of the GPU ``torch.cuda.get_device_name()`` calls ``name``, from the
+    package's table of GPUs (``minipaged.gpus``, vendor datasheets), or None for a GPU it does not list."""
+    gpu = by_device_name(name)
+    return gpu.bandwidth_gbps if gpu else None
 
 
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+class DecodeSetup(NamedTuple):
+    """What every point measures: one attention layer's heads in one dtype on one device (default: one layer
+    of Llama-3-8B, 32 query heads over 8 KV heads of 128). A NamedTuple, not a dataclass: chapter 05 loads this
+    file with importlib, outside sys.modules, where a dataclass cannot resolve its annotations."""
+
+    device: torch.device
+    dtype: torch.dtype
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+
+    @property
+    def elem(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def scale(self) -> float:
+        return float(self.head_dim**-0.5)
+
+    def kv_bytes(self, batch: int, ctx: int) -> int:
+        """K and V bytes one decode step reads for ``batch`` sequences of ``ctx`` tokens."""
+        return batch * ctx * self.kv_heads * self.head_dim * 2 * self.elem
+
+
+def bench_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """Median milliseconds of fn()."""
+    if device.type == "cuda":
+        import triton
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))  # flushes L2 per run
+    fn()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """Median milliseconds of the GPU work of fn(), replayed from a CUDA graph: decode attention of a small
+    batch takes a few microseconds on the GPU and far more in Python, and the figure of merit is the kernel's
+    bandwidth. Without CUDA, fn() itself."""
+    if device.type != "cuda":
+        return bench_ms(fn, device)
+    fn()  # compiled and warm before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay, device)
+
+
+def make_inputs(setup: DecodeSetup, batch: int, ctx: int, block_size: int, gen: torch.Generator) -> dict[str, Any]:
+    """A query per sequence and a pool of random K/V: once behind a shuffled block table (paged), once with each
+    sequence's blocks back to back (the identity block table, contiguous)."""
+    device, dtype, hq, hkv, d = setup.device, setup.dtype, setup.q_heads, setup.kv_heads, setup.head_dim
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, block_size, hkv, d)
+    kc = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    vc = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    q = torch.randn((batch, hq, d), generator=gen, device=device, dtype=torch.float32).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
+    paged = perm.reshape(batch, blocks_per_seq)  # sequence i's blocks scattered over the pool
+    # The same tokens in a second pool where sequence i owns blocks i*n .. i*n+n-1: identity block table.
+    kc_contig, vc_contig = kc[paged.flatten().long()], vc[paged.flatten().long()]
+    contiguous = torch.arange(num_blocks, device=device, dtype=torch.int32).reshape(batch, blocks_per_seq)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return dict(q=q, lens=lens, paged=(kc, vc, paged), contiguous=(kc_contig, vc_contig, contiguous))
+
+
+def sdpa_inputs(
+    setup: DecodeSetup, inputs: dict[str, Any], batch: int, ctx: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same tokens as a contiguous [batch, kv_heads, ctx, d] cache, for SDPA."""
+    kc, vc, _ = inputs["contiguous"]
+    k, v = (c.view(batch, -1, setup.kv_heads, setup.head_dim)[:, :ctx].transpose(1, 2).contiguous() for c in (kc, vc))
+    return inputs["q"][:, :, None, :], k, v
+
+
+def run_point(
+    setup: DecodeSetup,
+    batch: int,
+    ctx: int,
+    block_size: int,
+    *,
+    peak: float | None = None,
+    with_sdpa: bool = True,
+    tile_n: int | None = None,
+) -> dict[str, Any]:
+    """One point: the paged kernel, the same kernel on contiguous blocks and (``with_sdpa``) PyTorch SDPA on a
+    contiguous cache, timed on the same inputs; GB/s, and the fraction of ``peak`` GB/s when given."""
+    from minipaged.kernels import paged_decode_attention
+    from minipaged.kernels.paged_decode import plan_paged_decode
+
+    device, elem, scale = setup.device, setup.elem, setup.scale
+    gen = torch.Generator(device=device).manual_seed(batch * 100003 + ctx * 7 + block_size)
+    inputs = make_inputs(setup, batch, ctx, block_size, gen)
+    q, lens = inputs["q"], inputs["lens"]
+    kv_bytes = setup.kv_bytes(batch, ctx)
+    total_bytes = kv_bytes + 2 * q.numel() * elem + inputs["paged"][2].numel() * 4 + lens.numel() * 4
+    row: dict[str, Any] = dict(batch=batch, context=ctx, block_size=block_size, kv_bytes=kv_bytes,
+                               bytes_read=total_bytes)  # fmt: skip
+    outs = {}
+    for label in ("paged", "contiguous"):
+        kc, vc, table = inputs[label]
+        outs[label] = torch.empty_like(q)
+        launches = plan_paged_decode(q, kc, vc, table, lens, scale, outs[label], tile_n=tile_n)
+        row["tile_n"], row["num_segments"] = launches[0].constexprs["TILE_N"], launches[0].grid[2]
+
+        def run_launches(launches: list[Any] = launches) -> None:
+            for launch in launches:
+                launch.run()
+
+        row[f"{label}_ms"] = kernel_ms(run_launches, device)
+    out_paged, out_contig = outs["paged"], outs["contiguous"]
+    kc, vc, table = inputs["paged"]
+
+    def call() -> torch.Tensor:
+        return paged_decode_attention(q, kc, vc, table, lens, scale)
+
+    if tile_n is None:  # the wrapper, checks included, computes what its plan computes
+        assert torch.equal(call(), out_paged)
+    # What one call of the wrapper costs, checks and planning on the host included (the engine plans once
+    # a step and skips the checks after its first layer, so its layers pay the kernel time above).
+    row["paged_call_ms"] = bench_ms(call, device)
+    if with_sdpa:
+        qs, ks, vs = sdpa_inputs(setup, inputs, batch, ctx)
+
+        def sdpa() -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True)
+
+        ref = sdpa()[:, :, 0]
+        row["max_abs_err_vs_sdpa"] = float((out_paged.float() - ref.float()).abs().max())
+        row["sdpa_ms"] = kernel_ms(sdpa, device)
+        del qs, ks, vs
+    row["paged_equals_contiguous"] = bool(torch.equal(out_paged, out_contig))
+    for label in ("paged", "contiguous", "sdpa"):
+        if f"{label}_ms" in row:
+            gbps = total_bytes / (row[f"{label}_ms"] * 1e-3) / 1e9
+            row[f"{label}_gbps"] = gbps
+            row[f"{label}_frac_peak"] = gbps / peak if peak else None
+    row["paged_over_contiguous"] = row["paged_ms"] / row["contiguous_ms"]
+    if with_sdpa:
+        row["paged_over_sdpa"] = row["paged_ms"] / row["sdpa_ms"]
+    del inputs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
 def parse_args() -> argparse.Namespace:
@@ -123,8 +264,6 @@ def main() -> int:
     args = parse_args()
     if args.interpret_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before minipaged.kernels defines its kernels
-    import torch
-
     if not args.interpret_smoke and not torch.cuda.is_available():
         print(
             "bench_paged_attention: no CUDA GPU here. This benchmark measures HBM bandwidth and needs one;\n"
@@ -136,105 +275,18 @@ def main() -> int:
     import triton
 
     import minipaged
-    from minipaged.kernels import paged_decode_attention
-    from minipaged.kernels.paged_decode import plan_paged_decode
 
     device = torch.device("cpu" if args.interpret_smoke else "cuda")
     dtype = getattr(torch, args.dtype)
-    elem = torch.tensor([], dtype=dtype).element_size()
+    setup = DecodeSetup(device, dtype, args.q_heads, args.kv_heads, args.head_dim)
     hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
-    scale = d**-0.5
     name = "cpu-triton-interpreter" if args.interpret_smoke else torch.cuda.get_device_name(device)
     peak = args.peak_gbps if args.peak_gbps is not None else (None if args.interpret_smoke else peak_for(name))
     if peak is None and not args.interpret_smoke:
         print(f"unknown peak bandwidth for {name!r}: pass --peak-gbps; reporting GB/s only", file=sys.stderr)
 
-    def bench(fn) -> float:
-        """Median milliseconds of fn()."""
-        if device.type == "cuda":
-            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # flushes L2 per run
-        fn()
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
-
-    def kernel_ms(fn) -> float:
-        """Median milliseconds of the GPU work of fn(), replayed from a CUDA graph: decode attention of a small
-        batch takes a few microseconds on the GPU and far more in Python, and the figure of merit is the kernel's
-        bandwidth. Without CUDA, fn() itself."""
-        if device.type != "cuda":
-            return bench(fn)
-        fn()  # compiled and warm before the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return bench(graph.replay)
-
-    def make_inputs(batch: int, ctx: int, block_size: int, gen: torch.Generator):
-        blocks_per_seq = -(-ctx // block_size)
-        num_blocks = batch * blocks_per_seq
-        shape = (num_blocks, block_size, hkv, d)
-        kc = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-        vc = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-        q = torch.randn((batch, hq, d), generator=gen, device=device, dtype=torch.float32).to(dtype)
-        perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
-        paged = perm.reshape(batch, blocks_per_seq)  # sequence i's blocks scattered over the pool
-        # The same tokens in a second pool where sequence i owns blocks i*n .. i*n+n-1: identity block table.
-        kc_contig, vc_contig = kc[paged.flatten().long()], vc[paged.flatten().long()]
-        contiguous = torch.arange(num_blocks, device=device, dtype=torch.int32).reshape(batch, blocks_per_seq)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-        return dict(q=q, lens=lens, paged=(kc, vc, paged), contiguous=(kc_contig, vc_contig, contiguous))
-
-    def sdpa_inputs(inputs, batch, ctx):
-        """The same tokens as a contiguous [batch, kv_heads, ctx, d] cache, for SDPA."""
-        kc, vc, _ = inputs["contiguous"]
-        k, v = (c.view(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous() for c in (kc, vc))
-        return inputs["q"][:, :, None, :], k, v
-
-    def run_point(batch: int, ctx: int, block_size: int, with_sdpa: bool, tile_n: int | None = None) -> dict:
-        gen = torch.Generator(device=device).manual_seed(batch * 100003 + ctx * 7 + block_size)
-        inputs = make_inputs(batch, ctx, block_size, gen)
-        q, lens = inputs["q"], inputs["lens"]
-        kv_bytes = batch * ctx * hkv * d * 2 * elem
-        total_bytes = kv_bytes + 2 * q.numel() * elem + inputs["paged"][2].numel() * 4 + lens.numel() * 4
-        row = dict(batch=batch, context=ctx, block_size=block_size, kv_bytes=kv_bytes, bytes_read=total_bytes)
-        outs = {}
-        for label in ("paged", "contiguous"):
-            kc, vc, table = inputs[label]
-            outs[label] = torch.empty_like(q)
-            launches = plan_paged_decode(q, kc, vc, table, lens, scale, outs[label], tile_n=tile_n)
-            row["tile_n"], row["num_segments"] = launches[0].constexprs["TILE_N"], launches[0].grid[2]
-            row[f"{label}_ms"] = kernel_ms(lambda launches=launches: [launch.run() for launch in launches])
-        out_paged, out_contig = outs["paged"], outs["contiguous"]
-        if tile_n is None:  # the wrapper, checks included, computes what its plan computes
-            assert torch.equal(paged_decode_attention(q, *inputs["paged"], lens, scale), out_paged)
-        # What one call of the wrapper costs, checks and planning on the host included (the engine plans once
-        # a step and skips the checks after its first layer, so its layers pay the kernel time above).
-        row["paged_call_ms"] = bench(lambda paged=inputs["paged"]: paged_decode_attention(q, *paged, lens, scale))
-        if with_sdpa:
-            qs, ks, vs = sdpa_inputs(inputs, batch, ctx)
-            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True)
-            ref = sdpa()[:, :, 0]
-            row["max_abs_err_vs_sdpa"] = float((out_paged.float() - ref.float()).abs().max())
-            row["sdpa_ms"] = kernel_ms(sdpa)
-            del qs, ks, vs
-        row["paged_equals_contiguous"] = bool(torch.equal(out_paged, out_contig))
-        for label in ("paged", "contiguous", "sdpa"):
-            if f"{label}_ms" in row:
-                gbps = total_bytes / (row[f"{label}_ms"] * 1e-3) / 1e9
-                row[f"{label}_gbps"] = gbps
-                row[f"{label}_frac_peak"] = gbps / peak if peak else None
-        row["paged_over_contiguous"] = row["paged_ms"] / row["contiguous_ms"]
-        if with_sdpa:
-            row["paged_over_sdpa"] = row["paged_ms"] / row["sdpa_ms"]
-        del inputs
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return row
+    def run(batch: int, ctx: int, block_size: int, with_sdpa: bool, tile_n: int | None = None) -> dict[str, Any]:
+        return run_point(setup, batch, ctx, block_size, peak=peak, with_sdpa=with_sdpa, tile_n=tile_n)
 
     def show(row: dict) -> None:
         frac = row.get("paged_frac_peak")
@@ -254,22 +306,22 @@ def main() -> int:
     print(f"batch x context grid (block_size {args.block_size}):")
     for batch in args.batches:
         for ctx in args.contexts:
-            if batch * ctx * hkv * d * 2 * elem > args.max_kv_gib * 2**30:
+            if setup.kv_bytes(batch, ctx) > args.max_kv_gib * 2**30:
                 print(f"  batch {batch:>4}  ctx {ctx:>6}  skipped (KV over {args.max_kv_gib} GiB)")
                 continue
-            row = run_point(batch, ctx, args.block_size, with_sdpa=True)
+            row = run(batch, ctx, args.block_size, with_sdpa=True)
             grid.append(row)
             show(row)
     sweep = []
     print(f"block-size sweep (batch {args.sweep_batch}, context {args.sweep_context}):")
     for bs in args.block_sizes:
-        row = run_point(args.sweep_batch, args.sweep_context, bs, with_sdpa=False)
+        row = run(args.sweep_batch, args.sweep_context, bs, with_sdpa=False)
         sweep.append(row)
         show(row)
     tile_sweep = []
     print(f"tile sweep (block size {args.block_size}, batch {args.sweep_batch}, context {args.sweep_context}):")
     for tile in args.tile_sizes:
-        row = run_point(args.sweep_batch, args.sweep_context, args.block_size, with_sdpa=False, tile_n=tile)
+        row = run(args.sweep_batch, args.sweep_context, args.block_size, with_sdpa=False, tile_n=tile)
         tile_sweep.append(row)
         show(row)
 
@@ -299,7 +351,7 @@ def main() -> int:
         date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         mode="triton-interpreter (smoke test, timings meaningless)" if args.interpret_smoke else "cuda",
         peak_gbps=peak,
-        peak_source="--peak-gbps" if args.peak_gbps is not None else "device-name table",
+        peak_source="--peak-gbps" if args.peak_gbps is not None else "minipaged.gpus (device-name table)",
         versions=dict(
             python=platform.python_version(),
             torch=torch.__version__,

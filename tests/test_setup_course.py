@@ -112,3 +112,15 @@ def test_asks_for_a_restart_when_an_old_version_is_already_loaded(setup_mod, tmp
     out = capsys.readouterr().out
     assert "numpy: " in out and "does not satisfy >=999" in out and "no-such-package-xyz: not installed" in out
     assert "RESTART this kernel" in out and "numpy were already loaded" in out
+
+
+def test_chapter_00_sets_up_first_and_every_chapter_points_to_it():
+    import nbformat
+
+    chapters = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert len(chapters) == 14
+    first_code = next(c for c in nbformat.read(chapters[0], as_version=4).cells if c.cell_type == "code")
+    assert "setup_course.py" in first_code.source and "MINIPAGED_COURSE_URL" in first_code.source
+    for path in chapters[1:]:
+        title = nbformat.read(path, as_version=4).cells[0]
+        assert "run the set-up cell at the top of [chapter 00](00_welcome.ipynb)" in title.source, path.name

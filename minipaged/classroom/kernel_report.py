@@ -54,6 +54,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..gpus import ARCHS as GPU_ARCHS
+from ..gpus import Arch
 from ..utils import cdiv
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -63,17 +65,9 @@ KERNELS = ("reshape_and_cache", "paged_decode", "paged_prefill")
 DEFAULT_GROUP = 4  # GQA group of Llama-3-8B / -70B: 4 query heads per KV head
 SMOLLM2 = dict(head_dim=64, group=3, num_kv_heads=3)  # 9 query heads over 3 KV heads
 
-# Per-SM limits of the CUDA occupancy rules (CUDA C Programming Guide, "Compute capabilities"; the occupancy
-# calculator's allocation units). sm_75 (T4, Turing): half the warps and programs, 64 KiB of shared memory, none
-# of it reserved by the runtime, handed out 256 bytes at a time.
-ARCH_LIMITS: dict[str, dict[str, int]] = {
-    "sm_75": dict(max_warps=32, max_programs=16, registers=65536, shared_per_sm=65536, shared_per_program=65536,
-                  shared_reserved=0, shared_alloc_unit=256),
-    "sm_80": dict(max_warps=64, max_programs=32, registers=65536, shared_per_sm=167936, shared_per_program=166912,
-                  shared_reserved=1024, shared_alloc_unit=128),
-    "sm_90": dict(max_warps=64, max_programs=32, registers=65536, shared_per_sm=233472, shared_per_program=232448,
-                  shared_reserved=1024, shared_alloc_unit=128),
-}  # fmt: skip
+# Per-SM limits of the CUDA occupancy rules, by architecture: the package's table of GPUs holds them (sm_75, the
+# T4's Turing: half the warps and programs, 64 KiB of shared memory, none of it reserved by the runtime).
+ARCH_LIMITS: dict[str, Arch] = GPU_ARCHS
 REG_ALLOC_UNIT = 256  # registers are given to a warp in chunks of 256
 # A kernel with a tl.dot (tt.dot in its Triton IR) whose PTX has no mma / wgmma multiplies without tensor cores:
 # what Triton does for fp32 products in full precision ("ieee") everywhere, and for every dtype on sm_75.
@@ -135,12 +129,12 @@ def occupancy(arch: str, registers: int, shared_bytes: int, num_warps: int) -> i
     """Resident warps per SM for a kernel with these resources (the CUDA occupancy calculator's rules)."""
     lim = ARCH_LIMITS[arch]
     regs_per_warp = cdiv(max(registers, 1) * 32, REG_ALLOC_UNIT) * REG_ALLOC_UNIT
-    by_regs = (lim["registers"] // regs_per_warp) // num_warps
-    unit = lim["shared_alloc_unit"]
-    shared = cdiv(shared_bytes + lim["shared_reserved"], unit) * unit
-    by_shared = lim["shared_per_sm"] // shared if shared else lim["max_programs"]  # sm_75 reserves none
-    by_warps = lim["max_warps"] // num_warps
-    return min(by_regs, by_shared, by_warps, lim["max_programs"]) * num_warps
+    by_regs = (lim.registers // regs_per_warp) // num_warps
+    unit = lim.shared_alloc_unit
+    shared = cdiv(shared_bytes + lim.shared_reserved, unit) * unit
+    by_shared = lim.shared_per_sm // shared if shared else lim.max_programs  # sm_75 reserves none
+    by_warps = lim.max_warps // num_warps
+    return min(by_regs, by_shared, by_warps, lim.max_programs) * num_warps
 
 
 def default_configs(
@@ -519,12 +513,12 @@ def measure(row: Row, launch: Any) -> Row:
             row.note = NO_TENSOR_CORES
         row.spill_bytes = usage.get("STACK", 0) + usage.get("LOCAL", 0)
         row.shared_bytes = max(int(compiled.metadata.shared), usage.get("SHARED", 0))
-        limit = ARCH_LIMITS[row.arch]["shared_per_program"]
+        limit = ARCH_LIMITS[row.arch].shared_per_program
         if row.shared_bytes > limit:
             row.error = f"needs {row.shared_bytes} B of shared memory, more than the {limit} B a program may use"
         else:
             row.occupancy = occupancy(row.arch, row.registers, row.shared_bytes, launch.num_warps)
-            row.occupancy_pct = round(100 * row.occupancy / ARCH_LIMITS[row.arch]["max_warps"], 1)
+            row.occupancy_pct = round(100 * row.occupancy / ARCH_LIMITS[row.arch].max_warps, 1)
     except Exception as e:
         row.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     return row

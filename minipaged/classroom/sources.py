@@ -729,14 +729,58 @@ def _chapter_05() -> list[Claim]:
             f"dense 16-bit: a ridge point of {hw.flops / hw.mem_bandwidth:.0f} FLOP per byte"
         )
 
+    def t4_row() -> str:
+        from ..gpus import GPUS
+        from ..lab.simulator import HARDWARE
+
+        t4 = GPUS["t4"]
+        assert t4.fp16_tflops is not None and t4.ridge_point is not None and t4.memory_gib is not None
+        from_clock = 2 * 5001e6 * 256 / 8 / 1e9  # GDDR6 at 5,001 MHz, two transfers a clock, a 256-bit bus
+        return (
+            f"minipaged.gpus' T4 row: {t4.bandwidth_gbps:.0f} GB/s (the memory's clock and bus give "
+            f"{from_clock:.0f}), {t4.fp16_tflops:.0f} TFLOP/s dense fp16, {t4.warps_per_sm} warps per SM, bfloat16 "
+            f"tensor cores: {'yes' if t4.bf16_tensor_cores else 'no'}; a ridge point of {t4.ridge_point:.0f} FLOP "
+            f"per byte; {t4.memory} reported as {t4.memory_gib:.1f} GiB; the cost model's T4 entry: "
+            f"{HARDWARE['t4'].mem_bandwidth / 1e9:.0f} GB/s, {HARDWARE['t4'].flops / 1e12:.0f} TFLOP/s"
+        )
+
+    def h200_row() -> str:
+        from ..gpus import GPUS
+
+        h100, h200 = GPUS["h100"], GPUS["h200"]
+        assert h200.fp16_tflops is not None and h200.ridge_point is not None and h100.ridge_point is not None
+        return (
+            f"minipaged.gpus' H200 row: {h200.memory} at {h200.bandwidth_gbps / 1e3:.1f} TB/s, "
+            f"{h200.fp16_tflops:.0f} TFLOP/s dense fp16 (the H100 SXM's); a ridge point of {h200.ridge_point:.0f} "
+            f"FLOP per byte against the H100's {h100.ridge_point:.0f}; bandwidth-bound decode at most "
+            f"{h200.bandwidth_gbps / h100.bandwidth_gbps:.2f}x as fast"
+        )
+
     return [
         Claim(
             "05",
             'H100 SXM: 3.35 TB/s of HBM3; 1,979 TFLOPS of BF16/FP16 tensor-core arithmetic "with sparsity"',
             "NVIDIA H100 Tensor Core GPU datasheet (SXM5 column)",
             h100_ridge,
-            "holds if the arithmetic is read as dense, half the sparse figure: 989.4 TFLOPS, the peak a dense "
-            "attention or GEMM can reach",
+            "holds if the arithmetic is read as dense, half the sparse figure: 989 TFLOPS (989.4 in NVIDIA's H100 "
+            "architecture whitepaper), the peak a dense attention or GEMM can reach",
+        ),
+        Claim(
+            "05",
+            'T4: 16 GB of GDDR6 at "320+ GB/s"; 65 TFLOPS of mixed-precision (FP16/FP32) tensor-core arithmetic',
+            "NVIDIA T4 Tensor Core GPU datasheet and the T4 product page",
+            t4_row,
+            "holds: 65 TFLOPS is dense (Turing has no sparsity mode), and 320 GB/s is the peak the memory's clock "
+            "and bus give (the T4 board's product brief: \"up to 320 GBytes/s\"; the datasheet's own table rounds "
+            "it to 300 GB/sec). A T4 has tensor cores for FP16 only: bfloat16 is emulated",
+        ),
+        Claim(
+            "05",
+            'H200: 141 GB of HBM3e at 4.8 TB/s; 1,979 TFLOPS of FP16 tensor-core arithmetic "with sparsity"',
+            "NVIDIA H200 Tensor Core GPU datasheet (SXM column)",
+            h200_row,
+            "holds if the arithmetic is read as dense, half the sparse figure: 989 TFLOPS, the same Hopper die as "
+            "the H100 SXM; only the memory grew, so bandwidth-bound decode gains what the bandwidth gains",
         ),
         Claim(
             "05",

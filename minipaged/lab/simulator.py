@@ -19,8 +19,9 @@ from a simple cost model::
 
 (a roofline: a GPU overlaps memory traffic and arithmetic, so a step takes as
 long as the slower of the two). Decode steps of a few requests are dominated by
-reading the weights; long prefills by arithmetic. ``HARDWARE`` holds A100-,
-H100- and laptop-CPU-like numbers (peak figures from the data sheets).
+reading the weights; long prefills by arithmetic. ``HARDWARE`` holds T4-, A100-,
+H100-, H200- and laptop-CPU-like numbers (the GPUs' peak figures from the package's
+table of GPUs, ``minipaged.gpus``, each from its datasheet).
 
 **Pricing a swap.** A swapped block is not one transfer. vLLM v0, whose swap
 mode the PagedAttention paper measured, kept one key and one value tensor per
@@ -70,6 +71,7 @@ from ..core.request import Request, RequestMetrics
 from ..core.scheduler import Scheduler, check_invariants
 from ..core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from ..engine.step import run_step
+from ..gpus import GPUS
 from ..kv_math import KVSpec
 from ..sampling_params import SamplingParams
 from ..utils import cdiv
@@ -94,11 +96,28 @@ class Hardware:
     copy_latency: float = 5e-6  # fixed seconds per device↔host copy, before its bytes move (assumed: see above)
 
 
+def gpu_hardware(key: str, copy_latency: float = 5e-6) -> Hardware:
+    """A GPU of the package's table (``minipaged.gpus``) as the cost model sees it: its datasheet's peak
+    bandwidth, dense 16-bit tensor-core FLOP/s, PCIe one way and marketed memory; ``copy_latency`` seconds per
+    device↔host copy (assumed, see the module docstring)."""
+    gpu = GPUS[key]
+    if gpu.fp16_tflops is None or gpu.pcie_gbps is None or gpu.memory_gb is None:
+        raise ValueError(f"the table of GPUs has no FLOP/s, PCIe or memory size for {gpu.name}")
+    return Hardware(
+        gpu.name,
+        gpu.bandwidth_gbps * 1e9,
+        gpu.fp16_tflops * 1e12,
+        gpu.pcie_gbps * 1e9,
+        gpu.memory_gb * 1e9,
+        copy_latency,
+    )
+
+
 HARDWARE: dict[str, Hardware] = {
-    # Data-sheet peaks: HBM bandwidth, dense BF16 tensor-core FLOP/s, PCIe x16 one direction (4.0 on the
-    # A100, 5.0 on the H100); 5 µs per cudaMemcpyAsync call (assumed, see the module docstring).
-    "a100": Hardware("A100-SXM4 80 GB", 2.039e12, 312e12, 32e9, 80e9, 5e-6),
-    "h100": Hardware("H100-SXM5 80 GB", 3.35e12, 989e12, 64e9, 80e9, 5e-6),
+    # Data-sheet peaks, from minipaged.gpus: memory bandwidth, dense 16-bit tensor-core FLOP/s, PCIe x16 one
+    # direction (3.0 on the T4, 4.0 on the A100, 5.0 on the H100 and H200); 5 µs per cudaMemcpyAsync call
+    # (assumed, see the module docstring).
+    **{key: gpu_hardware(key) for key in ("t4", "a100", "h100", "h200")},
     # A laptop: dual-channel DDR4, two cores of AVX2 FMA in fp32; "swap" is a copy inside the same DRAM,
     # about a microsecond of fixed cost per copy call (assumed).
     "cpu": Hardware("laptop CPU, 2 cores", 25e9, 100e9, 10e9, 16e9, 1e-6),
@@ -744,6 +763,7 @@ __all__ = [
     "compare",
     "fake_samples",
     "format_table",
+    "gpu_hardware",
     "kv_pool_blocks",
     "requests_from_trace",
     "shared_prefix_requests",

@@ -14,7 +14,10 @@ and draws it: ``PagedReadView`` (ipywidgets + plotly) shows the pool as a grid o
 physical blocks, one row per program, with a slider for the number of KV splits; a
 learner picks a program and sees exactly the blocks it loads. Its state lives in plain
 attributes (``programs``, ``selected``, ``cells``, ``caption``) so tests drive it from
-Python. ``roofline_figure`` is a static matplotlib roofline.
+Python. ``roofline_figure`` is a static matplotlib roofline, and ``bandwidth_runs_figure`` the decode
+kernel's measured bandwidth on one or more machines (``BandwidthSeries``: a recorded run of
+``benchmarks/bench_paged_attention.py``, or a sweep measured live), each against its own GPU's peak from
+``minipaged.gpus``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import ipywidgets as W
 import plotly.graph_objects as go
 
+from ...gpus import GPU, by_device_name
 from ...utils import cdiv
 from .block_viz import FREE_COLOR, OWNER_COLORS
 from .layout import label_style, widget_width
@@ -331,6 +335,100 @@ def roofline_figure(peak_tflops: float, peak_gbps: float, points: Sequence[tuple
     return fig
 
 
+@dataclass(frozen=True)
+class BandwidthSeries:
+    """The paged decode kernel's bandwidth on one machine: KV bytes read per step and GB/s at each point.
+
+    ``device`` is what ``torch.cuda.get_device_name()`` said there, ``date`` the day it ran (``YYYY-MM-DD``),
+    ``note`` where the figures come from ("recorded", "this run"). The GPU's peak comes from the package's table
+    of GPUs (``minipaged.gpus``), by device name; None for a GPU the table does not list."""
+
+    device: str
+    date: str
+    kv_bytes: tuple[int, ...]
+    gbps: tuple[float, ...]
+    note: str = ""
+    batch: int | None = None
+
+    @classmethod
+    def from_rows(
+        cls, device: str, date: str, rows: Sequence[dict[str, Any]], note: str = "", batch: int | None = None
+    ) -> BandwidthSeries:
+        """From rows of the benchmark (``run_point``: ``kv_bytes``, ``paged_gbps``, ``batch``), those of
+        ``batch`` only when given, by bytes read."""
+        picked = sorted((r for r in rows if batch is None or r["batch"] == batch), key=lambda r: r["kv_bytes"])
+        return cls(
+            device,
+            date[:10],
+            tuple(int(r["kv_bytes"]) for r in picked),
+            tuple(float(r["paged_gbps"]) for r in picked),
+            note,
+            batch,
+        )
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any], batch: int = 32, note: str = "recorded") -> BandwidthSeries:
+        """From a recorded run (``assets/benchmarks/gpu/paged_attention_*.json``): its grid's points at ``batch``."""
+        return cls.from_rows(result["device"], result["date"], result["grid"], note, batch)
+
+    @property
+    def gpu(self) -> GPU | None:
+        return by_device_name(self.device)
+
+    @property
+    def peak_gbps(self) -> float | None:
+        gpu = self.gpu
+        return gpu.bandwidth_gbps if gpu else None
+
+    @property
+    def fractions(self) -> tuple[float, ...] | None:
+        """Each point's GB/s over the GPU's peak, or None where the peak is not known."""
+        peak = self.peak_gbps
+        return tuple(g / peak for g in self.gbps) if peak else None
+
+    @property
+    def label(self) -> str:
+        """The machine and the day, e.g. "NVIDIA H100 80GB HBM3, 2026-11-25 (recorded)"."""
+        return f"{self.device}, {self.date}" + (f" ({self.note})" if self.note else "")
+
+
+def bandwidth_runs_figure(series: Sequence[BandwidthSeries], title: str = "", target: float = 0.8):
+    """Decode bandwidth against KV read per step, one line per machine: GB/s with each GPU's peak dashed in its
+    colour (left), and the fraction of that peak, with the benchmark's ``target`` (right). The legend, one entry
+    per machine, sits under the plots, off the data (``check_mpl_layout`` holds)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.0 + 0.2 * len(series)), layout="constrained")
+    for i, s in enumerate(series):
+        color, marker = f"C{i % 10}", "s" if s.note == "this run" else "o"
+        mib = [b / 2**20 for b in s.kv_bytes]
+        peak = f"peak {s.peak_gbps:,.0f} GB/s" if s.peak_gbps else "peak not in minipaged.gpus"
+        left.plot(mib, s.gbps, marker + "-", color=color, label=f"{s.label}: {peak}")
+        if s.peak_gbps:
+            left.axhline(s.peak_gbps, color=color, lw=0.8, ls="--")
+        if s.fractions:
+            right.plot(mib, s.fractions, marker + "-", color=color)
+    right.axhline(target, color="grey", lw=0.8, ls=":")
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xlabel("KV read per step (MiB)")
+    left.set_yscale("log")
+    left.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    left.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    left.yaxis.set_minor_formatter(NullFormatter())
+    left.set_ylabel("GB/s read (dashed: the GPU's peak)")
+    left.set_title("bandwidth")
+    right.set_ylim(0, 1.05)
+    right.set_ylabel(f"fraction of the GPU's peak (dotted: {target:.0%})")
+    right.set_title("fraction of peak")
+    if series:
+        fig.legend(loc="outside lower center", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
 class PagedReadView:
     """The pool's physical blocks (columns) and the decode programs (rows): who reads which block.
 
@@ -531,8 +629,10 @@ class PagedReadView:
 
 
 __all__ = [
+    "BandwidthSeries",
     "PagedReadView",
     "ProgramRead",
+    "bandwidth_runs_figure",
     "decode_read_plan",
     "decode_traffic",
     "format_read_plan",
