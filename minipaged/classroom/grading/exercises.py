@@ -23,6 +23,9 @@ class Group:
     check: str  # the check function in the exercise's grading module
     args: tuple[str, ...]  # names the learner's notebook must define, passed in this order
     total: int
+    # The implementation this group's answer must not run, at any depth (ownership.py): "module" or
+    # "module:Name,Name" (top-level names of that module: its other code, such as KVCacheBlock, may be used).
+    own: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,22 @@ class Exercise:
         return sum(g.total for g in self.groups)
 
 
-def _ex(stem: str, *groups: tuple[str, str, str, int], triton: bool = False) -> Exercise:
-    return Exercise(stem.split("_")[0], stem, tuple(Group(n, c, tuple(a.split()), t) for n, c, a, t in groups), triton)
+def _ex(stem: str, *groups: tuple, triton: bool = False, own: tuple[str, ...] = ()) -> Exercise:
+    """An exercise; a group is (name, check, args, total) or (name, check, args, total, own of its own)."""
+    made = tuple(Group(g[0], g[1], tuple(g[2].split()), g[3], g[4] if len(g) > 4 else own) for g in groups)
+    return Exercise(stem.split("_")[0], stem, made, triton)
+
+
+# What the build track's components are, in the package: an answer must not run them.
+_POOL = "minipaged.core.block_pool:BlockPool,FreeKVCacheBlockQueue,get_new_blocks,free_blocks"
+_MANAGER = "minipaged.core.kv_cache_manager"
+_SCHEDULER = "minipaged.core.scheduler"
+_LAYER = ("minipaged.model.llama", "minipaged.model.layers", "minipaged.model.attention",
+          "transformers.models.llama.modeling_llama")  # fmt: skip
+_DECODE = ("minipaged.kernels.reference", "minipaged.kernels.torch_backend", "minipaged.kernels.paged_decode",
+           "minipaged.kernels.cpu_kernel")  # fmt: skip
+_ENGINE = ("minipaged.engine.step", "minipaged.engine.llm", "minipaged.worker.model_runner",
+           "minipaged.worker.input_batch", "minipaged.worker.sampler")  # fmt: skip
 
 
 EXERCISES: dict[str, Exercise] = {
@@ -65,6 +82,7 @@ EXERCISES: dict[str, Exercise] = {
             ("pool_spec", "check_pool_spec", "BlockPool", 12),
             ("pool_twin", "check_pool_twin", "BlockPool", 4),
             ("pool_O1", "check_pool_O1", "BlockPool", 5),
+            own=(_POOL,),
         ),
         _ex(
             "ex04_slots_and_admission",
@@ -75,6 +93,7 @@ EXERCISES: dict[str, Exercise] = {
             "ex04b_kv_cache_manager",
             ("manager_spec", "check_manager_spec", "KVCacheManager", 13),
             ("manager_twin", "check_manager_twin", "KVCacheManager", 4),
+            own=(_MANAGER,),
         ),
         _ex(
             "ex05_scatter_write",
@@ -87,6 +106,7 @@ EXERCISES: dict[str, Exercise] = {
             ("paged_decode", "check_paged_decode", "paged_decode_attention", 8),
             ("paged_decode_edges", "check_paged_decode_edges", "paged_decode_attention", 8),
             triton=True,
+            own=_DECODE,
         ),
         _ex(
             "ex05b_triton_puzzles",
@@ -106,6 +126,7 @@ EXERCISES: dict[str, Exercise] = {
             ("paged_decode_edges", "check_paged_decode_edges", "batched_decode", 8),
             ("launches", "check_launches", "batched_decode", 2),
             ("traffic", "check_traffic", "batched_decode", 4),
+            own=_DECODE,
         ),
         _ex(
             "ex06_admission",
@@ -116,6 +137,7 @@ EXERCISES: dict[str, Exercise] = {
             "ex06b_scheduler",
             ("scheduler_spec", "check_scheduler_spec", "Scheduler", 12),
             ("scheduler_twin", "check_scheduler_twin", "Scheduler", 3),
+            own=(_SCHEDULER,),
         ),
         _ex(
             "ex07_preemption",
@@ -134,6 +156,7 @@ EXERCISES: dict[str, Exercise] = {
             "ex09c_decoder_layer",
             ("layer_spec", "check_layer_spec", "decoder_layer", 9),
             ("layer_smollm2", "check_layer_smollm2", "decoder_layer", 2),
+            own=_LAYER,
         ),
         _ex(
             "ex09d_sampler",
@@ -141,6 +164,7 @@ EXERCISES: dict[str, Exercise] = {
             ("streams", "check_streams", "Sampler", 13),
             ("distribution", "check_distribution", "Sampler", 8),
             ("sample_smollm2", "check_sample_smollm2", "Sampler", 2),
+            own=("minipaged.worker.sampler",),
         ),
         _ex(
             "ex10_capstone",
@@ -155,7 +179,9 @@ EXERCISES: dict[str, Exercise] = {
             ("engine_inputs", "check_engine_inputs", "Engine", 4),
             ("engine_tiny", "check_engine_tiny", "Engine", 2),
             ("engine_rollback", "check_engine_rollback", "Engine", 3),
-            ("engine_smollm2", "check_engine_smollm2", "Engine", 3),
+            # With the learner's parts (engine_smollm2), the package's components are off limits too.
+            ("engine_smollm2", "check_engine_smollm2", "Engine", 3, (*_ENGINE, _POOL, _MANAGER, _SCHEDULER, *_LAYER)),
+            own=_ENGINE,
         ),
         _ex(
             "ex11_streaming",
@@ -178,6 +204,7 @@ EXERCISES: dict[str, Exercise] = {
             ("accept", "check_accept", "accept", 5),
             ("accept_twin", "check_accept_twin", "accept", 1),
             ("speculate_smollm2", "check_speculate_smollm2", "propose accept", 2),
+            own=("minipaged.core.spec_decode",),
         ),
     )
 }

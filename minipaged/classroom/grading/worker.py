@@ -46,9 +46,11 @@ def grade(path: str, exercise_key: str, emit: Callable[..., None]) -> None:
     """Run the notebook's code cells, then every check group of the exercise; report each through ``emit``."""
     from .core import describe_error
     from .exercises import EXERCISES
+    from .ownership import Tracer, foreign_code, targets
     from .runner import run_code_cells
 
     exercise = EXERCISES[exercise_key]
+    notebook = os.path.basename(path)
     namespace, errors = run_code_cells(path, f"learner_{exercise_key}", on_cell=lambda i: emit("cell", index=i))
     emit("cells", errors=errors)
     module = importlib.import_module(f"minipaged.classroom.grading.{exercise_key}")
@@ -64,10 +66,16 @@ def grade(path: str, exercise_key: str, emit: Callable[..., None]) -> None:
                 detail=_missing(absent[0], errors),
             )
             continue
+        foreign = next((f"`{a}`: {why}" for a in group.args if (why := foreign_code(namespace[a], notebook))), None)
+        if foreign is not None:
+            emit("group", group=group.name, passed=0, total=group.total, note="not code of this notebook",
+                 detail=f"not code of this notebook: {foreign}")  # fmt: skip
+            continue
         emit("checking", group=group.name)
         printed = io.StringIO()
+        tracer = Tracer(targets(group.own), notebook)
         try:
-            with contextlib.redirect_stdout(printed):
+            with contextlib.redirect_stdout(printed), tracer if group.own else contextlib.nullcontext():
                 outcomes = getattr(module, group.check)(*(namespace[a] for a in group.args))
         except Exception as exc:  # the checks catch a learner's errors; this is what got past them
             emit(
@@ -78,6 +86,10 @@ def grade(path: str, exercise_key: str, emit: Callable[..., None]) -> None:
                 note="the checks stopped",
                 detail=f"the checks stopped: {describe_error(exc)}",
             )
+            continue
+        if tracer.found is not None:
+            emit("group", group=group.name, passed=0, total=group.total, note="runs the package's implementation",
+                 detail=f"this exercise is to write it, and {tracer.found}")  # fmt: skip
             continue
         passed = sum(bool(o.passed) for o in outcomes)
         lines = printed.getvalue().splitlines()[1:]  # the summary line is ours to print
