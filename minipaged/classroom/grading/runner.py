@@ -19,8 +19,11 @@ notebook, a name that matches no exercise), it gets its rows, named in the row, 
     TOTAL                                  6/20
 
 ``format_details`` explains every lost point below the table: the failing checks, the cells that raised.
-A learner who deliberately patches the grader from inside their notebook is outside what this defends:
-the checks run in the same process as the learner's code, as in any notebook autograder without a sandbox.
+Each notebook runs in a throwaway copy of its folder, under a memory and a time limit, with every process it
+starts ended with it (``sandbox.py``); the worker refuses code that is not the notebook's own
+(``ownership.py``). A learner who deliberately patches the grader from inside their notebook is still outside
+what this defends: the checks run in the same process as the learner's code (README, "What the grader defends
+against").
 """
 
 from __future__ import annotations
