@@ -127,3 +127,13 @@ def silu_late(x: torch.Tensor, shard: dict) -> torch.Tensor:
 @mutant("mlp_partial", "the residual added on every rank: the sum holds it N times")
 def residual_everywhere(x: torch.Tensor, shard: dict) -> torch.Tensor:
     return x + partial_by_linear(x, shard)  # MISTAKE: the layer adds the residual once, after the all-reduce
+
+
+@mutant("all_reduce", "the ring's messages sent, but the sum taken from every rank's tensor in the list")
+def sums_locally(tensors: list[torch.Tensor], send: Any) -> list[torch.Tensor]:
+    n = len(tensors)
+    for step in range(2 * (n - 1)):  # the ring's messages, chunk for chunk, to satisfy the counters
+        for r in range(n):
+            send(r, (r + 1) % n, tensors[r].flatten().tensor_split(n)[(r - step) % n])
+    total = torch.stack(tensors).sum(0)  # MISTAKE: the sum of what the ring delivered
+    return [total.clone() for _ in range(n)]

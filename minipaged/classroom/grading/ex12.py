@@ -134,7 +134,40 @@ def check_ring(all_reduce: AllReduce) -> list[CheckOutcome]:
     checks = [
         Check(label(n, shape), lambda i=i: verdict(i), want, hint=hint) for i, (n, shape) in enumerate(RING_CASES)
     ]
+    checks.append(
+        Check(
+            "3 ranks, shape (12, 4), through a send that delivers zeros: no rank may end with the true sum",
+            lambda: _carried(all_reduce),
+            CARRIED,
+            hint="each rank knows the others' tensors only through what send hands it: add what it returns, never "
+            "the other ranks' tensors from the list",
+        )
+    )
     return report("ring", checks)
+
+
+CARRIED = "the result follows what the ring carried"
+
+
+class _ZeroRing(Ring):
+    """A ring whose links lose every payload: it delivers zeros of the same shape."""
+
+    def send(self, src: int, dst: int, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(super().send(src, dst, tensor))
+
+
+def _carried(all_reduce: AllReduce) -> str:
+    """A sum computed from the list of every rank's tensor, not from what the ring delivered, is the same whatever
+    the ring carries: with a ring that delivers zeros, a real ring's ranks cannot reach the sum."""
+    g = torch.Generator().manual_seed(12)
+    tensors = [torch.randn(12, 4, generator=g) for _ in range(3)]
+    want = torch.stack(tensors).sum(0)
+    out = all_reduce([t.clone() for t in tensors], _ZeroRing(3).send)
+    for rank, t in enumerate(out):
+        if isinstance(t, torch.Tensor) and t.shape == want.shape and torch.allclose(t, want, atol=1e-5):
+            return (f"rank {rank} ended with the sum though every message it received held zeros: the sum was taken "
+                    "from the other ranks' tensors, not from the ring")  # fmt: skip
+    return CARRIED
 
 
 # ---- the tensor-parallel MLP -------------------------------------------------------------------------------------

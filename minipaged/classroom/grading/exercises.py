@@ -192,7 +192,7 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex(
             "ex12_tensor_parallel_mlp",
-            ("ring", "check_ring", "all_reduce", 5),
+            ("ring", "check_ring", "all_reduce", 6),
             ("shards", "check_shards", "shard_mlp", 3),
             ("partial", "check_partial", "mlp_partial", 2),
             ("tp_mlp", "check_tp_mlp", "shard_mlp mlp_partial all_reduce", 3),
