@@ -15,7 +15,10 @@ from minipaged.classroom.grading.runner import CHECK_MARK
 from minipaged.classroom.grading.sandbox import become_subreaper, children
 
 SOLUTION = Path(__file__).resolve().parents[1] / "exercises" / "solutions" / "ex01_kv_bytes.ipynb"
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads processes from /proc (Linux)")
+pytestmark = [
+    pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads processes from /proc (Linux)"),
+    pytest.mark.slow,  # each grades a notebook in a worker process (make test-slow)
+]
 
 
 def _notebook(path: Path, extra: list[str]) -> Path:

@@ -17,6 +17,7 @@ from minipaged.classroom.grading.runner import CHECK_MARK
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "exercises" / "solutions"
+pytestmark = pytest.mark.slow  # each grades a notebook in a worker process: about 40 s in all (make test-slow)
 
 
 def _cells(name: str) -> list[str]:
