@@ -24,6 +24,7 @@ def _hints(out: str) -> list[str]:
     return [line.split("hint", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("hint")]
 
 
+@pytest.mark.slow  # ex09c's layer_spec twice: about 10 s
 def test_each_rung_of_layer_spec_has_its_own_hint_and_points_back_when_the_first_fails(capsys):
     ex09c.check_layer_spec(mutants09c.layer_norm)  # wrong in every case, the first included
     hints = _hints(capsys.readouterr().out)
