@@ -92,7 +92,10 @@ class PhaseScheduler:
             req.num_computed_tokens, req.status = num_hit, RequestStatus.RUNNING
             self.running.append(req)
             plan.append((req.request_id, n))
-            left -= n
+            left -= self.cost(n, num_hit)
+
+    def cost(self, computed: int, num_hit: int) -> int:
+        return computed  # the budget counts tokens computed: a prefix hit is read from the cache
 
     # ---- after the step ----
     def finish_reason(self, req: Request, token: int) -> str | None:
@@ -220,15 +223,5 @@ class AdmitsAfterPreemption(PhaseScheduler):
 
 @mutant("Scheduler", "the prefix hits charged to the step's token budget: they cost no compute")
 class HitsChargedToBudget(PhaseScheduler):
-    def admit(self, plan: list[tuple[str, int]], left: int) -> None:
-        while self.waiting and left > 0 and self.seats_free() > 0:
-            req = self.waiting[0]
-            hits, num_hit = self.lookup(req)
-            n = self.chunk(req, num_hit, left)
-            if self.kv_cache_manager.allocate_slots(req, n, num_hit, hits) is None:
-                return
-            self.waiting.popleft()
-            req.num_computed_tokens, req.status = num_hit, RequestStatus.RUNNING
-            self.running.append(req)
-            plan.append((req.request_id, n))
-            left -= n + num_hit  # MISTAKE: left -= n (a hit is read from the cache, not computed)
+    def cost(self, computed: int, num_hit: int) -> int:
+        return computed + num_hit  # MISTAKE: computed (a hit is read from the cache, not computed)
