@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .kv_math import GiB
-from .utils import check_int
+from .utils import check_int, host_memory_bytes
 
 DTYPES = {
     "auto": None,
@@ -110,11 +110,11 @@ class SpeculativeConfig:
                 f"speculative_config method must be 'ngram' (prompt lookup: no draft model), got {self.method!r}"
             )
         check_int("speculative_config num_speculative_tokens", self.num_speculative_tokens, 1)
-        given_lo, given_hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if given_lo is None and given_hi is None:
-            given_lo = given_hi = 5
-        lo = check_int("speculative_config prompt_lookup_min", given_hi if given_lo is None else given_lo, 1)
-        hi = check_int("speculative_config prompt_lookup_max", given_lo if given_hi is None else given_hi, 1)
+        # Each value is checked under the name it was given as; then the one left unset takes the other's.
+        given = {"prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+        checked = {name: check_int(f"speculative_config {name}", v, 1) for name, v in given.items() if v is not None}
+        lo = checked.get("prompt_lookup_min", checked.get("prompt_lookup_max", 5))
+        hi = checked.get("prompt_lookup_max", lo)
         if lo > hi:
             raise ValueError(f"speculative_config prompt_lookup_min={lo} is larger than prompt_lookup_max={hi}")
         object.__setattr__(self, "prompt_lookup_min", lo)
@@ -245,6 +245,9 @@ class Config:
             raise ValueError(
                 "kv_offloading_size keeps evicted prefix-cache blocks: it needs enable_prefix_caching=True"
             )
+        if self.kv_offloading_bytes:
+            check_offloading_fits(self.kv_offloading_size, self.kv_offloading_bytes, self.tensor_parallel_size,
+                                  self.nnodes)  # fmt: skip
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(
                 "async_scheduling=True needs tensor_parallel_size=1: each worker would need the tokens rank 0 "
@@ -437,6 +440,26 @@ MEMORY_UNITS = {
     "b": 1,
     "": 1,
 }
+
+
+def check_offloading_fits(given: object, nbytes: int, tensor_parallel_size: int, nnodes: int) -> None:
+    """Refuse a KV offloading store larger than this machine's RAM before anything is allocated: the allocator's
+    own error, much later, names neither the knob nor the machine. Each rank on this machine keeps a store of
+    that size (its own heads' share of each block)."""
+    host = host_memory_bytes()
+    ranks = max(tensor_parallel_size // max(nnodes, 1), 1)
+    if host is None or nbytes * ranks <= host:
+        return
+    from .kv_math import format_bytes
+
+    each = (
+        "asks" if ranks == 1 else f"{ranks} ranks on this machine, each keeping a store of {format_bytes(nbytes)}, ask"
+    )
+    raise ValueError(
+        f"kv_offloading_size={given!r} {each} for {format_bytes(nbytes * ranks)} ({nbytes * ranks:,} bytes) of "
+        f"CPU memory, but this machine has {format_bytes(host)} ({host:,} bytes) of RAM in all: give a size that "
+        "fits beside the model and everything else, e.g. kv_offloading_size='1GiB'"
+    )
 
 
 def parse_memory(value: int | float | str, name: str = "memory size") -> int:

@@ -1,8 +1,9 @@
-"""Two helpers every module needs: ceiling division and a checked integer argument."""
+"""Helpers every module needs: ceiling division, a checked integer argument, and the machine's RAM."""
 
 from __future__ import annotations
 
 import numbers
+import os
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,3 +33,17 @@ def check_int(name: str, value: object, minimum: int | None = None, maximum: int
     else:
         want = "an integer"
     raise ValueError(f"{name} must be {want}, got {value!r}")
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's RAM in bytes (all of it, not what is free now); None where neither the OS (``sysconf``) nor
+    psutil says. For checking a host-memory size asked for before anything of it is allocated."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name on this OS
+        pass
+    try:
+        import psutil  # type: ignore[import-untyped]  # optional
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().total)

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import PREEMPTING_PROMPTS, small_engine
 
@@ -114,6 +115,20 @@ def test_prefill_cap_caps_every_prefill_chunk():
             out = d.step()
             chunks += [s.num_new_tokens for s in out.scheduled if s.start < s.num_prompt_tokens]
     assert max(chunks) == 5 and len(d.finished) == 3
+
+
+@pytest.mark.parametrize("cap", [np.int64(5), np.int32(5), np.uint8(5)], ids=lambda c: type(c).__name__)
+def test_prefill_cap_takes_numpy_integers(cap):
+    """A cap computed with numpy (``np.int64(64)``, ``np.clip``'s answer) is a whole number: taken as an int."""
+    d = Driver(block_size=4, num_blocks=64, caching=False, budget=64, max_num_seqs=4)
+    for i, n in enumerate((30, 3, 17)):
+        d.add(f"r{i}", list(range(1, n + 1)), max_tokens=3, ignore_eos=True)
+    for check in (True, False):
+        with parts.use(check=check, prefill_cap=lambda request: cap):
+            chunks = [s.num_new_tokens for s in d.step().scheduled if s.start < s.num_prompt_tokens]
+        assert chunks and max(chunks) == 5
+    with pytest.raises(PartError, match="a whole number"), parts.use(prefill_cap=lambda request: True):
+        d.step()  # a bool is not a count of tokens
 
 
 @pytest.mark.parametrize("example", sorted(p.stem for p in EXAMPLES.glob("*.py")))

@@ -44,6 +44,7 @@ the mode, a part that raises, or returns something of the wrong kind, is a
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -687,9 +688,10 @@ def _victims_accept(args: tuple[Any, ...], result: Any) -> list[str]:
 
 
 def _cap_accept(args: tuple[Any, ...], result: Any) -> int:
-    if isinstance(result, bool) or not isinstance(result, int) or result < 1:
+    # Any integer but a bool (numpy's too: a cap computed with np.clip is one), handed on as a plain int.
+    if isinstance(result, bool) or not isinstance(result, numbers.Integral) or result < 1:
         raise ValueError(f"returned {result!r:.40}; expected a whole number of prompt tokens, at least 1")
-    return result
+    return int(result)
 
 
 def _any_answer(args: tuple[Any, ...], result: Any, before: Any) -> str | None:

@@ -9,11 +9,21 @@
 
 The modules, named after vLLM's: ``async_engine`` (one thread steps the engine; asyncio handlers await their
 outputs), ``protocol`` (request bodies, errors), ``serving_engine`` / ``serving_completion`` / ``serving_chat``
-(the endpoints), ``api_server`` (the FastAPI app), ``metrics`` (``/metrics``), ``launcher`` (uvicorn in a thread).
+(the endpoints), ``api_server`` (the FastAPI app), ``metrics`` (``/metrics``), ``launcher`` (uvicorn in a thread),
+``deadlines`` (uvicorn's protocol with deadlines for slow clients' headers and bodies).
 """
 
 from .api_server import build_app
 from .async_engine import AsyncEngine, EngineDeadError, EngineError
+from .deadlines import DeadlineH11Protocol
 from .launcher import ServerHandle, start_server
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineError", "ServerHandle", "build_app", "start_server"]
+__all__ = [
+    "AsyncEngine",
+    "DeadlineH11Protocol",
+    "EngineDeadError",
+    "EngineError",
+    "ServerHandle",
+    "build_app",
+    "start_server",
+]

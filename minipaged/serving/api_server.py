@@ -11,7 +11,9 @@ body in the engine's CPU pool; FastAPI's own 422 is replaced too), so OpenAI's c
 ``BadRequestError``. Before any
 body is read, ``RequestGuard`` answers what is wrong with the request itself: a body over ``max_body_bytes``
 (413, from its Content-Length, or counted as it arrives), a Content-Type that is not JSON (415), a body that
-stops arriving for ``body_timeout_s`` (408). ``ApiKeyMiddleware`` (401) runs before both.
+stops arriving for ``body_timeout_s`` or is not all in ``body_deadline_s`` after its headers (408, and the
+connection closed). ``ApiKeyMiddleware`` (401) runs before both. A header block that is not all in within
+``header_deadline_s`` is the server's to refuse, before any app runs (``deadlines.DeadlineH11Protocol``).
 """
 
 from __future__ import annotations
@@ -40,17 +42,27 @@ OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (a load bal
 JSON_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # the routes that read a JSON body
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: a long context's prompt many times over; --max-body-bytes
 DEFAULT_BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a body that has started arriving
+# A client sends its headers in one piece; 10 s is ample even over a slow link, and a dozen clients trickling
+# theirs a byte at a time are let go in 10 s, not held for as long as they like.
+DEFAULT_HEADER_DEADLINE_S = 10.0
+# The longest a whole body may take after its headers: 4 MiB (the default limit) at ~70 KB/s. Without it, a body
+# sent a byte every body_timeout_s - 1 seconds is held as long as its Content-Length lasts (4 MiB: years).
+DEFAULT_BODY_DEADLINE_S = 60.0
 M = TypeVar("M", bound=BaseModel)
 
 
 def build_app(
     engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
 ) -> FastAPI:  # fmt: skip
     """The FastAPI app over ``engine`` (started by the caller). ``api_key``: every route but ``/health``
     then wants ``Authorization: Bearer <api_key>``. ``max_body_bytes``: a larger request body is refused (413)
-    before it is read; ``body_timeout_s``: a body that stops arriving for that long is refused (408)."""
-    check_server_options(api_key, max_body_bytes, body_timeout_s)
+    before it is read; ``body_timeout_s``: a body that stops arriving for that long is refused (408);
+    ``body_deadline_s``: so is one not all in that long after its headers, however steadily it trickles. The
+    header block's deadline is the server's (``start_server``; run uvicorn yourself with
+    ``http=DeadlineH11Protocol.with_deadlines(...)`` for it)."""
+    check_server_options(api_key, max_body_bytes, body_timeout_s, body_deadline_s=body_deadline_s)
     app = FastAPI(title="minipaged", summary="An OpenAI-compatible server on the minipaged engine")
     app.state.engine = engine
     created = int(time.time())
@@ -93,15 +105,22 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return openai_error_response(OpenAIError(str(exc.detail), status=exc.status_code, type=kind))
+        response = openai_error_response(OpenAIError(str(exc.detail), status=exc.status_code, type=kind))
+        response.headers.update(exc.headers or {})  # RequestGuard's 408 says Connection: close
+        return response
 
-    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(
+        RequestGuard, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, body_deadline_s=body_deadline_s
+    )
     if api_key is not None:  # added last, so it runs first: a stranger learns nothing about the limits
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
 
 
-def check_server_options(api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
+def check_server_options(
+    api_key: str | None, max_body_bytes: int, body_timeout_s: float,
+    header_deadline_s: float = DEFAULT_HEADER_DEADLINE_S, body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
+) -> None:  # fmt: skip
     """Refuse, at start-up and naming the option, what would make the server answer every request wrongly."""
     if api_key is not None:
         if not isinstance(api_key, str):
@@ -118,12 +137,11 @@ def check_server_options(api_key: str | None, max_body_bytes: int, body_timeout_
             )
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes (--max-body-bytes) must be a positive integer, got {max_body_bytes!r}")
-    if (
-        isinstance(body_timeout_s, bool)
-        or not isinstance(body_timeout_s, (int, float))
-        or not (0 < body_timeout_s < math.inf)
-    ):
-        raise ValueError(f"body_timeout_s must be a positive number of seconds, got {body_timeout_s!r}")
+    seconds = {"body_timeout_s": body_timeout_s, "header_deadline_s": header_deadline_s,
+               "body_deadline_s": body_deadline_s}  # fmt: skip
+    for name, value in seconds.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 async def parse_body(raw: Request, model: type[M], engine: AsyncEngine) -> M:
@@ -196,13 +214,22 @@ class RequestGuard:
     * a body over ``max_body_bytes``: 413 at once when its Content-Length says so (nothing of it is read), else
       counted as it arrives (a chunked upload) and refused as soon as it passes the limit;
     * on the JSON routes, a Content-Type that is not JSON (``curl -d`` sends a form's): 415 naming the header;
-    * a body that stops arriving (a client stopped or gone silent): 408 after ``body_timeout_s`` without a byte.
+    * a body that stops arriving (a client stopped or gone silent): 408 after ``body_timeout_s`` without a byte;
+    * a body that is not all in ``body_deadline_s`` after its headers (a client trickling it, each gap short of
+      ``body_timeout_s``): 408 at that deadline.
+
+    Both 408s say ``Connection: close``: a client that is still sending gets its answer and then the connection
+    ends, instead of its rest being read and discarded for as long as it keeps sending.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float,
+        body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
+    ) -> None:  # fmt: skip
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.body_deadline_s = body_deadline_s
 
     def too_large(self) -> str:
         return (
@@ -232,16 +259,23 @@ class RequestGuard:
             await openai_error_response(OpenAIError(self.too_large(), status=413))(scope, receive, send)
             return
         received, complete = 0, False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_deadline_s  # the headers are in: the whole body is owed by then
 
         async def guarded() -> Message:
             nonlocal received, complete
             if complete:  # the body is in: what comes now is a disconnect, and may take any time
                 return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            left = deadline - loop.time()
+            try:  # each wait is the shorter of the gap allowed and what is left of the whole body's time
+                message = await asyncio.wait_for(receive(), max(min(self.body_timeout_s, left), 0.0))
             except asyncio.TimeoutError:
-                raise HTTPException(408, f"The request body stopped arriving: nothing for {self.body_timeout_s:g} s "
-                                         f"after {received} bytes") from None  # fmt: skip
+                if left < self.body_timeout_s:
+                    why = (f"The request body did not all arrive within {self.body_deadline_s:g} s of its headers "
+                           f"(body_deadline_s): {received} bytes came")  # fmt: skip
+                else:
+                    why = f"The request body stopped arriving: nothing for {self.body_timeout_s:g} s after {received} bytes"
+                raise HTTPException(408, why, headers={"Connection": "close"}) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 complete = not message.get("more_body", False)

@@ -22,8 +22,16 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from .api_server import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, build_app, check_server_options
+from .api_server import (
+    DEFAULT_BODY_DEADLINE_S,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_DEADLINE_S,
+    DEFAULT_MAX_BODY_BYTES,
+    build_app,
+    check_server_options,
+)
 from .async_engine import AsyncEngine
+from .deadlines import DeadlineH11Protocol
 
 if TYPE_CHECKING:
     from ..engine.llm import LLM
@@ -89,16 +97,20 @@ def start_server(
     startup_timeout: float = 30.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    header_deadline_s: float = DEFAULT_HEADER_DEADLINE_S,
+    body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
 ) -> ServerHandle:
     """Serve ``llm`` over HTTP in a daemon thread; returns once ``/health`` answers 200.
 
     ``port=0`` takes a free port (``handle.url`` has it). Given an ``AsyncEngine`` instead of an ``LLM``, the
     server shares that engine loop (another front end on the same engine, say with an API key) and leaves it
     running when it stops; given an ``LLM``, it starts its own loop and shuts it down in ``stop()``.
-    ``max_body_bytes``: larger request bodies are refused (413) before they are read. Every option is checked
-    before anything starts; an engine that cannot serve (``AsyncEngine.health``) is refused with the reason.
+    ``max_body_bytes``: larger request bodies are refused (413) before they are read. Slow clients are let go
+    with a 408: a body that stops for ``body_timeout_s``, one not all in ``body_deadline_s`` after its headers, a
+    header block not all in within ``header_deadline_s`` (``deadlines.DeadlineH11Protocol``). Every option is
+    checked before anything starts; an engine that cannot serve (``AsyncEngine.health``) is refused with the reason.
     """
-    check_server_options(api_key, max_body_bytes, body_timeout_s)
+    check_server_options(api_key, max_body_bytes, body_timeout_s, header_deadline_s, body_deadline_s)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an integer in 0..65535 (0: a free one), got {port!r}")
     if served_model_name is not None and (not isinstance(served_model_name, str) or not served_model_name.strip()):
@@ -116,12 +128,14 @@ def start_server(
         raise RuntimeError(f"cannot serve: {why}")
     name = served_model_name or default_model_name(engine.llm)
     try:
-        app = build_app(engine, name, api_key, max_body_bytes, body_timeout_s)
+        app = build_app(engine, name, api_key, max_body_bytes, body_timeout_s, body_deadline_s)
     except BaseException:
         if owns:
             engine.shutdown()
         raise
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    # uvicorn has no deadline for a request's header block: this protocol adds one (see its docstring for why here).
+    protocol = DeadlineH11Protocol.with_deadlines(header_deadline_s, body_deadline_s)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5, http=protocol)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="minipaged-server", daemon=True)
     thread.start()
