@@ -548,7 +548,7 @@ def check_sample_smollm2(Sampler: SamplerClass) -> list[CheckOutcome]:
         [
             Check(f"SmolLM2, three chat requests sampled in one batch ({described}), {SYS_TOKENS} tokens each: "
                   "your Sampler's tokens", batch, package_tokens(),
-                  hint="the package's Sampler drew these tokens for the same seeds: the streams group names what "
+                  hint="the package's Sampler drew these tokens for the same seed values: the streams group names what "
                   "differs"),
             Check(f"the first request alone, with a fresh Sampler: the {SYS_TOKENS} tokens it drew in the batch",
                   alone, "the batch's tokens",
