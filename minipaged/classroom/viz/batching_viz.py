@@ -29,8 +29,9 @@ from ...core.kv_cache_manager import KVCacheManager
 from ...core.request import Request, RequestStatus
 from ...core.scheduler import Scheduler, SchedulerOutput
 from ...lab.simulator import CostModel, SimConfig, SimRequest, simulate_continuous, simulate_static
-from .block_viz import CACHED_FREE_COLOR, FREE_COLOR, SHARED_COLOR, UNUSED_COLOR, OwnerColors, display_widget
+from .block_viz import CACHED_FREE_COLOR, FREE_COLOR, SHARED_COLOR, UNUSED_COLOR, OwnerColors
 from .layout import aligned_ticks, label_style, legend_above, legend_right, padded, text_color
+from .redraw import display_widget, redraw
 
 # One second per step: the player and small timelines count steps, not seconds.
 STEP_CLOCK = CostModel(
@@ -364,11 +365,18 @@ class BatchingPlayer:
             + "".join(cells)
             + "</div>"
         )
-        self.figure.layout.shapes = [
-            dict(
-                type="line", x0=st["step"], x1=st["step"], y0=0, y1=1, yref="paper", line=dict(dash="dot", color="gray")
-            )
-        ]
+        with redraw(self.figure):
+            self.figure.layout.shapes = [
+                dict(
+                    type="line",
+                    x0=st["step"],
+                    x1=st["step"],
+                    y0=0,
+                    y1=1,
+                    yref="paper",
+                    line=dict(dash="dot", color="gray"),
+                )
+            ]
 
     @property
     def widget(self) -> W.Widget:
@@ -517,7 +525,7 @@ class BatchingTimeline:
         k = self.time_scale
         order = [r.req_id for r in self.requests][::-1]
         shown: set[str] = set()
-        with self.figure.batch_update():
+        with redraw(self.figure):
             self.figure.data = []
             for row, policy in ((1, "static"), (2, "continuous")):
                 for kind, color in SEGMENT_COLORS.items():

@@ -31,6 +31,7 @@ from ...utils import cdiv
 from ...worker.block_table import BlockTable
 from .kv_widgets import BLOCK_COLORS
 from .layout import label_style, legend_right, text_color
+from .redraw import display_widget, redraw
 
 FREE_COLOR = "#e6e6e6"
 CACHED_FREE_COLOR = "#b9dcb4"  # free, but still holding a cached prefix block
@@ -59,12 +60,6 @@ class OwnerColors:
 def _token_count(value: Any) -> int:
     """Tokens held by a request: an int, or a ``Request`` (its ``num_computed_tokens``)."""
     return int(value) if isinstance(value, (int, np.integer)) else int(value.num_computed_tokens)
-
-
-def display_widget(widget: W.Widget) -> None:
-    from IPython.display import display
-
-    display(widget)
 
 
 # ---- (a) the block pool as a grid ------------------------------------------------------------
@@ -259,7 +254,7 @@ class BlockPoolGrid:
         for c in self.cells:
             key = c["owners"][0] if c["status"] == "in use" and c["owners"] else c["status"]
             groups.setdefault(key, []).append(c)
-        with self.figure.batch_update():
+        with redraw(self.figure):
             self.figure.data = []
             for name, cs in groups.items():
                 self.figure.add_scatter(
@@ -372,7 +367,7 @@ class ContiguousVsPaged:
         self.paged = simulate_trace(self.trace, self.num_slots, "paged", self.max_model_len, block_size=self.block_size)
         self.layouts = contiguous_layouts(self.trace, self.contiguous, self.max_model_len, policy)
         last = int(max(self.contiguous.step[-1], self.paged.step[-1]))
-        with self.timeline.batch_update():
+        with redraw(self.timeline):
             self.timeline.data = []
             for name, res, color in (
                 ("contiguous", self.contiguous, BLOCK_COLORS[1]),
@@ -517,7 +512,7 @@ class ContiguousVsPaged:
             "free hole (too small)": HOLE_COLOR,
             "free": FREE_COLOR,
         }
-        with self.memory.batch_update():
+        with redraw(self.memory):
             self.memory.data = []
             for kind, b in bars.items():
                 marker = dict(color=colors[kind], line=dict(color="white", width=1))
@@ -535,9 +530,10 @@ class ContiguousVsPaged:
                 )
             self.memory.layout.title = f"memory at step {t}"
             self.memory.layout.yaxis.update(categoryorder="array", categoryarray=[p_name, c_name])
-        self.timeline.layout.shapes = [
-            dict(type="line", x0=t, x1=t, y0=0, y1=1, yref="paper", line=dict(dash="dot", color="gray"))
-        ]
+        with redraw(self.timeline):
+            self.timeline.layout.shapes = [
+                dict(type="line", x0=t, x1=t, y0=0, y1=1, yref="paper", line=dict(dash="dot", color="gray"))
+            ]
 
         def fmt(name: str, n: dict[str, Any]) -> str:
             if not n["active"]:
@@ -677,7 +673,7 @@ class BlockTableView:
             dict(request=rid, logical=i, physical=self.tables[rid].block_ids[i], highlighted=False)
             for (rid, i) in self._ly
         ]
-        with self.figure.batch_update():
+        with redraw(self.figure):
             self.figure.data = []
             self.figure.add_scatter(
                 x=lx,
@@ -757,7 +753,7 @@ class BlockTableView:
                     text="",
                 )
             )
-        with self.figure.batch_update():
+        with redraw(self.figure):
             self.figure.layout.annotations = annotations
 
     @property
@@ -892,7 +888,6 @@ __all__ = [
     "BlockPoolGrid",
     "BlockTableView",
     "ContiguousVsPaged",
-    "display_widget",
     "memory_growth_figure",
     "waste_breakdown_figure",
 ]

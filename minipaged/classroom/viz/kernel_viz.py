@@ -34,6 +34,7 @@ from ...gpus import GPU, by_device_name
 from ...utils import cdiv
 from .block_viz import FREE_COLOR, OWNER_COLORS
 from .layout import label_style, widget_width
+from .redraw import display_widget, redraw
 
 MIN_DOT_ROWS = 16  # tl.dot on an NVIDIA GPU wants every tile dimension >= 16
 # The pictures show the tiles the kernels pick for SmolLM2 as the GPU engine runs it (bfloat16, head_dim 64).
@@ -534,7 +535,7 @@ class PagedReadView:
             for b in pool_x
         ]
         labels = [p.label for p in self.programs]
-        with self.figure.batch_update():
+        with redraw(self.figure):
             self.figure.data = []
             self.figure.add_scatter(
                 x=pool_x,
@@ -615,7 +616,7 @@ class PagedReadView:
                         fillcolor="rgba(0,0,0,0)",
                     )
                 )
-        with self.figure.batch_update():
+        with redraw(self.figure):
             self.figure.layout.shapes = shapes
 
     @property
@@ -623,9 +624,7 @@ class PagedReadView:
         return W.VBox([W.HBox([self.splits, self.program]), self.caption, self.figure])
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)
+        display_widget(self.widget)
 
 
 __all__ = [

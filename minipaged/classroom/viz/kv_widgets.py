@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 
 from ...kv_math import PRESETS, GiB, KVSpec, attention_variants, format_bytes
 from .layout import label_style, legend_right, text_color, widget_width
+from .redraw import display_widget, redraw
 
 CUSTOM = "custom"
 # Categorical colours, pairwise distinct (CIELAB ΔE >= 30) and far from the pool's status colours (grey free,
@@ -206,7 +207,7 @@ class KVCalculator:
     def _plot(self, spec: KVSpec) -> None:
         tp, tokens = self.tp.value, self.tokens.value
         xs = [int(tokens * f / 20) for f in range(0, 41)]
-        with self.figure.batch_update():
+        with redraw(self.figure):
             self.figure.data = []
             for name, variant in attention_variants(spec).items():
                 rank = variant.per_rank(tp)
@@ -232,9 +233,7 @@ class KVCalculator:
         return W.VBox([controls, self.error, W.HBox([self.output, self.figure])])
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)
+        display_widget(self.widget)
 
 
 class KVGrowthView:
@@ -308,6 +307,4 @@ class KVGrowthView:
         return W.VBox([W.HBox([self.play, self.step]), self.grid, self.meter, self.label])
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)
+        display_widget(self.widget)

@@ -30,8 +30,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ...engine.events import StepEvent
-from .block_viz import CACHED_FREE_COLOR, FREE_COLOR, NULL_COLOR, SHARED_COLOR, OwnerColors, display_widget
+from .block_viz import CACHED_FREE_COLOR, FREE_COLOR, NULL_COLOR, SHARED_COLOR, OwnerColors
 from .layout import legend_right, text_color
+from .redraw import display_widget, redraw
 
 MAX_OWNER_TRACES = 24  # requests beyond these share one grid trace (per-point colours)
 MAX_WASTE_BARS = 32  # the bar chart shows the requests wasting most, at most this many
@@ -249,7 +250,7 @@ class EngineMonitor:
             for (name, color), cs in groups.items()
             if cs
         ]
-        with self.grid.batch_update():
+        with redraw(self.grid):
             self.grid.data = []
             self.grid.add_traces(traces)
 
@@ -260,7 +261,7 @@ class EngineMonitor:
         shown = f" ({len(rows)} of {len(self.waste)} shown)" if len(rows) < len(self.waste) else ""
         share = f"{total / slots:.0%} of the {slots:,} slots in use" if slots else "no block in use"
         hover = [f"request {html.escape(r)}: {w} of its last block's {e.block_size} slots unused" for r, w in rows]
-        with self.waste_figure.batch_update():
+        with redraw(self.waste_figure):
             self.waste_figure.data[0].update(x=[w for _, w in rows], y=[r for r, _ in rows], hovertext=hover,
                                              marker_color=[self.colors(r) for r, _ in rows])  # fmt: skip
             self.waste_figure.update_layout(
@@ -270,7 +271,7 @@ class EngineMonitor:
 
     def _draw_timeline(self) -> None:
         s, pre, hit = self.series, self.marks["preempted"], self.marks["prefix_hit"]
-        with self.timeline.batch_update():
+        with redraw(self.timeline):
             use, pmark, hmark, batch = self.timeline.data
             use.x, use.y, use.hovertext = list(s["time"]), list(s["kv_use"]), [f"step {n}" for n in s["step"]]
             batch.x, batch.y = list(s["time"]), list(s["batch"])

@@ -19,7 +19,7 @@ import html
 import ipywidgets as W
 
 from .. import selfcheck
-from .block_viz import display_widget
+from .redraw import display_widget
 
 RIGHT, WRONG, NEUTRAL = "#1d6b35", "#9b1c1c", "#333333"  # >= 7:1 on white
 
