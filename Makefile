@@ -14,6 +14,7 @@
 #   make test-site  every page of the built site in a real browser (Playwright + Debian's chromium)
 #   make lab    open the course in JupyterLab
 #   make grade  grade a folder of exercise notebooks (DIR=exercises by default)
+#   make release DEST=../course-copy  a copy of the course to hand out: no solutions, no tests; it grades on its own
 #   make kernels      compile every Triton kernel for sm_75/sm_80/sm_90 (no GPU needed): registers, spills, occupancy
 #   make gpu-check    on a CUDA machine (set up with `make setup TORCH=system`): every notebook and exercise on
 #                     CUDA, the CUDA tests, the compile report, the GPU benchmarks (tools/gpu_check.py --dry-run lists them)
@@ -27,7 +28,7 @@ DIR    ?= exercises
 # Each test file (or notebook) runs whole in one worker, in order: a notebook's cells share one kernel.
 WORKERS ?= 2
 
-.PHONY: setup demo test test-slow test-hosted durations lint test-browser site test-site lab grade kernels gpu-check clean
+.PHONY: setup demo test test-slow test-hosted durations lint test-browser site test-site lab grade release kernels gpu-check clean
 
 setup: $(STAMP)
 
@@ -97,6 +98,10 @@ lab: setup  # as root (containers, cloud sandboxes) Jupyter refuses to start unl
 
 grade: setup
 	$(BIN)/python -m minipaged grade "$(DIR)"
+
+release:  # needs only git and Python: the copy is made from the committed HEAD (tools/release.py)
+	@test -n "$(DEST)" || { echo "usage: make release DEST=<a new folder>"; exit 2; }
+	$(PYTHON) tools/release.py "$(DEST)"
 
 kernels: setup
 	$(BIN)/python -m minipaged kernels --arch sm_75,sm_80,sm_90

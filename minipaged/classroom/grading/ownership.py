@@ -7,7 +7,7 @@ the reference the checks compare with) passes every value check, so the grader l
   itself, or every method of a class and of its bases, the function under a ``functools.partial``, a bound
   method or a Triton kernel — must have been compiled from the notebook's own cells. An assignment
   (``remove = FreeKVCacheBlockQueue.remove``), a copied method, a subclass of the package's class, or code
-  ``exec``'d from another notebook (the solution's) is found here.
+  ``exec``'d from another notebook (the solution's), even under a cell's file name, is found here.
 * **what it runs** (``Tracer``): while the checks call the learner's code, a profile hook watches every Python
   call; a call into the implementation the exercise is about, made while a frame of the notebook's code is on the
   stack, is delegation at some depth — a wrapper, a tuple holding the package's object, a method forwarding to
@@ -25,7 +25,7 @@ import importlib.util
 import sys
 import threading
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 # Methods Python itself writes for a dataclass or a namedtuple, compiled from a string ("<string>"): allowed by
@@ -71,12 +71,16 @@ def _functions(obj: Any, seen: set[int]) -> Iterable[tuple[str, types.FunctionTy
         yield from _functions(type(obj), seen)  # a callable instance: its class
 
 
-def foreign_code(obj: Any, notebook: str) -> str | None:
-    """None when every function ``obj`` is made of was compiled from the notebook's cells; else what is not."""
+def foreign_code(obj: Any, notebook: str, own: Mapping[int, types.CodeType] | None = None) -> str | None:
+    """None when every function ``obj`` is made of was compiled from the notebook's cells; else what is not.
+    ``own``: the code objects the grader compiled from the cells (``runner.run_code_cells``); given, a function
+    must run one of them, so that text compiled under a cell's file name by a cell (the solution's) is found."""
     prefix = cell_prefix(notebook)
     for name, fn in _functions(obj, set()):
         where = fn.__code__.co_filename
         if where.startswith(prefix):
+            if own is not None and own.get(id(fn.__code__)) is not fn.__code__:
+                return f"{name} was compiled under the name {where} from text that is not in that cell"
             continue
         if (where == "<string>" or where.startswith("namedtuple_")) and name.rsplit(".", 1)[-1] in _GENERATED:
             continue  # a dataclass's __init__, a namedtuple's __new__: written by Python for a class of yours

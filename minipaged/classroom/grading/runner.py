@@ -21,9 +21,8 @@ notebook, a name that matches no exercise), it gets its rows, named in the row, 
 ``format_details`` explains every lost point below the table: the failing checks, the cells that raised.
 Each notebook runs in a throwaway copy of its folder, under a memory and a time limit, with every process it
 starts ended with it (``sandbox.py``); the worker refuses code that is not the notebook's own
-(``ownership.py``). A learner who deliberately patches the grader from inside their notebook is still outside
-what this defends: the checks run in the same process as the learner's code (README, "What the grader defends
-against").
+(``ownership.py``), and a report the notebook wrote into or checks it changed (``integrity.py``; the README's
+"What the grader defends against" says what is left).
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ import json
 import linecache
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -43,9 +43,11 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import CodeType
 from typing import Any
 
 from .exercises import EXERCISES, Exercise, exercise_for
+from .integrity import read_signed
 from .sandbox import MEMORY_WORDS, TIME_UP
 
 if sys.version_info >= (3, 11):
@@ -117,32 +119,57 @@ def _ipython_names() -> dict[str, Any]:
 
 
 def run_code_cells(
-    path: str | os.PathLike, name: str, on_cell: Callable[[int], None] | None = None
+    path: str | os.PathLike,
+    name: str,
+    on_cell: Callable[[int], None] | None = None,
+    compiled: dict[int, CodeType] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """Run a notebook's code cells in this process, in its folder, skipping its check cells, in a fresh namespace
     called ``name``; return the namespace and the errors of the cells that failed (the rest still ran). What the
     cells print is swallowed. Used to take a learner's functions out of their notebook. ``on_cell(i)`` is
-    called before code cell ``i`` runs."""
+    called before code cell ``i`` runs. ``compiled``, if given, receives every code object compiled from the
+    cells (``id`` -> code), all of them before the first cell runs: the code that is the notebook's own
+    (``ownership.foreign_code``), which no cell can add to by compiling other text under a cell's name."""
     import nbformat
 
     namespace: dict[str, Any] = {"__name__": name, **_ipython_names()}
     errors: list[str] = []
     nb = nbformat.read(path, as_version=4)
+    cells: list[tuple[int, CodeType | None, str]] = []
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or _is_check_cell(cell.source):
             continue
-        if on_cell is not None:
-            on_cell(i)
         filename = f"<{Path(path).name} cell {i}>"
         source = _python_source(cell.source) + "\n"
         # @triton.jit reads its function's source back: make the cell findable, as IPython does.
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        try:
+            code = compile(source, filename, "exec")
+        except (SyntaxError, ValueError) as exc:
+            cells.append((i, None, f"cell {i}: {type(exc).__name__}: {exc}"))
+            continue
+        if compiled is not None:
+            compiled.update((id(c), c) for c in _nested_code(code))
+        cells.append((i, code, ""))
+    for i, cell_code, error in cells:
+        if on_cell is not None:
+            on_cell(i)
+        if cell_code is None:
+            errors.append(error)
+            continue
         try:  # in the notebook's folder, as Jupyter runs it
             with contextlib.redirect_stdout(io.StringIO()), _chdir(Path(path).resolve().parent):
-                exec(compile(source, filename, "exec"), namespace)
+                exec(cell_code, namespace)
         except Exception as exc:  # a stub's NotImplementedError in a try-it cell, say
             errors.append(f"cell {i}: {type(exc).__name__}: {exc}")
     return namespace, errors
+
+
+def _nested_code(code: CodeType) -> Iterator[CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            yield from _nested_code(const)
 
 
 def expected_outputs(cell: Any) -> list[Any]:
@@ -207,16 +234,6 @@ def _read_notebook_error(path: Path) -> str | None:
     return None
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
-    events = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line cut short by a kill: what came before it stands
-    return events
-
-
 def _tail(path: Path, lines: int = 6) -> str:
     text = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
     return "\n".join(text[-lines:])
@@ -252,13 +269,17 @@ def grade_notebook(
         events_path, err_path = Path(tmp, "events.jsonl"), Path(tmp, "stderr.txt")
         events_path.touch()
         work = _throwaway_copy(path.resolve().parent, Path(tmp, "work"))
-        worker = [sys.executable, "-m", "minipaged.classroom.grading.worker", str(work / name), exercise.key,
-                  str(events_path)]  # fmt: skip
+        worker = [sys.executable, "-m", "minipaged.classroom.grading.worker", str(work / name), exercise.key]
         cmd = [sys.executable, "-m", "minipaged.classroom.grading.sandbox", str(timeout), str(memory), "--", *worker]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+        key = secrets.token_bytes(32)  # signs the report (integrity.Signer); reaches the worker on its stdin only
         with open(err_path, "wb") as err:
-            proc = subprocess.Popen(cmd, cwd=work, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+            proc = subprocess.Popen(cmd, cwd=work, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
                                     env=env, start_new_session=True)  # fmt: skip
+            assert proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError):  # a worker that died at once: its rows say so
+                proc.stdin.write((json.dumps({"events": str(events_path), "key": key.hex()}) + "\n").encode())
+                proc.stdin.close()
             try:
                 code = proc.wait(timeout=timeout + 60)  # the supervisor keeps the time; this is its own bound
             except BaseException as exc:  # Ctrl-C, or a supervisor that hangs: it ends the worker and descendants
@@ -267,7 +288,15 @@ def grade_notebook(
                     raise
                 code = TIME_UP
         rc = None if code == TIME_UP else (128 - code if code > 128 else code)
-        scores = _scores_from_events(name, exercise, _events(events_path), rc, timeout, _tail(err_path))
+        events, forged = read_signed(events_path.read_text(encoding="utf-8", errors="replace"), key)
+        if forged is not None:
+            return _rows(name, exercise, "the grader's report was written to", f"{name}: {forged}; nothing in it "
+                         "counts (a cell wrote into the file the grader reports through)")  # fmt: skip
+        tampered = next((ev["why"] for ev in events if ev["event"] == "tampered"), None)
+        if tampered is not None:
+            return _rows(name, exercise, "the notebook changed the grader's code", f"{name}: {tampered}; nothing "
+                         "counts (the checks cannot be trusted after that)")  # fmt: skip
+        scores = _scores_from_events(name, exercise, events, rc, timeout, _tail(err_path))
         return _with_memory_note(scores, memory)
 
 
@@ -284,12 +313,11 @@ def _stop_supervisor(proc: subprocess.Popen) -> None:
 
 
 def _throwaway_copy(folder: Path, work: Path) -> Path:
-    """The notebook's folder as the worker sees it: its files (the exercise's siblings, data), not its subfolders
-    (``solutions/``), copied, so that whatever the notebook deletes or writes is thrown away with the copy."""
-    work.mkdir()
-    for item in folder.iterdir():
-        if item.is_file() and not item.is_symlink():
-            shutil.copy2(item, work / item.name)
+    """The notebook's folder as the worker sees it, copied, so that whatever the notebook deletes or writes is
+    thrown away with the copy: its files and subfolders (ex10b's ``policies/``), not ``solutions/``, not links."""
+    shutil.copytree(folder, work, symlinks=True, ignore=lambda _, names: [n for n in names if n == "solutions"])
+    for link in [p for p in work.rglob("*") if p.is_symlink()]:
+        link.unlink()
     return work
 
 
