@@ -89,8 +89,15 @@ def foreign_code(obj: Any, notebook: str, own: Mapping[int, types.CodeType] | No
     return None
 
 
+def _named(qualname: str, names: set[str]) -> bool:
+    """``KVCacheManager.can_allocate`` is named by ``KVCacheManager`` (the whole class) or by itself."""
+    parts = qualname.split(".")
+    return any(".".join(parts[:n]) in names for n in range(1, len(parts) + 1))
+
+
 def targets(own: Iterable[str]) -> dict[str, set[str] | None]:
-    """``Group.own`` as {source file: top-level names (None: the whole module)}, for the modules that exist here."""
+    """``Group.own`` as {source file: names (None: the whole module)}, for the modules that exist here. A name is a
+    top-level function or class, or one method of a class (``KVCacheManager.can_allocate``)."""
     found: dict[str, set[str] | None] = {}
     for entry in own:
         module, _, names = entry.partition(":")
@@ -116,7 +123,7 @@ class Tracer:
             return
         names = self.targets[code.co_filename]
         qualname = getattr(code, "co_qualname", code.co_name)
-        if names is not None and qualname.split(".")[0] not in names:
+        if names is not None and not _named(qualname, names):
             return
         caller = frame.f_back
         while caller is not None:
