@@ -5,10 +5,10 @@ reach them. Three ways in, and what closes each:
 
 * **Replacing the grader's code** (``ex10c.check_engine = lambda *a: [...]``, a method of ``core.Check``, the
   package's reference the checks compare with, ``torch.allclose``): ``Integrity`` compares, after the cells and
-  again after the checks, every function of every loaded ``minipaged`` module with the same function compiled
-  afresh from the module's file on disk (a function's ``__code__`` and the module attribute both), and the
-  library functions the checks lean on (builtins, ``torch``, ``numpy``, ``math``, ``json``, ``hmac`` …) with the
-  objects they were before the first cell ran. The first difference is named in the report.
+  again after the checks, every function of every ``minipaged`` module (a function's ``__code__`` and the module
+  attribute both) with what it ran before the first cell, or, for a module first imported since, with its file
+  compiled afresh; and the library functions the checks lean on (builtins, ``torch``, ``numpy``, ``math``,
+  ``json``, ``hmac`` …) with the objects they were before the first cell. The first difference is named.
 * **Writing the report** (appending ``{"event": "group", ...}`` lines to the events file): the report's path and a
   key reach the worker on its standard input (not its command line, which ``/proc/self/cmdline`` shows), and
   every line carries a sequence number and an HMAC of it under that key (``Signer``); the grader drops a report
@@ -37,27 +37,8 @@ from typing import IO, Any
 
 # Library objects the checks call, compared by identity with what they were before the first cell (not on disk as
 # Python). None: every callable of the module; else the names.
-_TORCH = (
-    "allclose",
-    "equal",
-    "isclose",
-    "isfinite",
-    "tensor",
-    "as_tensor",
-    "stack",
-    "cat",
-    "randn",
-    "rand",
-    "randint",
-    "randperm",
-    "manual_seed",
-    "no_grad",
-    "inference_mode",
-    "zeros",
-    "full",
-    "arange",
-    "empty",
-)
+_TORCH = ("allclose", "equal", "isclose", "isfinite", "tensor", "as_tensor", "stack", "cat", "randn", "rand",
+          "randint", "randperm", "manual_seed", "no_grad", "inference_mode", "zeros", "full", "arange", "empty")  # fmt: skip
 WATCHED: dict[str, tuple[str, ...] | None] = {
     "builtins": None, "math": None, "json": None, "hmac": None, "hashlib": None, "operator": None,
     "functools": None, "itertools": None, "copy": None, "torch": _TORCH, "torch.testing": ("assert_close",),

@@ -46,7 +46,8 @@ def grade(path: str, exercise_key: str, emit: Callable[..., None]) -> None:
 
     exercise = EXERCISES[exercise_key]
     notebook = os.path.basename(path)
-    module = importlib.import_module(f"minipaged.classroom.grading.{exercise_key}")  # before any cell: its code is
+    # The checks are imported before any cell, so that Integrity takes them as they were.
+    module = importlib.import_module(f"minipaged.classroom.grading.{exercise_key}")
     integrity = Integrity()  # what the checks must still be after the cells and after the checks
     own: dict[int, types.CodeType] = {}
     namespace, errors = run_code_cells(
