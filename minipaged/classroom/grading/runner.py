@@ -47,7 +47,7 @@ from types import CodeType
 from typing import Any
 
 from .exercises import EXERCISES, Exercise, exercise_for
-from .integrity import read_signed
+from .integrity import _codes, read_signed
 from .sandbox import MEMORY_WORDS, TIME_UP
 
 if sys.version_info >= (3, 11):
@@ -149,7 +149,7 @@ def run_code_cells(
             cells.append((i, None, f"cell {i}: {type(exc).__name__}: {exc}"))
             continue
         if compiled is not None:
-            compiled.update((id(c), c) for c in _nested_code(code))
+            compiled.update((id(c), c) for c in (code, *(inner for _, inner in _codes(code))))
         cells.append((i, code, ""))
     for i, cell_code, error in cells:
         if on_cell is not None:
@@ -163,13 +163,6 @@ def run_code_cells(
         except Exception as exc:  # a stub's NotImplementedError in a try-it cell, say
             errors.append(f"cell {i}: {type(exc).__name__}: {exc}")
     return namespace, errors
-
-
-def _nested_code(code: CodeType) -> Iterator[CodeType]:
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, CodeType):
-            yield from _nested_code(const)
 
 
 def expected_outputs(cell: Any) -> list[Any]:
