@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -52,13 +52,60 @@ class PartError(RuntimeError):
                 self.add_note(f"(engine step {step})")
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+SEAMS: dict[str, Seam] = {}  # every component's seam, by component name, as the engine's modules declare them
+
+
+class Seam:
+    """One component's replaceable pieces, declared once where the component lives::
+
+        SEAM = hooks.Seam("block_pool", free_queue_remove="BlockPool.touch: a cached block leaves the queue")
+        ...
+        SEAM.pick("free_queue_remove", queue.remove)(queue, block)
+
+    ``pick`` answers the function to run: the one plugged in for that part, else the engine's own. The component
+    names nothing else of the course; the classroom (``minipaged.classroom.parts``) checks that every part it can
+    plug in is a part some seam declares (``tests/test_seams.py``)."""
+
+    component: str
+    parts: dict[str, str]  # part name -> where the engine calls it
+
+    def __init__(self, component: str, **parts: str) -> None:
+        if component in SEAMS or not parts:
+            raise ValueError(f"seam {component!r}: declared twice, or with no parts")
+        taken = {p for seam in SEAMS.values() for p in seam.parts} & set(parts)
+        if taken:
+            raise ValueError(f"seam {component!r}: parts {sorted(taken)} belong to another seam")
+        self.component, self.parts = component, dict(parts)
+        SEAMS[component] = self
+
+    def pick(self, part: str, own: F) -> F:
+        """The function to run for ``part``: the one plugged in now, else ``own``."""
+        if part not in self.parts:
+            raise KeyError(f"seam {self.component!r} has no part {part!r}; it has {sorted(self.parts)}")
+        return cast(F, _plugged.get(part, own)) if _plugged else own
+
+    def plugged(self, part: str) -> Callable[..., Any] | None:
+        """What is plugged in for ``part`` now, or None: for a part with no one function of the engine's own."""
+        if part not in self.parts:
+            raise KeyError(f"seam {self.component!r} has no part {part!r}; it has {sorted(self.parts)}")
+        return _plugged.get(part) if _plugged else None
+
+    def replaced(self) -> bool:
+        """Whether any of this seam's parts is plugged in now."""
+        return bool(_plugged) and any(part in _plugged for part in self.parts)
+
+    def __repr__(self) -> str:
+        return f"Seam({self.component!r}, parts={sorted(self.parts)})"
+
+
 def plugged(name: str) -> Any:
-    """What is plugged in for part ``name`` now, or None (the engine's own piece runs)."""
+    """What is plugged in under ``name`` now, or None (the engine's own piece runs)."""
     return _plugged.get(name) if _plugged else None
 
 
 def active(ignore: frozenset[str] = frozenset()) -> bool:
-    """Whether anything is plugged in now (other than the parts named in ``ignore``)."""
+    """Whether any part is plugged in now (other than those named in ``ignore``)."""
     return bool(_plugged) and any(name not in ignore for name in _plugged)
 
 

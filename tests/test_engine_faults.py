@@ -38,11 +38,11 @@ def expected(tiny_model):
 def assert_clean(llm: LLM) -> None:
     """No request anywhere, every block back in the pool (CPU swap space too), nothing kept per request."""
     s, kv = llm.scheduler, llm.kv_cache_manager
-    assert not s.requests and not s.waiting and not s.running and not kv.swapped_blocks
+    assert not s.requests and not s.waiting and not s.running and not kv.swap.swapped_blocks
     assert not kv.req_to_blocks and not llm._requests and not llm.sampler._generators
     assert kv.get_num_free_blocks() == llm.num_blocks - 1
-    if kv.cpu_pool is not None:
-        assert kv.cpu_pool.get_num_free_blocks() == kv.num_cpu_blocks - 1
+    if kv.swap.cpu_pool is not None:
+        assert kv.swap.cpu_pool.get_num_free_blocks() == kv.swap.num_cpu_blocks - 1
 
 
 class Fault(Exception):

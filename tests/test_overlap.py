@@ -133,7 +133,7 @@ def test_a_failed_step_takes_back_the_placeholders_and_the_step_ahead():
     assert after == before  # as if the failed step never ran: no placeholder left, computed tokens as they were
     assert not any(r.num_output_placeholders for r in sched.requests.values())
     check_invariants(sched)
-    assert not sched.kv_cache_manager.in_flight_blocks and not sched.kv_cache_manager.uncommitted_blocks
+    assert not sched.kv_cache_manager.step.in_flight_blocks and not sched.kv_cache_manager.step.uncommitted_blocks
 
 
 # ---- the engine on the tiny model -----------------------------------------------------------------

@@ -20,10 +20,10 @@ from conftest import PREEMPTING_PROMPTS, small_engine
 
 from minipaged import hooks
 from minipaged.classroom import parts
+from minipaged.classroom import policy as scheduler_policy
 from minipaged.classroom.grading import ex10b
 from minipaged.classroom.parts import PartError
-from minipaged.core import scheduler
-from minipaged.core.scheduler import RequestView
+from minipaged.classroom.policy import RequestView
 from minipaged.engine import step
 from minipaged.lab.checking_driver import Driver
 from minipaged.lab.simulator import SimRequest
@@ -278,7 +278,7 @@ def test_a_view_has_the_documented_attributes_and_a_hack_into_it_changes_nothing
 @pytest.fixture
 def quick_leash(monkeypatch):
     """A policy gets 0.3 s a step here (3 s in the package), so a test of a stuck one ends fast."""
-    monkeypatch.setattr(scheduler, "POLICY_STEP_S", 0.3)
+    monkeypatch.setattr(scheduler_policy, "POLICY_STEP_S", 0.3)
     monkeypatch.setattr(hooks, "STOP_GRACE_S", 0.3)
 
 
@@ -351,12 +351,12 @@ def test_a_run_bounds_its_policys_time_in_all(quick_leash):
 
     d = busy_driver()
     with pytest.raises(PartError, match="policy time this run allows") as caught:
-        with scheduler.policy_time_limit(0.25), parts.use(preemption_order=slow):
+        with scheduler_policy.policy_time_limit(0.25), parts.use(preemption_order=slow):
             for _ in range(60):
                 d.step()
     assert caught.value.part == "preemption_order"
     with pytest.raises(ValueError, match="seconds must be a positive number"):
-        with scheduler.policy_time_limit(0):
+        with scheduler_policy.policy_time_limit(0):
             pass
 
 
@@ -386,7 +386,7 @@ def test_a_base_exception_from_a_policy_is_a_part_error_naming_it(name, raised):
 def test_ctrl_c_while_a_policy_runs_stops_it_and_interrupts_the_step(quick_leash, monkeypatch):
     # The leash is long, so that on a busy machine only the Ctrl-C can end the step; what is timed is from the
     # press to the interrupt.
-    monkeypatch.setattr(scheduler, "POLICY_STEP_S", 60.0)
+    monkeypatch.setattr(scheduler_policy, "POLICY_STEP_S", 60.0)
     d = busy_driver()
     d.step()
     before, started, log, pressed = fingerprint(d), threading.Event(), [], []

@@ -100,7 +100,7 @@ def test_swap_moves_blocks_and_falls_back_to_recompute():
         tiny.add(f"r{i}", list(range(1, 9)), max_tokens=12, ignore_eos=True)
     tiny.run()
     # one usable CPU block: no request fits in swap space, so every preemption recomputes
-    assert tiny.sched.num_preemptions > 0 and not tiny.kv_cache_manager.swapped_blocks
+    assert tiny.sched.num_preemptions > 0 and not tiny.kv_cache_manager.swap.swapped_blocks
 
 
 def test_prefix_cache_hit_skips_the_shared_prompt():

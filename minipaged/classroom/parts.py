@@ -9,8 +9,10 @@ package's own. ``use`` plugs them in, without editing the package, for as long a
     with parts.use(slot_mapping=my_slot_mapping, free_queue_remove=my_remove):
         outputs = llm.generate(prompts)          # the engine calls *your* functions
 
-Each place in the engine where a part runs asks ``hooks.plugged(name)`` first (``minipaged.hooks``, the seam,
-imports nothing from the package; this module fills it) and calls the learner's function if one is plugged in::
+Each engine component declares the parts a learner may write in its place once, as its seam (``hooks.Seam``:
+``minipaged.hooks`` imports nothing from the package; this module fills it), and runs the learner's function where
+one is plugged in. The three functions of a policy (exercise 10b) are asked through the scheduler's one ``policy``
+part (``policy.py``)::
 
     ex03  free_queue_remove       BlockPool.touch: a cached block leaves the middle of the free queue
     ex04  slot_mapping            ModelRunner.prepare_inputs: the slot of every new token
@@ -53,6 +55,7 @@ import torch
 
 from .. import hooks
 from ..core import block_pool as package_pool
+from ..core.block_budget import block_need
 from ..core.block_pool import BlockHash, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, chain_block_hashes
 from ..core.kv_cache_manager import KVCacheManager, find_prefix_hits
 from ..core.request import Request, RequestStatus
@@ -60,6 +63,7 @@ from ..core.scheduler import num_seqs_when_running
 from ..hooks import PartError
 from ..kernels import reference
 from ..worker.block_table import slot_mapping as package_slot_mapping
+from .policy import POLICY_PARTS, PolicyAsker
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,21 @@ def _bool_accept(args: tuple[Any, ...], result: Any) -> bool:
     if not (isinstance(result, bool) or str(getattr(result, "dtype", "")) in ("bool", "torch.bool")):
         raise ValueError(f"returned {type(result).__name__} {result!r:.40}; expected True or False")
     return bool(result)
+
+
+def _would_accept(args: tuple[Any, ...], result: Any) -> bool:
+    """A yes the pool cannot honour is refused here, checked or not: the engine would take blocks that are not
+    there (the package's own ``allocate_slots`` counts them the same way, ``block_budget.block_need``)."""
+    fits = _bool_accept(args, result)
+    manager, request, num_new = args
+    if fits:
+        need = block_need(manager, request, num_new)
+        if need.num_new_blocks > manager.block_pool.get_num_free_blocks():
+            raise ValueError(
+                f"wrong: said yes to {need.num_new_blocks} new blocks for {request.request_id!r}, "
+                f"but only {manager.get_num_free_blocks()} are free"
+            )
+    return fits
 
 
 def _manager_state(manager: Any) -> dict[str, Any]:
@@ -974,7 +993,7 @@ PARTS: dict[str, Part] = {
             "would_allocate(manager, request, num_new_tokens) -> bool",
             "KVCacheManager.allocate_slots: are there blocks now? (requests without prefix hits or a shared block)",
             _would_before,
-            _bool_accept,
+            _would_accept,
             _would_verify,
             _would_probes,
         ),
@@ -1222,7 +1241,14 @@ class use:
         if self.check and _PROBES:
             for wrapper in wrappers.values():
                 wrapper.probe()
-        hooks.push(wrappers)
+        # A learner's policy functions are asked through the scheduler's one ``policy`` part (``policy.py``),
+        # with those an outer block plugged in that this one does not replace.
+        plug: dict[str, Callable[..., Any]] = {n: w for n, w in wrappers.items() if n not in POLICY_PARTS}
+        if wrappers.keys() & set(POLICY_PARTS):
+            outer = hooks.plugged("policy")
+            fns = {**(outer.fns if isinstance(outer, PolicyAsker) else {}), **wrappers}
+            plug["policy"] = PolicyAsker({n: f for n, f in fns.items() if f is not None and n in POLICY_PARTS})
+        hooks.push(plug)
         self._active = True
         return wrappers
 

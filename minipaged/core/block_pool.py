@@ -49,6 +49,15 @@ from ..utils import check_int
 from .block_hash import NONE_HASH, BlockHash, chain_block_hashes, group_block_hash, hash_block_tokens
 from .request import Request
 
+# The pieces a learner may write in the pool's place (``minipaged.classroom.parts`` plugs them in).
+SEAM = hooks.Seam(
+    "block_pool",
+    free_queue_remove="BlockPool.touch: a cached block leaves the middle of the free queue",
+    chain_block_hashes="Request.block_hashes: the chained hash of every full block",
+    get_new_blocks="BlockPool.get_new_blocks: hand out the least recently freed blocks, evicting their hashes",
+    free_blocks="BlockPool.free_blocks: drop a reference; blocks reaching 0 join the back of the free queue",
+)
+
 __all__ = [  # the block hashes too: chapter 03 and exercise 08 import them from here
     "NONE_HASH", "BlockHash", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock", "RequestBlockHasher",
     "chain_block_hashes", "free_blocks", "get_new_blocks", "get_request_block_hasher", "group_block_hash",
@@ -70,7 +79,7 @@ class RequestBlockHasher:
 
     def __call__(self, request: Request) -> list[BlockHash]:
         done = len(request.block_hashes)
-        learners = hooks.plugged("chain_block_hashes")
+        learners = SEAM.plugged("chain_block_hashes")
         if learners is not None:  # a learner's part hashes the whole request again, from its first block
             return learners(request.all_token_ids, self.block_size, request.cache_salt)[done:]
         parent = request.block_hashes[-1] if request.block_hashes else None
@@ -278,8 +287,7 @@ class BlockPool:
         check_int("num_blocks", num_blocks, 0)
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} blocks: only {self.free_block_queue.num_free_blocks} are free")
-        part = hooks.plugged("get_new_blocks")  # a learner's own LRU eviction (exercise 08)
-        return (part or get_new_blocks)(self, num_blocks)
+        return SEAM.pick("get_new_blocks", get_new_blocks)(self, num_blocks)
 
     def evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drop ``block``'s hash from the cache map: it is about to hold new tokens. Returns whether it had a
@@ -316,11 +324,8 @@ class BlockPool:
             if block.is_null:
                 continue  # the null block has no owner and no count
             if block.ref_cnt == 0:
-                remove = hooks.plugged("free_queue_remove")  # a learner's own remove (exercise 03)
-                if remove is not None:
-                    remove(self.free_block_queue, block)
-                else:
-                    self.free_block_queue.remove(block)
+                queue = self.free_block_queue
+                SEAM.pick("free_queue_remove", type(queue).remove)(queue, block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -351,8 +356,7 @@ class BlockPool:
                     f"block {block.block_id} freed {drops[block.block_id]} time(s) with ref_cnt "
                     f"{block.ref_cnt} (double free?)"
                 )
-        part = hooks.plugged("free_blocks")  # a learner's own (exercise 08)
-        (part or free_blocks)(self, blocks)
+        SEAM.pick("free_blocks", free_blocks)(self, blocks)
 
     # ---- prefix cache ------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:

@@ -32,7 +32,7 @@ The token layout ``allocate_slots`` reasons about (vLLM draws the same)::
     lookahead = num_lookahead_tokens          (slots for drafts a drafter proposes during the step; prompt
                                                lookup's drafts are known before it, so they are part of new)
 
-Every allocation, whatever the mix, answers one inequality (``_need``)::
+Every allocation, whatever the mix, answers one inequality (``block_budget.py``)::
 
     blocks to allocate + evictable hits + watermark (new requests only)  <=  free blocks - reserved blocks
 
@@ -45,43 +45,26 @@ allocated them, so nothing is in flight in the pool: the default is 0.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .. import hooks
 from ..utils import cdiv, check_int
+from .block_budget import BlockNeed, block_need
 from .block_pool import BlockPool, KVCacheBlock, get_request_block_hasher
 from .kv_cache_coordinator import KVCacheBlocks, KVCacheCoordinator, KVCacheGroupSpec
 from .kv_connector import KVConnector, KVConnectorMetadata
 from .request import Request
 from .single_type_kv_cache_manager import SingleTypeKVCacheManager, find_prefix_hits
+from .step_commit import RolledBack, StepCommit
+from .swap_space import SwapSpace
 
-__all__ = ["KVCacheBlocks", "KVCacheManager", "find_prefix_hits"]
+__all__ = ["KVCacheBlocks", "KVCacheManager", "RolledBack", "find_prefix_hits"]
 
-
-@dataclass
-class RolledBack:
-    """What a failed step leaves unknown: ``dropped``, the blocks whose hashes went (a request that found one in
-    the prefix cache holds nothing there); ``copied``, the blocks its copies were to fill; ``swapped_out``, the
-    requests whose swap space it was to fill."""
-
-    dropped: set[int]
-    copied: set[int]
-    swapped_out: list[str]
-
-
-@dataclass
-class _Need:
-    """What one ``allocate_slots`` call would take (``KVCacheManager._need``)."""
-
-    fits: bool
-    new_computed: KVCacheBlocks  # prefix-cache hits to touch, per group
-    num_new_blocks: int  # fresh blocks, all groups, the copy-on-write blocks included
-    cow: list[int]  # the groups whose block the first new token goes to is shared: copy it first
-    write_idx: int  # which of the request's blocks that is
-    is_new_admission: bool
-    num_computed_tokens: int  # computed + prefix-hit + external-hit tokens
-    num_external_blocks: int  # of the fresh blocks, those the connector fills
+SEAM = hooks.Seam(
+    "kv_cache_manager",
+    would_allocate="KVCacheManager.allocate_slots: are there blocks now? (requests without prefix hits or a shared "
+    "block)",
+)
 
 
 class KVCacheManager:
@@ -102,11 +85,7 @@ class KVCacheManager:
             full-attention group. Swap space and a connector serve one full-attention group only (vLLM v1 has no
             swap, and turns its hybrid manager off when a connector is set).
 
-    Why the watermark only applies to new admissions: a running request that
-    cannot get its next block must be preempted, throwing away work. Letting a
-    newcomer take the last few blocks just to have a running request preempted
-    one step later is a bad trade, so newcomers must leave ``watermark_blocks``
-    free; running requests may dig into that reserve.
+    Why the watermark applies to new admissions only, and the rest of the admission rule: ``block_budget.py``.
     """
 
     def __init__(
@@ -122,24 +101,8 @@ class KVCacheManager:
         kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     ) -> None:
         check_int("block_size", block_size, 1)
-        check_int("num_blocks (block 0 is the null block)", num_blocks, 2)
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
-        if watermark_blocks is None:
-            watermark_blocks = int(watermark * num_blocks)
-        if not isinstance(watermark_blocks, int) or watermark_blocks < 0:
-            raise ValueError(f"watermark_blocks must be a non-negative integer, got {watermark_blocks!r}")
-        if not isinstance(reserved_blocks, int) or reserved_blocks < 0:
-            raise ValueError(f"reserved_blocks must be a non-negative integer, got {reserved_blocks!r}")
-        if watermark_blocks + reserved_blocks >= num_blocks - 1:
-            raise ValueError(
-                f"watermark ({watermark_blocks}) + reserved ({reserved_blocks}) blocks leave nothing "
-                f"to admit a request with in a pool of {num_blocks - 1} usable blocks"
-            )
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
-        self.watermark_blocks = watermark_blocks
+        self.block_size, self.num_blocks, self.enable_caching = block_size, num_blocks, enable_caching
+        self.watermark_blocks = _reserves(num_blocks, watermark, watermark_blocks, reserved_blocks)
         self.reserved_blocks = reserved_blocks
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.block_hasher = get_request_block_hasher(block_size)
@@ -148,29 +111,15 @@ class KVCacheManager:
         self.kv_cache_groups = self.coordinator.groups
         self.managers = self.coordinator.managers
         self.single_type = len(groups) == 1 and groups[0].sliding_window is None  # what swap and connectors serve
-        self._no_hits = KVCacheBlocks(tuple([] for _ in groups))  # shared, never changed: read only
+        self.no_hits = KVCacheBlocks(tuple([] for _ in groups))  # shared, never changed: read only
         if not self.single_type and (num_cpu_blocks or connector is not None):
-            raise ValueError(
-                "swap space and KV connectors serve models of one full-attention KV cache group; this one's "
-                f"groups have windows {[g.sliding_window for g in groups]}: use preemption_mode="
-                "'recompute' and no kv_offloading_size (vLLM v1 has no swap either)"
-            )
+            raise ValueError(_ONE_GROUP_ONLY.format([g.sliding_window for g in groups]))
         # Copy-on-write copies (source block, destination block) for the cache engine to perform.
         self.pending_copies: list[tuple[int, int]] = []
-        self.uncommitted_blocks: list[KVCacheBlock] = []  # hashed while scheduling the step not yet run
-        # ... and the device blocks its copies fill (copy-on-write, swap-in), the requests it swaps out
-        self.uncommitted_copies: list[int] = []
-        self.uncommitted_swap_outs: list[str] = []
-        # Async scheduling: the same three of the step on the device while the next one is scheduled
-        self.in_flight_blocks: list[KVCacheBlock] = []
-        self.in_flight_copies: list[int] = []
-        self.in_flight_swap_outs: list[str] = []
+        self.step = StepCommit()  # what scheduling the step wrote ahead of the device: kept or rolled back
         self.prefix_cache_queries = 0  # prompt tokens of every admission (readmissions too) ...
         self.prefix_cache_hits = 0  # ... and how many of them the prefix cache held
-        # Swap space (chapter 07): a second pool, on the CPU, whose block 0 is unused as on the device.
-        self.num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, 0)
-        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False) if num_cpu_blocks >= 2 else None
-        self.swapped_blocks: dict[str, list[int]] = {}  # request id -> its CPU blocks, in logical order
+        self.swap = SwapSpace(self, num_cpu_blocks)  # chapter 07's swap preemption
         self.connector = connector
         if connector is not None and enable_caching:  # it hears of every eviction, to save the block first
             self.block_pool.evicted = []
@@ -195,7 +144,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return KVCacheBlocks(tuple([] for _ in self.managers)), 0
-        self._attach_hasher(request)
+        self.attach_hasher(request)
         # Each group's rule (a learner's own lookup, exercise 08, for full attention), agreed by the coordinator.
         hits = self.coordinator.find_longest_cache_hit(request, (request.num_tokens - 1) // self.block_size)
         return hits, len(hits) * self.block_size
@@ -204,7 +153,7 @@ class KVCacheManager:
         """Tokens after the first ``num_computed_tokens`` that the connector can load (0 without one)."""
         if self.connector is None or not self.enable_caching:
             return 0
-        self._attach_hasher(request)
+        self.attach_hasher(request)
         return self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
 
     # ---- allocation --------------------------------------------------------------------
@@ -238,8 +187,8 @@ class KVCacheManager:
             in_place = self._allocate_in_place(request, num_new_tokens)
             if in_place is not None:
                 return in_place
-        need = self._need(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+        need = block_need(
+            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens,
         )  # fmt: skip
         if not self._fits(need, request, num_new_tokens, num_lookahead_tokens, num_external_computed_tokens):
@@ -247,28 +196,25 @@ class KVCacheManager:
         # From here on nothing can fail: the pool has the blocks.
         new_per_group = self._take_blocks(request, need, num_new_tokens + num_lookahead_tokens)
         if self.connector is not None:
-            self._tell_connector(request, need, new_per_group[0], num_external_computed_tokens)
+            external, num_local = new_per_group[0][: need.num_external_blocks], need.num_computed_tokens
+            self.connector.after_allocation(
+                request, external, num_local - num_external_computed_tokens, self.block_pool.evicted
+            )
+            self.external_hits += num_external_computed_tokens
         if self.enable_caching:
             admission_hits = need.new_computed if need.is_new_admission else None
             self._cache_full_blocks(request, need.num_computed_tokens, num_new_tokens, admission_hits)
         return KVCacheBlocks(tuple(new_per_group))
 
-    def _fits(self, need: _Need, request: Request, num_new_tokens: int, num_lookahead: int, num_external: int) -> bool:
-        """Whether the pool gives ``need`` now; a learner's own admission rule (exercise 04) decides instead
-        where it can (it knows computed and new tokens only), and is caught saying yes to more than is free."""
-        would = hooks.plugged("would_allocate")
-        simple = not (need.new_computed or need.cow or num_lookahead or num_external)
-        if would is None or not (simple and self.single_type):  # nor a sliding window's give-backs
+    def _fits(self, need: BlockNeed, request: Request, num_new_tokens: int, num_lookahead: int, num_ext: int) -> bool:
+        """Whether the pool gives ``need`` now. A rule plugged in for ``would_allocate`` (exercise 04) decides
+        instead where it can: it knows computed and new tokens only, not hits, copies, drafts or windows."""
+        would = SEAM.plugged("would_allocate")
+        if would is None or need.new_computed or need.cow or num_lookahead or num_ext or not self.single_type:
             return need.fits
-        fits = would(self, request, num_new_tokens)
-        if fits and need.num_new_blocks > self.block_pool.get_num_free_blocks():
-            raise would.fail(
-                f"said yes to {need.num_new_blocks} new blocks for {request.request_id!r}, "
-                f"but only {self.get_num_free_blocks()} are free"
-            )
-        return bool(fits)
+        return bool(would(self, request, num_new_tokens))
 
-    def _take_blocks(self, request: Request, need: _Need, num_new_slots: int) -> list[list[KVCacheBlock]]:
+    def _take_blocks(self, request: Request, need: BlockNeed, num_new_slots: int) -> list[list[KVCacheBlock]]:
         """Hits first (every group's, touched before any fresh block could evict one of them), then a private
         copy of a shared block about to be written, then fresh blocks up to ``num_new_slots`` more slots; the
         fresh blocks per group."""
@@ -292,20 +238,6 @@ class KVCacheManager:
             new_per_group.append(fresh)
         return new_per_group
 
-    def _tell_connector(self, request: Request, need: _Need, new_blocks: list[KVCacheBlock], num_external: int) -> None:
-        """The connector's share of an allocation: the fresh blocks that receive its external hits (their slots
-        pinned first: no save of this step may take them), and the cached blocks evicted to make room (it may
-        copy them out before the step writes over them)."""
-        assert self.connector is not None
-        if need.num_external_blocks:
-            local = need.num_computed_tokens - num_external
-            self.connector.update_state_after_alloc(request, new_blocks[: need.num_external_blocks], local)
-            self.external_hits += num_external
-        evicted = self.block_pool.evicted or []
-        for block_id, block_hash in evicted:
-            self.connector.on_evict(block_id, block_hash)
-        evicted.clear()
-
     def _cache_full_blocks(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int, admission_hits: KVCacheBlocks | None
     ) -> None:
@@ -322,7 +254,7 @@ class KVCacheManager:
         for g, manager in enumerate(self.managers):
             # Prefix hits are cached already; so are the blocks cached in earlier steps.
             num_cached = manager.num_cached_block[rid] if admission_hits is None else len(admission_hits.blocks[g])
-            self.uncommitted_blocks.extend(manager.cache_blocks(request, num_cached, num_full_blocks))
+            self.step.uncommitted_blocks.extend(manager.cache_blocks(request, num_cached, num_full_blocks))
 
     def _allocate_in_place(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
         """``allocate_slots`` for the usual step of a running request, most decode steps: its blocks already
@@ -333,17 +265,17 @@ class KVCacheManager:
         start, bs = request.num_computed_tokens, self.block_size
         if (
             not blocks
-            or type(num_new_tokens) is not int  # _need names a bad value
+            or type(num_new_tokens) is not int  # block_need names a bad value
             or not 0 <= num_new_tokens <= len(blocks) * bs - start
             or not self.single_type
             or self.connector is not None
             or self.reserved_blocks
             or (start % bs and blocks[start // bs].ref_cnt > 1)  # a forked sibling shares it: copy-on-write
-            or hooks.plugged("would_allocate") is not None
+            or SEAM.replaced()
         ):
             return None
         if self.enable_caching:
-            self._attach_hasher(request)
+            self.attach_hasher(request)
             self._cache_full_blocks(request, start, num_new_tokens, None)
         return KVCacheBlocks(([],))
 
@@ -356,112 +288,9 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
     ) -> bool:
         """Would ``allocate_slots`` with these arguments give blocks now? Changes nothing."""
-        return self._need(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens, 0
+        return block_need(
+            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens
         ).fits
-
-    def _checked_args(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None,
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-    ) -> KVCacheBlocks:
-        """``allocate_slots``'s arguments, each refused with a sentence that names it; the hits, per group."""
-        for name, v in (
-            ("num_new_tokens", num_new_tokens),
-            ("num_new_computed_tokens", num_new_computed_tokens),
-            ("num_lookahead_tokens", num_lookahead_tokens),
-            ("num_external_computed_tokens", num_external_computed_tokens),
-        ):
-            check_int(name, v, 0)
-        new_computed = self._as_blocks(new_computed_blocks)
-        if num_new_computed_tokens != len(new_computed) * self.block_size:
-            raise ValueError(
-                f"num_new_computed_tokens={num_new_computed_tokens} must equal "
-                f"{len(new_computed)} computed blocks x block_size {self.block_size}"
-            )
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
-        if new_computed and (req_blocks or not self.enable_caching):
-            raise ValueError(
-                "new_computed_blocks are prefix-cache hits: only for a request that holds no "
-                "blocks yet, and only with enable_caching=True"
-            )
-        if num_external_computed_tokens and (
-            self.connector is None
-            or req_blocks
-            or request.num_computed_tokens
-            or num_external_computed_tokens % self.block_size
-        ):
-            raise ValueError(
-                f"num_external_computed_tokens={num_external_computed_tokens}: external hits come from a KV "
-                "connector, in whole blocks, for a request that holds no blocks yet"
-            )
-        return new_computed
-
-    def _need(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None,
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-    ) -> _Need:
-        """The arguments of ``allocate_slots`` checked, and what it would take from the pool."""
-        new_computed = self._checked_args(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-            num_external_computed_tokens,
-        )  # fmt: skip
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
-        if self.enable_caching:
-            self._attach_hasher(request)  # before any change: it refuses a hasher of another block size
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
-        num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        num_required = cdiv(num_tokens_need_slot, self.block_size)
-        write_idx = request.num_computed_tokens // self.block_size
-        rid = request.request_id
-        num_new_blocks = num_evictable_computed = num_freed = num_held = 0
-        cow: list[int] = []
-        for g, (manager, hits) in enumerate(zip(self.managers, new_computed.blocks)):
-            blocks = manager.req_to_blocks.get(rid, [])
-            num_new_blocks += max(0, num_required - len(blocks) - len(hits))
-            # A hit on a cached block that sits in the free queue uses up a free block too.
-            if hits:
-                num_evictable_computed += sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
-            num_held += num_required
-            if manager.sliding_window is not None:  # its blocks behind the window go back before new ones are taken
-                num_freed += manager.num_freed_by_skip(rid, num_computed_tokens)
-                num_held -= min(num_required, manager.num_skipped_blocks(num_computed_tokens))
-            # Copy-on-write: the first new token lands in a partly filled block that a forked
-            # sibling (n > 1) shares. That block must be copied first, which takes one more block.
-            if (
-                num_new_tokens > 0
-                and request.num_computed_tokens % self.block_size != 0
-                and write_idx < len(blocks)
-                and blocks[write_idx].ref_cnt > 1
-            ):
-                cow.append(g)
-        num_new_blocks += len(cow)
-
-        is_new_admission = not req_blocks
-        watermark = self.watermark_blocks if is_new_admission else 0
-        capacity = self.num_blocks - 1 - self.reserved_blocks - watermark
-        if num_held > capacity:
-            raise ValueError(
-                f"request {request.request_id!r} needs {num_held} blocks for "
-                f"{num_tokens_need_slot} tokens; the pool can never give it more than {capacity} "
-                f"({self.num_blocks - 1} usable - {self.reserved_blocks} reserved "
-                f"- {watermark} watermark)"
-            )
-        available = self.block_pool.get_num_free_blocks() + num_freed - self.reserved_blocks
-        fits = num_new_blocks + num_evictable_computed + watermark <= available
-        return _Need(
-            fits, new_computed, num_new_blocks, cow, write_idx, is_new_admission, num_computed_tokens,
-            num_external_computed_tokens // self.block_size,
-        )  # fmt: skip
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block of ``parent`` (parallel sampling, n > 1).
@@ -477,7 +306,7 @@ class KVCacheManager:
         if child.request_id in self.req_to_blocks:
             raise ValueError(f"request {child.request_id!r} already holds blocks")
         if self.enable_caching:
-            self._attach_hasher(child)
+            self.attach_hasher(child)
         self.coordinator.fork(parent.request_id, child.request_id)
 
     def trim(self, request: Request, num_tokens: int) -> int:
@@ -497,7 +326,7 @@ class KVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write block copies (source, destination) decided since the last call."""
         copies, self.pending_copies = self.pending_copies, []
-        self.uncommitted_copies += [dst for _, dst in copies]
+        self.step.uncommitted_copies += [dst for _, dst in copies]
         return copies
 
     def free(self, request: Request | str) -> None:
@@ -508,120 +337,32 @@ class KVCacheManager:
         """
         self.coordinator.free(request if isinstance(request, str) else request.request_id)
 
-    # ---- swap space ----------------------------------------------------------------------
-    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
-        """Move a preempted request's computed blocks to CPU blocks: the (device, CPU) copies to make,
-        or None when the swap space cannot take them (then the caller recomputes instead).
-
-        Only blocks that hold computed K/V move; the device blocks are freed at once (their copy is
-        made before anything else runs in the step, see ``ModelRunner.execute``)::
-
-            device [b7 b2 b9]  (9 tokens computed, block_size 4)   ->   CPU [c3 c1 c4], device blocks freed
-        """
-        num = cdiv(request.num_computed_tokens, self.block_size)
-        if self.cpu_pool is None or num == 0 or self.cpu_pool.get_num_free_blocks() < num:
-            return None
-        cpu_blocks = [b.block_id for b in self.cpu_pool.get_new_blocks(num)]
-        device_blocks = self.get_block_ids(request.request_id)
-        self.free(request)
-        self.swapped_blocks[request.request_id] = cpu_blocks
-        self.uncommitted_swap_outs.append(request.request_id)
-        return list(zip(device_blocks, cpu_blocks))
-
-    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
-        """Device blocks for a swapped request and this step's new tokens: the (CPU, device) copies to
-        make, or None when the pool cannot give them yet (the request keeps its CPU blocks)."""
-        computed = request.num_computed_tokens
-        request.num_computed_tokens = 0  # allocate as if new: every block, old and new, is fresh on the device
-        try:
-            blocks = self.allocate_slots(request, computed + num_new_tokens)
-        finally:
-            request.num_computed_tokens = computed
-        if blocks is None:
-            return None
-        cpu_blocks = self.swapped_blocks.pop(request.request_id)
-        self._free_cpu(cpu_blocks)
-        copies = list(zip(cpu_blocks, (b.block_id for b in blocks)))
-        self.uncommitted_copies += [dst for _, dst in copies]
-        return copies
-
-    def free_swapped(self, request_id: str) -> None:
-        """Give back a swapped request's CPU blocks (it was aborted before coming back)."""
-        self._free_cpu(self.swapped_blocks.pop(request_id, []))
-
-    def _free_cpu(self, cpu_blocks: list[int]) -> None:
-        if cpu_blocks and self.cpu_pool is not None:
-            self.cpu_pool.free_blocks(self.cpu_pool.blocks[b] for b in reversed(cpu_blocks))
-
     # ---- a step's hashes: kept once the step ran, dropped if it failed ----------------------
     def commit_step(self) -> None:
-        """The step ran: the blocks hashed while scheduling it now hold what their hashes say, its copies are
-        made, and what the connector saved is in its store."""
-        self.uncommitted_blocks, self.uncommitted_copies, self.uncommitted_swap_outs = [], [], []
+        """The step ran: what scheduling it wrote ahead holds (``step_commit.py``), and what the connector saved
+        is in its store."""
+        self.step.commit()
         if self.connector is not None:
             self.connector.commit_step()
 
     def hold_step(self) -> None:
-        """Async scheduling: the next step is scheduled while the last one runs. The last step's blocks stay
-        uncommitted (``in_flight_*``) until its result is in (``commit_in_flight``); a prefix hit on them is
-        safe, since the device runs the steps in order, and undone with them if that step fails."""
-        assert not self.in_flight_blocks and not self.in_flight_copies, "one step in flight at a time"
-        self.in_flight_blocks, self.uncommitted_blocks = self.uncommitted_blocks, []
-        self.in_flight_copies, self.uncommitted_copies = self.uncommitted_copies, []
-        self.in_flight_swap_outs, self.uncommitted_swap_outs = self.uncommitted_swap_outs, []
+        """Async scheduling: the step goes to the device while the next one is scheduled (``StepCommit.hold``)."""
+        self.step.hold()
 
     def commit_in_flight(self) -> None:
-        """The step that was in flight ran: its blocks hold what their hashes say, its copies are made."""
-        self.in_flight_blocks, self.in_flight_copies, self.in_flight_swap_outs = [], [], []
+        """The step that was in flight ran."""
+        self.step.commit_in_flight()
 
     def rollback_step(self) -> RolledBack:
         """The step failed, maybe halfway (and, with async scheduling, the step scheduled after it): no block
         hashed for it may be found by a prefix lookup (it would hand garbage to the next request with that
-        prefix), nor any block its connector saved. What it was to write is unknown: the blocks whose hashes
-        went, the blocks its copies were to fill, the swap space of the requests it swapped out. The scheduler
-        has the requests that held them compute them again (``Scheduler.rollback_step``)."""
-        dropped = {
-            b.block_id for b in (*self.in_flight_blocks, *self.uncommitted_blocks) if self.block_pool.drop_hash(b)
-        }
-        rolled = RolledBack(
-            dropped, {*self.in_flight_copies, *self.uncommitted_copies},
-            [*self.in_flight_swap_outs, *self.uncommitted_swap_outs],
-        )  # fmt: skip
-        self.in_flight_blocks, self.in_flight_copies, self.in_flight_swap_outs = [], [], []
-        self.uncommitted_blocks, self.uncommitted_copies, self.uncommitted_swap_outs = [], [], []
+        prefix), nor any block its connector saved. The scheduler has the requests that held what it was to write
+        compute them again (``Scheduler.rollback_step``, with ``step_commit.forget_computed``)."""
+        rolled = self.step.rollback(self.block_pool)
         if self.connector is not None:
             self.connector.rollback_step()
         self.resend_block_tables()  # the runner may or may not hold what the failed step sent
         return rolled
-
-    def forget_computed(self, request: Request, rolled: RolledBack) -> int | None:
-        """After a failed step: how many tokens of ``request`` still hold their K/V. From its first block the
-        failed step was to fill on (a full block it found in the prefix cache but whose hash went, a block a copy
-        was to fill), they count as not computed; a block whose hash went is hashed again once it is computed.
-        (Its own block that the failed step was to complete keeps the tokens earlier steps wrote.) None: the
-        request must start again from its first token (a sliding window already gave back blocks the tokens to
-        compute again attend to: the step scheduled ahead moved its window on)."""
-        rid, num_computed, bs = request.request_id, request.num_computed_tokens, self.block_size
-        for manager in self.managers:
-            blocks = manager.req_to_blocks.get(rid, ())
-            for i, block in enumerate(blocks[: cdiv(num_computed, bs)]):
-                full = (i + 1) * bs <= num_computed
-                if block.block_id in rolled.copied or (full and block.block_id in rolled.dropped):
-                    num_computed = min(num_computed, i * bs)
-                    break
-            for i, block in enumerate(blocks[: manager.num_cached_block.get(rid, 0)]):
-                if block.block_id in rolled.dropped:
-                    manager.num_cached_block[rid] = i
-                    break
-        for manager in self.managers:
-            window = getattr(manager, "sliding_window", None)
-            if window is not None and num_computed:
-                first = max(0, num_computed - window + 1) // self.block_size
-                if any(
-                    b.is_null for b in manager.req_to_blocks.get(rid, ())[first : cdiv(num_computed, self.block_size)]
-                ):
-                    return None
-        return num_computed
 
     # ---- what the runner holds of the block tables ------------------------------------------
     def take_block_updates(self, request_id: str, resend: bool = False) -> list[tuple[int, list[int]]]:
@@ -646,15 +387,14 @@ class KVCacheManager:
 
     def take_connector_meta(self) -> KVConnectorMetadata | None:
         """This step's copies between the pool and the connector's store (None without a connector)."""
-        return None if self.connector is None else self.connector.build_connector_meta(self.uncommitted_blocks)
+        return None if self.connector is None else self.connector.build_connector_meta(self.step.uncommitted_blocks)
 
     def bookkeeping(self) -> Iterator[Any]:
         """Every object whose state allocation changes: the manager and its pools (see ``snapshot``)."""
-        yield self
-        yield from self.managers
+        yield from (self, self.step, self.swap, *self.managers)
         yield from self.block_pool.bookkeeping()
-        if self.cpu_pool is not None:
-            yield from self.cpu_pool.bookkeeping()
+        if self.swap.cpu_pool is not None:
+            yield from self.swap.cpu_pool.bookkeeping()
         if self.connector is not None:
             yield self.connector
 
@@ -711,28 +451,38 @@ class KVCacheManager:
 
     def forget_prefix_cache(self) -> None:
         """Forget every cached hash now, in use or not (see ``BlockPool.forget_cached_blocks``), and what the
-        connector stored. The running requests keep their blocks; ``uncommitted_blocks`` have nothing left to
+        connector stored. The running requests keep their blocks; its uncommitted blocks have nothing left to
         roll back."""
-        self.uncommitted_blocks.clear()
+        self.step.uncommitted_blocks.clear()
         self.block_pool.forget_cached_blocks()
         if self.connector is not None:
             self.connector.reset()
 
-    def _as_blocks(self, blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None) -> KVCacheBlocks:
-        """Prefix hits as ``KVCacheBlocks``: a plain list is group 0's, for a manager of one group."""
-        if type(blocks) is KVCacheBlocks:  # not isinstance: an ABC check, and this runs per request per step
-            if len(blocks.blocks) != len(self.managers) or len({len(b) for b in blocks.blocks}) > 1:
-                raise ValueError(
-                    f"new_computed_blocks has {len(blocks.blocks)} groups of {[len(b) for b in blocks.blocks]} "
-                    f"blocks; this manager has {len(self.managers)} KV cache groups, all hits of one length"
-                )
-            return blocks
-        if not blocks:
-            return self._no_hits
-        if len(self.managers) > 1:
-            raise ValueError("a model with several KV cache groups takes its prefix hits as KVCacheBlocks")
-        return KVCacheBlocks((list(blocks),))
-
-    def _attach_hasher(self, request: Request) -> None:
+    def attach_hasher(self, request: Request) -> None:
         if request.block_hasher is None or getattr(request.block_hasher, "block_size", None) != self.block_size:
             request.set_block_hasher(self.block_hasher)  # raises on a different block size
+
+
+_ONE_GROUP_ONLY = (
+    "swap space and KV connectors serve models of one full-attention KV cache group; this one's groups have "
+    "windows {}: use preemption_mode='recompute' and no kv_offloading_size (vLLM v1 has no swap either)"
+)
+
+
+def _reserves(num_blocks: int, watermark: float, watermark_blocks: int | None, reserved_blocks: int) -> int:
+    """The watermark in blocks, after checking that it and the reserve leave room to admit anything."""
+    check_int("num_blocks (block 0 is the null block)", num_blocks, 2)
+    if not 0.0 <= watermark < 1.0:
+        raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+    if watermark_blocks is None:
+        watermark_blocks = int(watermark * num_blocks)
+    if not isinstance(watermark_blocks, int) or watermark_blocks < 0:
+        raise ValueError(f"watermark_blocks must be a non-negative integer, got {watermark_blocks!r}")
+    if not isinstance(reserved_blocks, int) or reserved_blocks < 0:
+        raise ValueError(f"reserved_blocks must be a non-negative integer, got {reserved_blocks!r}")
+    if watermark_blocks + reserved_blocks >= num_blocks - 1:
+        raise ValueError(
+            f"watermark ({watermark_blocks}) + reserved ({reserved_blocks}) blocks leave nothing "
+            f"to admit a request with in a pool of {num_blocks - 1} usable blocks"
+        )
+    return watermark_blocks

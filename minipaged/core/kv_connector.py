@@ -72,6 +72,23 @@ class KVConnector:
     def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
         """A cached block is about to hold other tokens; this step may copy it out first."""
 
+    def after_allocation(
+        self,
+        request: Request,
+        external: Sequence[KVCacheBlock],
+        num_computed_tokens: int,
+        evicted: list[tuple[int, BlockHash]] | None,
+    ) -> None:
+        """The connector's share of one ``allocate_slots``: the fresh blocks that receive its external hits (their
+        slots pinned first: no save of this step may take them), and ``evicted``, the cached blocks evicted to make
+        room (it may copy them out before the step writes over them), emptied once heard."""
+        if external:
+            self.update_state_after_alloc(request, external, num_computed_tokens)
+        for block_id, block_hash in evicted or ():
+            self.on_evict(block_id, block_hash)
+        if evicted:
+            evicted.clear()
+
     def build_connector_meta(self, hashed: Sequence[KVCacheBlock] = ()) -> KVConnectorMetadata:
         """This step's copies, handed to the runner with the ``SchedulerOutput``; ``hashed``: the blocks this
         step fills with their last tokens (full blocks of real tokens, their hashes set)."""

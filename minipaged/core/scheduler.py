@@ -44,13 +44,9 @@ to another process as it is.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 from .. import hooks
@@ -61,6 +57,7 @@ from .kv_connector import KVConnector, OffloadingConnector
 from .request import Request, RequestStatus
 from .scheduler_output import ScheduledRequest, SchedulerOutput
 from .spec_decode import NgramProposer, SpecDecodingStats
+from .step_commit import forget_computed
 
 
 def num_seqs_when_running(req: Request) -> int:
@@ -70,122 +67,25 @@ def num_seqs_when_running(req: Request) -> int:
 
 
 # The three pieces of one step that the exercises build (06 and 07). Each is a plain function of the
-# queues and the KV cache manager, so a learner's own version can stand in for it (``minipaged.parts``).
+# queues and the KV cache manager, so a learner's own version can stand in for it, through ``SEAM``.
 #
 # Three decisions of a step are a *policy* (the open capstone, exercise 10b, writes its own): the order waiting
 # requests are tried in, the order running requests give way when the pool is dry, and how many prompt tokens a
 # prefill may take in one step. The package's policy is vLLM's default: first come first served, the newest
 # running request preempted first, a prompt chunked only by the budget left. A plugged policy is asked once per
-# step, *before* the step changes anything (so a policy that fails leaves the scheduler as it was, with no
-# snapshot to restore), and the rest of the step (allocation, the budget, the seats) stays the package's: a
-# policy can make serving slower or faster, never wrong. For that it is shown read-only copies of the requests
-# (``RequestView``), never the scheduler's own, and it answers on a leash (``hooks.bounded``): within
-# ``POLICY_STEP_S`` seconds a step (and, in a ``policy_time_limit`` block, its share of the run's), or it is stopped
-# and named; whatever it raises, ``SystemExit`` included, is a ``PartError`` naming it.
-POLICY_PARTS = frozenset({"admission_order", "preemption_order", "prefill_cap"})
-POLICY_STEP_S = 3.0  # the most one step's questions may take: a sort of thousands of requests takes milliseconds
-
-
-class _ReadOnly:
-    __slots__: tuple[str, ...] = ()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(
-            f"a policy cannot change {self._what()} (setting {name!r}): it sees a read-only copy, and answers "
-            f"with request ids and caps"
-        )
-
-    def __delattr__(self, name: str) -> None:
-        self.__setattr__(name, None)
-
-    def __getattr__(self, name: str) -> Any:  # only for names it does not have: say which it has
-        raise AttributeError(f"a policy sees {', '.join(self.__slots__)} of {self._what()}, not {name!r}")
-
-    def __copy__(self) -> Any:
-        return self  # read-only: a copy is itself
-
-    def __deepcopy__(self, memo: Any) -> Any:
-        return self
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={object.__getattribute__(self, k)!r}" for k in self.__slots__)
-        return f"{type(self).__name__}({fields})"
-
-    def _what(self) -> str:
-        return "a request"
-
-
-class SamplingView(_ReadOnly):
-    """What a policy sees of a request's ``SamplingParams``."""
-
-    __slots__ = ("max_tokens",)
-    max_tokens: int
-
-    def __init__(self, max_tokens: int) -> None:
-        object.__setattr__(self, "max_tokens", max_tokens)
-
-    def _what(self) -> str:
-        return "a request's sampling params"
-
-
-class RequestView(_ReadOnly):
-    """A request as a policy sees it: a read-only copy of what a policy decides on, taken when the step asks.
-    Changing it raises; nothing a policy does to it reaches the scheduler's request."""
-
-    __slots__ = (  # noqa: RUF023 (the order a policy's author reads them in)
-        "request_id",
-        "num_prompt_tokens",
-        "num_tokens",  # prompt and outputs so far
-        "num_computed_tokens",  # in its KV cache
-        "arrival_time",  # seconds, on the clock of whoever serves it
-        "num_preemptions",
-        "sampling_params",  # its max_tokens
-    )
-    request_id: str
-    num_prompt_tokens: int
-    num_tokens: int
-    num_computed_tokens: int
-    arrival_time: float
-    num_preemptions: int
-    sampling_params: SamplingView
-
-    def __init__(self, req: Request) -> None:
-        put = object.__setattr__
-        put(self, "request_id", req.request_id)
-        put(self, "num_prompt_tokens", len(req.prompt_token_ids))
-        put(self, "num_tokens", req.num_tokens)
-        put(self, "num_computed_tokens", req.num_computed_tokens)
-        put(self, "arrival_time", req.arrival_time)
-        put(self, "num_preemptions", req.num_preemptions)
-        put(self, "sampling_params", SamplingView(req.sampling_params.max_tokens))
-
-    def _what(self) -> str:
-        return f"request {object.__getattribute__(self, 'request_id')!r}"
-
-
-@dataclass
-class PolicyClock:
-    """A run's time for its policy (``policy_time_limit``): ``seconds`` in all, ``spent`` so far."""
-
-    seconds: float
-    spent: float = 0.0
-
-
-_clock: ContextVar[PolicyClock | None] = ContextVar("policy_clock", default=None)
-
-
-@contextlib.contextmanager
-def policy_time_limit(seconds: float) -> Iterator[PolicyClock]:
-    """While the block lasts, the policy's answers on this thread may take ``seconds`` in all (each step's still
-    ``POLICY_STEP_S`` at most); the one that would go past is stopped, a ``PartError`` naming it."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"seconds must be a positive number, got {seconds!r}")
-    clock = PolicyClock(float(seconds))
-    token = _clock.set(clock)
-    try:
-        yield clock
-    finally:
-        _clock.reset(token)
+# step, *before* the step changes anything, and answers with plain data (``Policy``); the rest of the step
+# (allocation, the budget, the seats) stays the package's: a policy can make serving slower or faster, never
+# wrong. How a learner's policy is asked (read-only views of the requests, a time limit) is the classroom's:
+# ``minipaged/classroom/policy.py``.
+SEAM = hooks.Seam(
+    "scheduler",
+    admit_waiting="Scheduler.schedule, step 2: admit waiting requests",
+    schedule_running="Scheduler.schedule, step 1: serve running requests, preempt the newest",
+    preempt_recompute="Scheduler.preempt: undo a victim's allocation (recompute)",
+    policy="Scheduler.schedule: a policy's answers for the step, asked before it changes anything "
+    "(running, waiting, free_seats) -> (Policy, the waiting queue's new order or None)",
+)
+ADVISORY_PARTS = frozenset({"policy"})  # parts that only answer: a step they run in needs no snapshot to undo
 
 
 @dataclass
@@ -194,75 +94,6 @@ class Policy:
 
     victims: dict[str, int] | None = None  # request id -> rank: the lowest rank gives way first
     caps: dict[str, int] = field(default_factory=dict)  # request id -> most prompt tokens this step
-
-
-def ask_policy(running: list[Request], waiting: deque[Request], free_seats: int) -> tuple[Policy, list[Request] | None]:
-    """Ask the plugged policy (if any) this step's questions; change nothing. Returns the answers and the waiting
-    queue's new order (None: keep it). The policy sees ``RequestView`` copies and answers on a leash (see above)."""
-    fns = {n: hooks.plugged(n) for n in ("admission_order", "preemption_order", "prefill_cap")}
-    order_fn, victim_fn, cap_fn = fns.values()
-    ask_order = order_fn is not None and len(waiting) > 1
-    ask_victims = victim_fn is not None and len(running) > 1
-    if not (ask_order or ask_victims or (cap_fn is not None and (running or waiting))):
-        return Policy(), None
-    # The prefills this step could run: running ones, and waiting ones up to the seats (in the policy's order).
-    seats = max(free_seats, 0)
-    running_views = [RequestView(r) for r in running] if ask_victims or cap_fn is not None else []
-    waiting_views = [RequestView(r) for r in (waiting if ask_order else islice(waiting, seats) if cap_fn else ())]
-    asking = ["admission_order" if ask_order else "preemption_order" if ask_victims else "prefill_cap"]
-
-    def ask(name: str, arg: Any) -> Any:  # on the leash's thread
-        asking[0] = name
-        fn = fns[name]
-        try:
-            return fn(arg)
-        except (hooks.PartError, hooks.TimeUp):
-            raise
-        except BaseException as exc:  # SystemExit, KeyboardInterrupt, ... raised by the policy: its error
-            raise hooks.PartError(
-                name, f"raised {type(exc).__name__}: {exc}", getattr(fn, "calls", 0), None, "ex10b"
-            ) from exc
-
-    def answers() -> tuple[list[str] | None, list[str] | None, dict[str, int]]:
-        # Answers leave as plain str and int (a subclass's own __hash__ or __lt__ would run off the leash).
-        order = [str.__str__(r) for r in ask("admission_order", list(waiting_views))] if ask_order else None
-        victims = [str.__str__(r) for r in ask("preemption_order", list(running_views))] if ask_victims else None
-        caps: dict[str, int] = {}
-        if cap_fn is not None:
-            by_id = {v.request_id: v for v in waiting_views}
-            queue = waiting_views if order is None else [by_id[rid] for rid in order]
-            for view in [*running_views, *queue[:seats]]:
-                if view.num_tokens - view.num_computed_tokens > 1:
-                    caps[view.request_id] = int.__int__(ask("prefill_cap", view))
-        return order, victims, caps
-
-    clock = _clock.get()
-    if clock is not None and clock.spent >= clock.seconds:
-        name = asking[0]
-        why = f"the {clock.seconds:.3g} s of policy time this run allows are used up"
-        raise hooks.PartError(name, why, getattr(fns[name], "calls", 0), None, "ex10b")
-    limit = POLICY_STEP_S if clock is None else min(POLICY_STEP_S, clock.seconds - clock.spent)
-    start = time.perf_counter()
-    try:
-        order_ids, victim_ids, caps = hooks.bounded(answers, limit)
-    except hooks.Overdue as late:
-        name = asking[0]
-        why = (
-            str(late)
-            if clock is None or limit >= POLICY_STEP_S
-            else (f"used up the {clock.seconds:.3g} s of policy time this run allows; {late}")
-        )
-        raise hooks.PartError(name, why, getattr(fns[name], "calls", 0), None, "ex10b") from None
-    finally:
-        if clock is not None:
-            clock.spent += time.perf_counter() - start
-    policy = Policy(caps=caps)
-    if victim_ids is not None:
-        policy.victims = {rid: i for i, rid in enumerate(victim_ids)}
-    if order_ids is None:
-        return policy, None
-    by_id = {r.request_id: r for r in waiting}
-    return policy, [by_id[rid] for rid in order_ids]
 
 
 _POLICY = Policy()  # no policy plugged: the package's rules
@@ -378,7 +209,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        if config.preemption_mode == "swap" and kv_cache_manager.cpu_pool is None:
+        if config.preemption_mode == "swap" and kv_cache_manager.swap.cpu_pool is None:
             raise ValueError(
                 "preemption_mode='swap' needs swap space: give the KVCacheManager num_cpu_blocks >= 2 "
                 "(block 0 is unused, as on the device)"
@@ -493,7 +324,8 @@ class Scheduler:
         # scheduled ahead, the last step has not run yet: they stay tracked until its result is in.
         seats = self.config.max_num_seqs - held_seats
         free_seats = seats - sum(num_seqs_when_running(r) for r in self.running)
-        policy, order = ask_policy(self.running, self.waiting, free_seats)  # before anything changes
+        ask = SEAM.plugged("policy")  # before anything changes
+        policy, order = ask(self.running, self.waiting, free_seats) if ask is not None else (_POLICY, None)
         if ahead:
             self.kv_cache_manager.hold_step()
         else:
@@ -509,7 +341,7 @@ class Scheduler:
         def preempt(victim: Request, kv: KVCacheManager, waiting: deque[Request]) -> None:
             self.preempt(victim, out)
 
-        running_fn = hooks.plugged("schedule_running")  # a learner's own (exercise 07) applies no policy
+        running_fn = SEAM.plugged("schedule_running")  # a learner's own (exercise 07) applies no policy
         if running_fn is not None:
             scheduled, _ = running_fn(self.running, self.waiting, self.kv_cache_manager, budget, preempt)
         else:
@@ -530,7 +362,7 @@ class Scheduler:
                 free_seats -= num_seqs_when_running(req)
                 budget -= self._add_to_step(out, [(req.request_id, num_new)])
             if not self.swapped and budget > 0 and free_seats > 0:
-                admit_fn = hooks.plugged("admit_waiting")  # a learner's own (exercise 06) applies no policy
+                admit_fn = SEAM.plugged("admit_waiting")  # a learner's own (exercise 06) applies no policy
                 if admit_fn is not None:
                     admitted = admit_fn(self.waiting, self.kv_cache_manager, budget, free_seats)
                 else:
@@ -567,7 +399,7 @@ class Scheduler:
 
     def _add_to_step(self, out: SchedulerOutput, scheduled: list[tuple[str, int]]) -> int:
         """Put each ``(request id, new tokens)`` in the step; return the tokens they use."""
-        parts_plugged = hooks.active(ignore=POLICY_PARTS)
+        parts_plugged = hooks.active(ignore=ADVISORY_PARTS)
         take_block_updates = self.kv_cache_manager.take_block_updates
         for rid, num_new in scheduled:
             req = self.requests[rid]
@@ -611,18 +443,18 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(req.request_id)
         req.spec_token_ids = []  # drafts are proposed again once it decodes again
-        copies = self.kv_cache_manager.swap_out(req) if self.config.preemption_mode == "swap" else None
+        copies = self.kv_cache_manager.swap.swap_out(req) if self.config.preemption_mode == "swap" else None
         if copies is not None:
             out.swap_out.extend(copies)
             req.status = RequestStatus.SWAPPED
             req.num_preemptions += 1
             self.swapped.appendleft(req)
         else:
-            (hooks.plugged("preempt_recompute") or preempt_recompute)(req, self.kv_cache_manager, self.waiting)
+            SEAM.pick("preempt_recompute", preempt_recompute)(req, self.kv_cache_manager, self.waiting)
 
     def _swap_in(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate device blocks for a swapped request and schedule the CPU → device copies."""
-        copies = self.kv_cache_manager.swap_in(req, num_new)
+        copies = self.kv_cache_manager.swap.swap_in(req, num_new)
         if copies is None:
             return False
         out.swap_in.extend(copies)
@@ -718,11 +550,11 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None and req in self.swapped:
                 self.swapped.remove(req)
-                kv.free_swapped(rid)
+                kv.swap.free_swapped(rid)
                 req.num_computed_tokens, req.status = 0, RequestStatus.PREEMPTED
                 self.waiting.appendleft(req)
         for req in list(self.running):
-            computed = kv.forget_computed(req, rolled)
+            computed = forget_computed(kv.managers, req, rolled, kv.block_size)
             if computed is None:  # it must start again: as a preemption by recompute does
                 self.running.remove(req)
                 preempt_recompute(req, kv, self.waiting)
@@ -762,7 +594,7 @@ class Scheduler:
         elif req in self.swapped:
             self.swapped.remove(req)
         self.kv_cache_manager.free(req)
-        self.kv_cache_manager.free_swapped(req.request_id)
+        self.kv_cache_manager.swap.free_swapped(req.request_id)
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> Request | None:
         """Stop a request wherever it is and give back its blocks (device and CPU); None if it is unknown
@@ -804,6 +636,6 @@ def check_invariants(sched: Scheduler) -> None:
     assert all(set(m.req_to_blocks) <= live | {r.request_id for r in sched.swapped} for m in kv.managers)
     assert all(r.status is RequestStatus.SWAPPED for r in sched.swapped)
     assert not any(r.status is RequestStatus.SWAPPED for r in sched.waiting)
-    if kv.cpu_pool is not None:
-        in_cpu = sum(len(v) for v in kv.swapped_blocks.values())
-        assert in_cpu + kv.cpu_pool.get_num_free_blocks() == kv.num_cpu_blocks - 1
+    if kv.swap.cpu_pool is not None:
+        in_cpu = sum(len(v) for v in kv.swap.swapped_blocks.values())
+        assert in_cpu + kv.swap.cpu_pool.get_num_free_blocks() == kv.swap.num_cpu_blocks - 1

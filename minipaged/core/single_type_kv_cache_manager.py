@@ -29,6 +29,11 @@ from ..utils import cdiv
 from .block_pool import BlockHash, BlockPool, KVCacheBlock, group_block_hash
 from .request import Request
 
+SEAM = hooks.Seam(
+    "single_type_kv_cache_manager",
+    find_prefix_hits="KVCacheManager.get_computed_blocks: the longest cached prefix",
+)
+
 
 def find_prefix_hits(pool: BlockPool, block_hashes: Sequence[BlockHash], num_tokens: int, block_size: int) -> list[int]:
     """Ids of the cached blocks that hold a prompt's longest cached prefix (see ``get_computed_blocks``)."""
@@ -86,8 +91,7 @@ class SingleTypeKVCacheManager:
             num_tokens = max_num_blocks * self.block_size + 1
         hashes = request.block_hashes if self.group_id == 0 else self.hashes(request, max_num_blocks)
         args = (self.block_pool, hashes, num_tokens, self.block_size)
-        learners = hooks.plugged("find_prefix_hits")
-        hit_ids = learners(*args) if learners is not None else find_prefix_hits(*args)
+        hit_ids = SEAM.pick("find_prefix_hits", find_prefix_hits)(*args)
         if len(hit_ids) > max_num_blocks:  # a request left with nothing to compute could never be scheduled
             raise ValueError(
                 f"find_prefix_hits returned {len(hit_ids)} blocks for a {num_tokens}-token prompt in blocks of "

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from .. import hooks
 from ..core.kv_cache_manager import KVCacheManager
 from ..core.request import Request
-from ..core.scheduler import POLICY_PARTS, Scheduler
+from ..core.scheduler import ADVISORY_PARTS, Scheduler
 from ..core.scheduler_output import RunnerOutput, SchedulerOutput
 from .snapshot import Snapshot
 
@@ -82,7 +82,7 @@ def run_step(
     executor ran: the time the step's tokens exist. ``step_index`` names the step in a part's error."""
     # A learner's part may fail halfway through the step: keep what to restore. A policy (exercise 10b) needs
     # nothing kept: the scheduler asks it before the step changes anything, and it cannot touch the cache.
-    saved = Snapshot.take(scheduler.bookkeeping()) if hooks.active(ignore=POLICY_PARTS) else None
+    saved = Snapshot.take(scheduler.bookkeeping()) if hooks.active(ignore=ADVISORY_PARTS) else None
     if saved is not None:
         hooks.at_exit(id(scheduler.kv_cache_manager), _forget_prefix_cache(scheduler.kv_cache_manager))
     try:

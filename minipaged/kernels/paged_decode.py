@@ -60,6 +60,8 @@ float32 whatever the cache dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -298,93 +300,96 @@ def plan_paged_decode(
     _, block_size, num_kv_heads, _ = key_cache.shape
     if num_seqs == 0:
         return []
+    capacity = block_tables.shape[1] * block_size  # no sequence is longer: no need to read seq_lens
+    split = _split(query, block_size, num_kv_heads, capacity, num_splits, tile_n, arch)
+    parts = _Partials.make(out, num_seqs, num_q_heads, split.num_segments, head_dim)
+    args = (
+        query, key_cache, value_cache, block_tables, seq_lens, parts.out, parts.max, parts.sum,
+        scale * LOG2E, split.segment_len,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0), *parts.out_strides, parts.max.stride(0), parts.max.stride(1),
+    )  # fmt: skip
     group = num_q_heads // num_kv_heads
-    cfg = decode_config(query.dtype, head_dim, block_size, arch or cuda_arch(query.device))
+    consts = dict(
+        QUERIES_PER_KV=group,
+        GROUP_P2=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2(head_dim),
+        BLOCK_SIZE=block_size,
+        TILE_N=split.cfg.tile_n,
+        DOT_PRECISION=dot_precision(query.dtype),
+        PER_TOKEN=per_token,
+    )
+    grid = (num_seqs, num_kv_heads, split.num_segments)
+    attend = Launch(_paged_decode_kernel, grid, args, consts, split.cfg.num_warps, split.cfg.num_stages)
+    if split.num_segments == 1:
+        return [attend]
+    return [attend, _reduce_launch(out, parts, seq_lens, split, head_dim)]
+
+
+@dataclass
+class _Split:
+    """How a decode call cuts every sequence's keys: segments of ``segment_len`` tokens (whole key tiles), one
+    program each; more than one segment needs the reduce kernel after."""
+
+    cfg: TileConfig
+    segment_len: int
+    num_segments: int
+
+
+def _split(
+    query: torch.Tensor,
+    block_size: int,
+    num_kv_heads: int,
+    capacity: int,
+    num_splits: int | None,
+    tile_n: int | None,
+    arch: str | None,
+) -> _Split:
+    cfg = decode_config(query.dtype, query.shape[2], block_size, arch or cuda_arch(query.device))
     if tile_n is not None:
         cfg = TileConfig(check_tile_n(tile_n, block_size), cfg.num_warps, cfg.num_stages)
-    capacity = block_tables.shape[1] * block_size  # no sequence is longer: no need to read seq_lens
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, capacity, query.device)
+        num_splits = default_num_splits(query.shape[0], num_kv_heads, capacity, query.device)
     check_int("num_splits", num_splits, 1, MAX_SPLITS)
     segment_len = triton.cdiv(triton.cdiv(capacity, num_splits), cfg.tile_n) * cfg.tile_n  # whole tiles
-    num_segments = triton.cdiv(capacity, segment_len)
+    return _Split(cfg, segment_len, triton.cdiv(capacity, segment_len))
 
-    if num_segments == 1:  # the partial output is the output
-        part_out, po_strides = out, (out.stride(0), out.stride(1), 0)
-    else:
-        part_out = torch.empty(
-            (num_seqs, num_q_heads, num_segments, head_dim), dtype=torch.float32, device=query.device
-        )
-        po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
-    part_max = torch.empty((num_seqs, num_q_heads, num_segments), dtype=torch.float32, device=query.device)
-    part_sum = torch.empty_like(part_max)
-    hd_p2 = head_dim_p2(head_dim)
-    launches = [
-        Launch(
-            _paged_decode_kernel,
-            (num_seqs, num_kv_heads, num_segments),
-            (
-                query,
-                key_cache,
-                value_cache,
-                block_tables,
-                seq_lens,
-                part_out,
-                part_max,
-                part_sum,
-                scale * LOG2E,
-                segment_len,
-                query.stride(0),
-                query.stride(1),
-                key_cache.stride(0),
-                key_cache.stride(1),
-                key_cache.stride(2),
-                value_cache.stride(0),
-                value_cache.stride(1),
-                value_cache.stride(2),
-                block_tables.stride(0),
-                *po_strides,
-                part_max.stride(0),
-                part_max.stride(1),
-            ),
-            dict(
-                QUERIES_PER_KV=group,
-                GROUP_P2=max(16, triton.next_power_of_2(group)),
-                HEAD_DIM=head_dim,
-                HEAD_DIM_P2=hd_p2,
-                BLOCK_SIZE=block_size,
-                TILE_N=cfg.tile_n,
-                DOT_PRECISION=dot_precision(query.dtype),
-                PER_TOKEN=per_token,
-            ),
-            cfg.num_warps,
-            cfg.num_stages,
-        )
-    ]
-    if num_segments > 1:
-        launches.append(
-            Launch(
-                _reduce_segments_kernel,
-                (num_seqs, num_q_heads),
-                (
-                    out,
-                    part_out,
-                    part_max,
-                    part_sum,
-                    seq_lens,
-                    segment_len,
-                    out.stride(0),
-                    out.stride(1),
-                    *po_strides,
-                    part_max.stride(0),
-                    part_max.stride(1),
-                ),
-                dict(HEAD_DIM=head_dim, HEAD_DIM_P2=hd_p2, NUM_SEGMENTS_P2=triton.next_power_of_2(num_segments)),
-                REDUCE_CONFIG.num_warps,
-                REDUCE_CONFIG.num_stages,
-            )
-        )
-    return launches
+
+@dataclass
+class _Partials:
+    """Each segment's output, running max and sum, for the reduce; with one segment the output is ``out``."""
+
+    out: torch.Tensor
+    out_strides: tuple[int, int, int]
+    max: torch.Tensor
+    sum: torch.Tensor
+
+    @classmethod
+    def make(cls, out: torch.Tensor, num_seqs: int, num_q_heads: int, num_segments: int, head_dim: int) -> _Partials:
+        shape, f32, device = (num_seqs, num_q_heads, num_segments), torch.float32, out.device
+        if num_segments == 1:  # the partial output is the output
+            part_out, strides = out, (out.stride(0), out.stride(1), 0)
+        else:
+            part_out = torch.empty((*shape, head_dim), dtype=f32, device=device)
+            strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
+        part_max = torch.empty(shape, dtype=f32, device=device)
+        return cls(part_out, strides, part_max, torch.empty_like(part_max))
+
+
+def _reduce_launch(out: torch.Tensor, parts: _Partials, seq_lens: torch.Tensor, split: _Split, head_dim: int) -> Launch:
+    """The reduce kernel's launch: each (sequence, query head) folds its segments' partial outputs into ``out``."""
+    args = (
+        out, parts.out, parts.max, parts.sum, seq_lens, split.segment_len,
+        out.stride(0), out.stride(1), *parts.out_strides, parts.max.stride(0), parts.max.stride(1),
+    )  # fmt: skip
+    consts = dict(
+        HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2(head_dim), NUM_SEGMENTS_P2=triton.next_power_of_2(split.num_segments)
+    )
+    grid = (out.shape[0], out.shape[1])
+    return Launch(_reduce_segments_kernel, grid, args, consts, REDUCE_CONFIG.num_warps, REDUCE_CONFIG.num_stages)
 
 
 def paged_decode_attention(

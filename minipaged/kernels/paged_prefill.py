@@ -205,45 +205,25 @@ def plan_paged_prefill(
     cfg = prefill_config(query.dtype, head_dim, block_size, max_query_len)
     if tile_n is not None:
         cfg = TileConfig(check_tile_n(tile_n, block_size), cfg.num_warps, cfg.num_stages, cfg.block_m)
-    return [
-        Launch(
-            _paged_prefill_kernel,
-            (cu_seqlens_q.shape[0] - 1, num_q_heads, triton.cdiv(max_query_len, cfg.block_m)),
-            (
-                out,
-                query,
-                key_cache,
-                value_cache,
-                block_tables,
-                cu_seqlens_q,
-                seq_lens,
-                scale * LOG2E,
-                query.stride(0),
-                query.stride(1),
-                out.stride(0),
-                out.stride(1),
-                key_cache.stride(0),
-                key_cache.stride(1),
-                key_cache.stride(2),
-                value_cache.stride(0),
-                value_cache.stride(1),
-                value_cache.stride(2),
-                block_tables.stride(0),
-            ),
-            dict(
-                QUERIES_PER_KV=num_q_heads // num_kv_heads,
-                HEAD_DIM=head_dim,
-                HEAD_DIM_P2=head_dim_p2(head_dim),
-                BLOCK_SIZE=block_size,
-                BLOCK_M=cfg.block_m,
-                TILE_N=cfg.tile_n,
-                DOT_PRECISION=dot_precision(query.dtype),
-                PER_TOKEN=per_token,
-            ),
-            cfg.num_warps,
-            cfg.num_stages,
-        )
-    ]
+    args = (
+        out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+    )  # fmt: skip
+    consts = dict(
+        QUERIES_PER_KV=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m,
+        TILE_N=cfg.tile_n,
+        DOT_PRECISION=dot_precision(query.dtype),
+        PER_TOKEN=per_token,
+    )
+    grid = (cu_seqlens_q.shape[0] - 1, num_q_heads, triton.cdiv(max_query_len, cfg.block_m))
+    return [Launch(_paged_prefill_kernel, grid, args, consts, cfg.num_warps, cfg.num_stages)]
 
 
 def paged_prefill_attention(

@@ -592,7 +592,7 @@ def simulate_continuous(
             ex.now = max(ex.now, requests[order[nxt]].arrival)
             continue
         ex.running_before = {r.request_id for r in sched.running}
-        ex.swapped_before = set(sched.kv_cache_manager.swapped_blocks)
+        ex.swapped_before = set(sched.kv_cache_manager.swap.swapped_blocks)
         res = run_step(sched, ex, lambda: ex.now)
         steps += 1
         if record_events:

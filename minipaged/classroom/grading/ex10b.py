@@ -1,6 +1,6 @@
 """Exercise 10b, the open capstone: a scheduling policy of your own, in the real engine.
 
-A policy is up to three functions, plugged in through ``minipaged.parts`` (any left out keeps the package's
+A policy is up to three functions, plugged in through ``minipaged.classroom.parts`` (any left out keeps the package's
 rule, vLLM's default)::
 
     admission_order(waiting) -> [request_id]    the order waiting requests are tried in      (first come, first served)
@@ -9,8 +9,8 @@ rule, vLLM's default)::
 
 The scheduler asks them once a step, before it changes anything, and keeps everything else (allocation, the
 token budget, the seats); every answer is checked as it returns. A policy is shown read-only copies of the
-requests (``scheduler.RequestView``: request_id, num_prompt_tokens, num_tokens, num_computed_tokens,
-arrival_time, num_preemptions, sampling_params.max_tokens) and answers within ``scheduler.POLICY_STEP_S`` seconds
+requests (``minipaged.classroom.policy.RequestView``: request_id, num_prompt_tokens, num_tokens, num_computed_tokens,
+arrival_time, num_preemptions, sampling_params.max_tokens) and answers within ``policy.POLICY_STEP_S`` seconds
 a step and ``SIM_POLICY_S`` / ``ENGINE_POLICY_S`` a run, or it is stopped and named. So a policy can make serving
 slower or faster but never wrong: the greedy tokens stay the package's, which the report card proves on
 SmolLM2. It then runs the policy beside the package's own on two fixed workloads: on the simulator, a burst of
@@ -36,11 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from ... import hooks
-from ...core.scheduler import policy_time_limit
 from .. import parts
+from ..policy import POLICY_PARTS, policy_time_limit
 from .core import Check, CheckOutcome, report
 
-POLICY_PARTS = ("admission_order", "preemption_order", "prefill_cap")
 Policy = Mapping[str, Callable[..., Any]]
 FCFS: dict[str, Callable[..., Any]] = {}  # the package's own rules: nothing plugged in
 BASELINE_NAME = "first come, first served"
@@ -75,7 +74,7 @@ SIM_REQUESTS, SIM_SEED, SIM_RATE, SIM_BLOCKS = 400, 1, 0.4, 1201  # arrivals per
 SIM_LONG_SHARE = 0.15  # documents among the requests; the rest are chat turns (workloads.bimodal_lengths)
 SLO_TTFT_S, SLO_TTFT_PER_TOKEN_S, SLO_TPOT_S = 0.5, 0.001, 0.05
 THROUGHPUT_FLOOR = 0.9  # of first come, first served's, or the score is 0
-# The most seconds a policy's answers may take in one run, in all (each step's: scheduler.POLICY_STEP_S): the
+# The most seconds a policy's answers may take in one run, in all (each step's: policy.POLICY_STEP_S): the
 # examples take about a second of the simulator's ~5,000 steps, and a tenth of that on the engine's ~100.
 SIM_POLICY_S, ENGINE_POLICY_S = 60.0, 20.0
 LOAD_S = 10.0  # the most seconds a policy file may take to import

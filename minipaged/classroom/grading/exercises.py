@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Group:
-    """One check group: ``minipaged.grading.<exercise>.<check>(*learner's args)`` runs ``total`` checks."""
+    """One check group: ``minipaged.classroom.grading.<exercise>.<check>(*learner's args)`` runs ``total`` checks."""
 
     name: str  # the group name the summary line prints, e.g. "remove_links"
     check: str  # the check function in the exercise's grading module
@@ -67,7 +67,7 @@ _SLOTS = ("minipaged.worker.block_table:slot_mapping,BlockTable",)
 # would_allocate: the manager's methods that answer the same question (a right answer reads the manager through its
 # other methods: get_num_blocks, get_num_free_blocks), and the checks' reference.
 _WOULD = ("minipaged.core.kv_cache_manager:KVCacheManager.can_allocate,KVCacheManager.allocate_slots,"
-          "KVCacheManager._need", f"{_GRADING}.ex04:_real_answer")  # fmt: skip
+          "KVCacheManager._fits", "minipaged.core.block_budget:block_need", f"{_GRADING}.ex04:_real_answer")  # fmt: skip
 _CACHE_WRITE = ("minipaged.kernels.reference:reshape_and_cache,write_slots", "minipaged.kernels.cache_write",
                 "minipaged.kernels.cpu_kernel:rope_and_cache")  # fmt: skip
 _KERNELS = ("minipaged.kernels.reference", "minipaged.kernels.cache_write", "minipaged.kernels.paged_decode",
