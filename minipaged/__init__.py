@@ -3,8 +3,8 @@
 One module per concept, in layers (README, "Layout"): the base modules here (``config``, ``kv_math``,
 ``hooks``, ...), then ``core/`` (block pool, requests, KV cache managers, scheduler), ``kernels/``, ``model/``,
 ``worker/`` (model runner, cache engine, executors), ``engine/`` (``LLM``), ``serving/`` and ``lab/``, and
-``classroom/`` (parts, grading, widgets). A module's old path (``minipaged.block_pool``) still imports it
-(``old_paths``).
+``classroom/`` (parts, grading, widgets). A module's old flat path still imports it, with a warning naming its
+new home (``old_paths``).
 
 ``LLM`` and ``SamplingParams`` are imported lazily so that ``import minipaged`` stays light.
 """

@@ -1,13 +1,14 @@
 """The seam where a learner's function stands in for a piece of the engine. Imports nothing from the package.
 
-Each place in the engine that a learner can replace asks ``hooks.plugged(name)`` first and, if something is
-plugged in, calls it instead of its own piece::
+Each engine component that a learner can replace a piece of declares those pieces once, as its seam, and asks
+the seam for the function to run: the one plugged in, else its own::
 
-    remove = hooks.plugged("free_queue_remove")
-    (remove or queue.remove)(...)
+    SEAM = hooks.Seam("block_pool", free_queue_remove="BlockPool.touch: a cached block leaves the free queue")
+    ...
+    SEAM.pick("free_queue_remove", _remove)(queue, block)
 
 The engine knows nothing else about learners: what is plugged in, how calls are checked and what a wrong
-answer says all live in ``minipaged.parts`` (the classroom), which fills this module through ``push``/``pop``.
+answer says all live in ``minipaged.classroom.parts``, which fills this module through ``push``/``pop``.
 Keeping the seam here, below everything, is what lets the engine's modules import it without an import circle.
 
 ``bounded(fn, seconds)`` runs a learner's code on a leash (exercise 10b's policy, a policy file's import): on a
@@ -61,7 +62,7 @@ class Seam:
 
         SEAM = hooks.Seam("block_pool", free_queue_remove="BlockPool.touch: a cached block leaves the queue")
         ...
-        SEAM.pick("free_queue_remove", queue.remove)(queue, block)
+        SEAM.pick("free_queue_remove", _remove)(queue, block)
 
     ``pick`` answers the function to run: the one plugged in for that part, else the engine's own. The component
     names nothing else of the course; the classroom (``minipaged.classroom.parts``) checks that every part it can

@@ -236,7 +236,7 @@ def test_hash_is_chained_and_sensitive_to_everything():
 
 def test_hash_is_the_same_in_another_process():
     code = (
-        "from minipaged.block_pool import hash_block_tokens as h;"
+        "from minipaged.core.block_pool import hash_block_tokens as h;"
         "print(h(h(None, [1, 2, 3, 4], (('cache_salt', 's'),)), [5, 6, 7, 8]).hex())"
     )
     out = {

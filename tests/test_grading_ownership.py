@@ -138,7 +138,7 @@ def test_a_dataclass_of_the_notebook_is_its_own_and_the_tracer_sees_only_noteboo
 # through the grader, ownership checks on); here a group the wrappers leave alone keeps the solution's full marks.
 WRAPPERS: dict[str, tuple[str, set[str]]] = {
     "ex01_kv_bytes.ipynb": (
-        "from minipaged.grading import ex01 as grading\n"
+        "from minipaged.classroom.grading import ex01 as grading\n"
         "from minipaged.kv_math import KVSpec\n\n"
         "def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes):\n"
         "    return KVSpec(num_layers, num_kv_heads, head_dim, dtype_bytes).bytes_per_token\n\n"
@@ -147,8 +147,8 @@ WRAPPERS: dict[str, tuple[str, set[str]]] = {
         {"bytes_per_token", "block_capacity"},
     ),
     "ex02_fragmentation.ipynb": (
-        "from minipaged.contiguous import ContiguousAllocator\n"
-        "from minipaged.grading import ex02 as grading\n\n"
+        "from minipaged.lab.contiguous import ContiguousAllocator\n"
+        "from minipaged.classroom.grading import ex02 as grading\n\n"
         "def arena_of(num_slots, reservations):\n"
         "    arena, position, gaps = ContiguousAllocator(num_slots), 0, []\n"
         "    for start, length in sorted(reservations.values()):  # a fresh arena fills first fit, left to right\n"
@@ -167,7 +167,7 @@ WRAPPERS: dict[str, tuple[str, set[str]]] = {
         {"free_extents", "fragmentation"},
     ),
     "ex03_free_queue.ipynb": (
-        "from minipaged.block_pool import FreeKVCacheBlockQueue\n\n"
+        "from minipaged.core.block_pool import FreeKVCacheBlockQueue\n\n"
         "def remove(queue, block):\n"
         "    if block.prev_free_block is None or block.next_free_block is None:\n"
         "        raise ValueError('not in the queue')\n"
@@ -189,13 +189,13 @@ WRAPPERS: dict[str, tuple[str, set[str]]] = {
         {"scatter_write", "scatter_edges"},
     ),
     "ex06_admission.ipynb": (
-        "from minipaged.scheduler import admit_waiting as package_admit\n\n"
+        "from minipaged.core.scheduler import admit_waiting as package_admit\n\n"
         "def admit_waiting(waiting, kv, token_budget, free_seats):\n"
         "    return package_admit(waiting, kv, token_budget, free_seats)",
         {"admit_waiting", "admission_state"},
     ),
     "ex07_preemption.ipynb": (
-        "from minipaged.scheduler import preempt_recompute as package_preempt, schedule_running as package_running\n\n"
+        "from minipaged.core.scheduler import preempt_recompute as package_preempt, schedule_running as package_running\n\n"
         "def preempt_recompute(victim, kv, waiting):\n"
         "    package_preempt(victim, kv, waiting)\n\n"
         "def schedule_running(running, waiting, kv, token_budget, preempt):\n"
@@ -203,8 +203,8 @@ WRAPPERS: dict[str, tuple[str, set[str]]] = {
         {"preempt_recompute", "schedule_running"},
     ),
     "ex08_prefix_hashing.ipynb": (
-        "from minipaged.block_pool import chain_block_hashes as package_chain\n"
-        "from minipaged.block_pool import free_blocks as package_free, get_new_blocks as package_get\n"
+        "from minipaged.core.block_pool import chain_block_hashes as package_chain\n"
+        "from minipaged.core.block_pool import free_blocks as package_free, get_new_blocks as package_get\n"
         "from minipaged.kv_cache_manager import find_prefix_hits as package_hits\n\n"
         "def chain_block_hashes(token_ids, block_size, cache_salt=None):\n"
         "    return package_chain(token_ids, block_size, cache_salt)\n\n"
@@ -217,7 +217,7 @@ WRAPPERS: dict[str, tuple[str, set[str]]] = {
         {"chain_block_hashes", "find_prefix_hits", "free_blocks", "get_new_blocks"},
     ),
     "ex09b_step_inputs.ipynb": (
-        "from minipaged.worker.model_runner import step_inputs as package_inputs\n\n"
+        "from minipaged.worker.step_inputs import step_inputs as package_inputs\n\n"
         "def step_inputs(scheduled):\n"
         "    return package_inputs(scheduled)",
         {"step_inputs"},
@@ -239,7 +239,7 @@ WRAPPERS: dict[str, tuple[str, set[str]]] = {
         {"merged", "events", "disconnect", "served"},
     ),
     "ex12_tensor_parallel_mlp.ipynb": (
-        "from minipaged.grading import ex12 as grading\n\n"
+        "from minipaged.classroom.grading import ex12 as grading\n\n"
         "def all_reduce(tensors, send):\n"
         "    return grading.sum_all_reduce(tensors, send)\n\n"
         "def shard_mlp(weights, rank, world_size):\n"

@@ -4,7 +4,7 @@ A long prompt then takes several steps, and the decodes that share each step wai
 inter-token latency), at the price of that prompt's own first token coming later.
 """
 
-from minipaged.scheduler import RequestView
+from minipaged.classroom.policy import RequestView
 
 
 def prefill_cap(request: RequestView) -> int:

@@ -4,7 +4,7 @@ FCFS preempts the newest, whatever it holds. A request that has computed little 
 so the pool is freed at the smallest recompute cost; a long request that has computed a lot keeps its place.
 """
 
-from minipaged.scheduler import RequestView
+from minipaged.classroom.policy import RequestView
 
 
 def preemption_order(running: list[RequestView]) -> list[str]:

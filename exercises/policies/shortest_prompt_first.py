@@ -4,7 +4,7 @@ Short requests reach their first token sooner and leave sooner, which frees thei
 prompt may wait behind a stream of short ones (starvation), which p99 TTFT shows.
 """
 
-from minipaged.scheduler import RequestView
+from minipaged.classroom.policy import RequestView
 
 
 def admission_order(waiting: list[RequestView]) -> list[str]:

@@ -3,7 +3,7 @@
 Each ``Term`` names the chapter that teaches it and where it lives in the package (a dotted name, checked to
 resolve), so a learner can go from the word to the code. ``cheat_sheet()`` writes every formula of the course
 with a worked line for SmolLM2 and for Llama-3-8B, each number computed by the package's own functions
-(``kv_math``, ``block_table``, ``viz.kernel_viz``) at the moment it is printed, never typed in::
+(``kv_math``, ``worker/block_table.py``, ``classroom/viz/kernel_viz.py``) at the moment it is printed, never typed in::
 
     print(glossary.table())         # term, meaning, chapter, where in the package
     print(glossary.cheat_sheet())   # the formulas, each with its live example

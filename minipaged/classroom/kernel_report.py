@@ -586,7 +586,7 @@ def compile_job(job: SourceJob, folder: Path) -> Row:
 
 
 def _source_worker_main() -> None:
-    """``python -m minipaged.kernels.report --source``: SourceJobs as JSON on stdin, rows as JSON lines out."""
+    """``python -m minipaged.classroom.kernel_report --source``: SourceJobs as JSON on stdin, rows as JSON lines out."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -605,7 +605,7 @@ def compile_sources(jobs: Sequence[SourceJob], *, timeout_s: float = WORKER_TIME
 
 
 def _worker_main() -> None:
-    """``python -m minipaged.kernels.report --worker``: configs as JSON on stdin, rows as JSON lines out."""
+    """``python -m minipaged.classroom.kernel_report --worker``: configs as JSON on stdin, rows as JSON lines out."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -623,7 +623,7 @@ def compile_report(
     """Compile ``configs`` (default: :func:`default_configs`) in fresh worker processes; rows in order.
     A worker still running after ``timeout_s`` is killed and the report fails, saying so.
 
-    Workers are plain subprocesses (``python -m minipaged.kernels.report --worker``) started with
+    Workers are plain subprocesses (``python -m minipaged.classroom.kernel_report --worker``) started with
     ``TRITON_INTERPRET=0``, so this works from a notebook or a script that has the interpreter on.
     """
     configs = list(default_configs() if configs is None else configs)
@@ -638,7 +638,7 @@ def compile_report(
 
 
 def _run_workers(mode: str, chunks: list[list[tuple[int, Any]]], timeout_s: float) -> list[Row]:
-    """Feed each chunk of ``(index, job)`` to its own ``python -m minipaged.kernels.report <mode>`` process;
+    """Feed each chunk of ``(index, job)`` to its own ``python -m minipaged.classroom.kernel_report <mode>`` process;
     their rows, in index order. A worker still running after ``timeout_s`` is killed and the report fails."""
     ptxas = _tool("ptxas")
     if not ptxas.exists():

@@ -2,9 +2,10 @@
 
 Each puzzle fixes a kernel's parameters and its grid; the learner writes the body. ``run`` builds the inputs in
 guarded buffers, launches the learner's ``@triton.jit`` function in Triton's interpreter and records an access
-trace (``kernels.trace``): which blocks and slots of the paged cache each program read or wrote. ``Case.cells``
-is the same picture for a right answer, worked out from the block tables, so ``verdict`` names the first stray or
-missing access and ``viz.trace_figure`` puts the two side by side: a wrong address is seen, not only reported.
+trace (``classroom/kernel_trace.py``): which blocks and slots of the paged cache each program read or wrote.
+``Case.cells`` is the same picture for a right answer, worked out from the block tables, so ``verdict`` names the
+first stray or missing access and ``trace_figure`` (``classroom/viz/trace_viz.py``) puts the two side by side: a
+wrong address is seen, not only reported.
 
 On a CUDA GPU (``kernels.launch.kernel_device()``) the kernel is compiled instead, on CUDA copies of the inputs,
 and there is no trace: the verdict rests on the outputs, the inputs left as they were and the guards around every
@@ -20,11 +21,11 @@ kernel never reads, and how often K and V are loaded, are checked only in the in
     6  prefill  one program per (sequence, query head): a causal tile over a cached prefix
 
 Puzzles 5 and 6 plug into the engine (``decode_part``, ``prefill_part``), and ``compile_kernels`` compiles any of
-them for sm_80 / sm_90 (``kernels.report``). The layouts are the engine's, cut to what each rung needs: a cache
-is ``[num_blocks, block_size, head_dim]`` until puzzle 5 brings the KV-head axis back (``[num_blocks,
-block_size, num_kv_heads, head_dim]``); a block table row is padded with block 0, which a right kernel never
-reads for a position past ``seq_len``. Head dims are powers of two, so only sequence lengths need masks. Every
-case is seeded; unowned blocks hold NaN, so a stray read shows up in the output as well as in the trace.
+them for sm_80 / sm_90 (``classroom/kernel_report.py``). The layouts are the engine's, cut to what each rung needs:
+a cache is ``[num_blocks, block_size, head_dim]`` until puzzle 5 brings the KV-head axis back (``[num_blocks,
+block_size, num_kv_heads, head_dim]``); a block table row is padded with block 0, which a right kernel never reads
+for a position past ``seq_len``. Head dims are powers of two, so only sequence lengths need masks. Every case is
+seeded; unowned blocks hold NaN, so a stray read shows up in the output as well as in the trace.
 """
 
 from __future__ import annotations
@@ -759,7 +760,7 @@ COMPILE_SHAPE = dict(
 
 def compile_kernels(kernels: dict[str, Any], archs: tuple[str, ...] = ("sm_80", "sm_90")) -> list[Any]:
     """Compile each puzzle's kernel (``{"gqa": gqa_kernel, ...}``) for an NVIDIA GPU, without one: its registers,
-    spills, shared memory and occupancy, with ``kernels.report``'s compiler in a fresh process (the interpreter
+    spills, shared memory and occupancy, with ``kernel_report``'s compiler in a fresh process (the interpreter
     stays on here). A kernel that does not compile gets a row with its error."""
     import textwrap
 

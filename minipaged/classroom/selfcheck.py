@@ -2,7 +2,7 @@
 
 Each question is a function of a random generator: it draws its own numbers (a model, a pool, a batch),
 asks, and computes the answer with the package's own code (``kv_math``, ``BlockPool``, the real
-``Scheduler`` through ``testing.Driver``, ``RequestMetrics``, ...) at the moment it is asked. Nothing is
+``Scheduler`` through ``lab.checking_driver.Driver``, ``RequestMetrics``, ...) at the moment it is asked. Nothing is
 written down: the notebook holds only ``selfcheck.quiz("03")``, and the answer exists in the kernel's memory
 until the learner asks to see it. A new seed draws new numbers, for another try::
 
@@ -10,9 +10,9 @@ until the learner asks to see it. A new seed draws new numbers, for another try:
     print(q.prompt)                       # How many bytes of KV cache does one token cost in ...
     selfcheck.check(q, "61440").right     # what the widget's Check button calls
 
-Some wrong answers are the mistakes a learner makes (K counted but not V, the null block forgotten, hashes
-taken as independent): those get their own explanation instead of a bare "not yet". ``viz.quiz.Quiz`` is the
-widget; ``tests/test_selfcheck.py`` checks every question on many random draws: the right answer passes, written
+Some wrong answers are the mistakes a learner makes (K counted but not V, the null block forgotten, hashes taken as
+independent): those get their own explanation instead of a bare "not yet". ``minipaged.classroom.viz.quiz.Quiz`` is
+the widget; ``tests/test_selfcheck.py`` checks every question on many random draws: the right answer passes, written
 several ways, and every listed mistake fails.
 """
 
@@ -417,7 +417,7 @@ def _intensity(rng: random.Random) -> Asked:
 
 
 # ---- chapters 06-08: the scheduler, run for real on a fake model ------------------------------------
-def _driver(**kw: object):  # testing imports torch: keep it off this module's import path
+def _driver(**kw: object):  # lab.checking_driver imports torch: keep it off this module's import path
     from ..lab.checking_driver import Driver
 
     return Driver(**kw)

@@ -2,8 +2,8 @@
 
 A chapter that teaches ``slot_mapping`` ends with::
 
-    from minipaged.show import show_source
-    from minipaged.block_table import slot_mapping
+    from minipaged.classroom.show import show_source
+    from minipaged.worker.block_table import slot_mapping
     show_source(slot_mapping)
 
 which prints the function as it is in ``minipaged/worker/block_table.py`` today, under a header naming it, its
@@ -77,7 +77,7 @@ def _name(obj: Any, target: Any) -> str:
 
 
 def _where(path: Path, target: Any) -> str:
-    """``minipaged/x.py`` for the package's files, ``torch/nn/functional.py`` for another package's."""
+    """``minipaged/<folder>/<module>.py`` for the package's files, ``torch/nn/functional.py`` for another package's."""
     try:
         return (Path(_PACKAGE_DIR.name) / path.relative_to(_PACKAGE_DIR)).as_posix()
     except ValueError:

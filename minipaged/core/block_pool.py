@@ -324,8 +324,7 @@ class BlockPool:
             if block.is_null:
                 continue  # the null block has no owner and no count
             if block.ref_cnt == 0:
-                queue = self.free_block_queue
-                SEAM.pick("free_queue_remove", type(queue).remove)(queue, block)
+                SEAM.pick("free_queue_remove", _remove)(self.free_block_queue, block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -441,6 +440,11 @@ class BlockPool:
 
 
 # ---- LRU eviction: the two functions BlockPool's methods run (exercise 08 writes them) -------------------
+def _remove(queue: FreeKVCacheBlockQueue, block: KVCacheBlock) -> None:
+    """The queue's own ``remove``, as the part's signature has it (``remove(queue, block)``)."""
+    queue.remove(block)
+
+
 def get_new_blocks(pool: BlockPool, num_blocks: int) -> list[KVCacheBlock]:
     """Pop ``num_blocks`` blocks from the front of ``pool``'s free queue (the least recently freed) and hand
     each out with ``ref_cnt = 1``, evicting its cached hash first: the block is about to hold other tokens, so a

@@ -29,7 +29,7 @@ One ``schedule()`` call, in vLLM v1's order:
 
 Steps 1 and 2 are plain functions of the queues, ``schedule_running`` and
 ``admit_waiting`` (with ``preempt_recompute``): exercises 06 and 07 write them,
-and ``minipaged.parts`` can run a learner's version in their place.
+and ``minipaged.classroom.parts`` can run a learner's version in their place.
 
 ``update_from_output`` then appends each sampled token, finishes requests
 (EOS unless ignored, a stop token, ``max_tokens``, ``max_model_len``), frees

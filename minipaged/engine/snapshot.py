@@ -2,7 +2,7 @@
 
 The engine's own pieces are written so that a failed step leaves nothing half-done (``allocate_slots`` checks
 everything before it changes anything; a step's results are applied only once they are all in). A learner's
-part (``minipaged.parts``) gives no such promise: a ``remove`` that unlinks a block and then hits a typo, an
+part (``minipaged.classroom.parts``) gives no such promise: a ``remove`` that unlinks a block and then hits a typo, an
 admission that pops a request and then raises, leave the free queue, the ref counts or the queues half-changed,
 deep inside a section that must not fail. So while parts are plugged in, ``step.run_step`` takes a snapshot of every
 object of the bookkeeping first, and restores it if the step raises::

@@ -4,7 +4,7 @@ Each wrapper (``reshape_and_cache``, ``paged_decode_attention``,
 ``paged_prefill_attention``) is split in two: a *planner* that checks nothing and
 launches nothing but returns the list of ``Launch`` it would make, and the wrapper,
 which validates its arguments and runs that list. The compile report
-(``minipaged.kernels.report``) calls the same planners on example tensors and
+(``minipaged.classroom.kernel_report``) calls the same planners on example tensors and
 compiles each ``Launch`` for an NVIDIA GPU instead of running it, so what it reports
 is exactly what the wrapper launches: the same constexprs, the same ``num_warps``, the
 same argument specialisation.

@@ -1,6 +1,6 @@
 """Checks for exercise 05b, the Triton puzzle ladder: seven small kernels up to paged decode and prefill.
 
-Each check launches the learner's ``@triton.jit`` kernel on one case of ``minipaged.puzzles`` (fresh inputs in
+Each check launches the learner's ``@triton.jit`` kernel on one case of ``minipaged.classroom.puzzles`` (fresh inputs in
 guarded buffers, Triton's interpreter, an access trace) and expects the verdict "right": every output equal to
 the PyTorch reference, no address outside the tensors, no store into an input, no cache cell a right kernel
 would not touch and none it must touch left alone, and (puzzles 5 and 6) no K/V element loaded more often than
@@ -8,7 +8,7 @@ the layout needs. A wrong kernel's verdict names the first of those that fails; 
 On a CUDA GPU the kernel is compiled and run on CUDA tensors, without a trace (``puzzles.run`` says what is
 checked there); a launch that fails over where a tensor lives is reported as that, without the puzzle's hint.
 
-``check_engine`` plugs puzzles 5 and 6 into the real engine through ``minipaged.parts`` (checked: the part
+``check_engine`` plugs puzzles 5 and 6 into the real engine through ``minipaged.classroom.parts`` (checked: the part
 probes run first) and serves SmolLM2 with them, token for token against the package's own kernels.
 """
 

@@ -2,7 +2,7 @@
 
 The learner hands in two functions:
 
-* ``my_parts()``: a dict from part name (``minipaged.parts.PARTS``) to their own
+* ``my_parts()``: a dict from part name (``minipaged.classroom.parts.PARTS``) to their own
   function, taken from their exercise notebooks (``load_exercises`` runs them);
 * ``engine_settings()``: the ``LLM`` keywords of an engine in which every part
   has work to do: prefix caching on, preemption by recompute, and a pool too

@@ -67,8 +67,8 @@ else:  # Python 3.10 has no contextlib.chdir
 CHECK_MARK = "NBVAL_CHECK_OUTPUT"
 # A starter's check cell stores no output (a learner opening it must not read "8/8 checks passed" before writing
 # anything): what it must print is kept in its metadata, cell.metadata["minipaged"]["expected"], and
-# grading/nbval_plugin.py (a pytest plugin) hands that to nbval as the cell's expected output. A solution stores
-# it as its output.
+# classroom/grading/nbval_plugin.py (a pytest plugin) hands that to nbval as the cell's expected output. A
+# solution stores it as its output.
 METADATA_KEY = "minipaged"
 DEFAULT_TIMEOUT_S = 300  # per notebook; the slowest solution (ex10) takes about 40 s on 2 cores
 # Per notebook: private writable memory (sandbox.py). The hungriest solution (ex10c: SmolLM2 served, transformers'

@@ -1,6 +1,6 @@
 """Widgets (ipywidgets + plotly) that make the course's memory pictures move.
 
-``minipaged.viz.layout`` holds the rules every figure here follows (``check_layout``: titled axes, the
+``minipaged.classroom.viz.layout`` holds the rules every figure here follows (``check_layout``: titled axes, the
 legend off the plot, distinct legend names, round ticks on a second y axis; ``contrast_ratio``), which the
 tests assert on each figure.
 """

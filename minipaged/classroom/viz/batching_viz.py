@@ -2,7 +2,7 @@
 prefix blocks, and the whole-run figures (batch and latency, the watermark sweep, swap against recompute).
 
 Every number shown comes from the real ``Scheduler`` / ``KVCacheManager`` (through
-``minipaged.simulator``) and is kept in plain attributes (``state``, ``history``,
+``minipaged.lab.simulator``) and is kept in plain attributes (``state``, ``history``,
 ``segments``, ``markers``, ``rows``, ``summary``), so tests drive the widgets from
 Python and check what a learner sees::
 

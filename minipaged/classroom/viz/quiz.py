@@ -1,6 +1,6 @@
 """The end-of-chapter self-check as a widget: type or pick an answer, press Check, read why.
 
-Every question and every answer comes from ``minipaged.selfcheck`` when the widget is drawn, in the kernel's
+Every question and every answer comes from ``minipaged.classroom.selfcheck`` when the widget is drawn, in the kernel's
 memory only: the notebook stores the call ``Quiz("03")``, never an answer. "Show answer n" computes nothing new;
 it prints what the question drew. "New numbers" draws every question again with the next seed::
 
