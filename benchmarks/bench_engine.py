@@ -108,7 +108,7 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
         llm.generate(
             [work["prompts"][0][:16]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0), use_tqdm=False
         )  # warm-up: first-call allocations
-    llm.runner.timers.clear()
+    llm.executor.timers.clear()
     llm.step_stats.clear()
     t0 = time.perf_counter()
     outs = llm.generate(work["prompts"], params, use_tqdm=False)
@@ -128,7 +128,7 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
         seconds=seconds,
         cold_seconds=cold_seconds,  # the same batch as the first call of a new engine (GPU only)
         cold_over_warm=None if cold_seconds is None else round(seconds / cold_seconds, 3),
-        start_up_s=llm.runner.warm_up_s,
+        start_up_s=llm.executor.runner.warm_up_s,
         fixed_length=fixed,
         output_tokens=sum(got),
         profile=profile,
@@ -291,11 +291,11 @@ def model_split(llm: object, work: dict, num_requests: int = 32) -> dict:
 
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["output_lens"][:num_requests]]
     llm.reset()
-    llm.runner.timers.clear()
+    llm.executor.timers.clear()
     t0 = time.perf_counter()
     llm.generate(work["prompts"][:num_requests], params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    timed_model = llm.runner.timers["model"]
+    timed_model = llm.executor.timers["model"]
     llm.reset()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(work["prompts"][:num_requests], params, use_tqdm=False)
@@ -323,7 +323,7 @@ def model_split(llm: object, work: dict, num_requests: int = 32) -> dict:
             continue
         seconds[kind] += e.self_cpu_time_total / 1e6
     kernels = sum(seconds.values())
-    if llm.runner.device.type != "cuda":
+    if llm.device.type != "cuda":
         del seconds["gpu_wait"]  # a CPU step does not wait for anything
     return dict(
         wall_s=round(wall, 2),

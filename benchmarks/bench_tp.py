@@ -6,7 +6,7 @@ Both engines serve the same batch: ``--num-prompts`` chat prompts of random toke
 its forward passes and, within them, in collectives (``TPGroup.comm_s``: the all-reduces after the embedding,
 o_proj and down_proj, and the logits' gather, timed around each call). A collective's time includes waiting for
 the slowest rank to arrive, so the script also times the all-reduce alone (every rank calling it back to back, no
-rank late: ``ModelRunner.rpc_time_all_reduce``) at a decode step's size, [batch, 576].
+rank late: ``WorkerRPC.time_all_reduce``) at a decode step's size, [batch, 576].
 
 The NVLink lines are not measurements: they apply a bandwidth and a per-call latency (``--link-gbps``,
 ``--link-latency-us``; defaults: 450 GB/s a direction, an H100 SXM's NVLink 4, and 10 µs a call) to the bytes this

@@ -76,7 +76,7 @@ def test_enforce_eager_is_a_checked_knob_and_a_cpu_engine_has_no_graphs(tiny_mod
     with pytest.raises(ValueError, match="enforce_eager must be True or False"):
         Config(enforce_eager="yes")  # type: ignore[arg-type]
     llm = small_engine(tiny_model, device="cpu")  # on a CUDA machine the default device would have graphs
-    assert llm.runner.graph_runner is None
+    assert llm.executor.runner.graph_runner is None
 
 
 @needs_cuda
@@ -104,8 +104,8 @@ def test_replayed_decode_steps_give_the_eager_tokens(tiny_model, enable_prefix_c
 
     eager, eager_llm = run(True)
     graphed, llm = run(False)
-    assert eager_llm.runner.graph_runner is None
-    runner = llm.runner.graph_runner
+    assert eager_llm.executor.runner.graph_runner is None
+    runner = llm.executor.runner.graph_runner
     assert runner is not None and runner.off_reason is None, runner and runner.off_reason
     assert graphed == eager
     assert runner.replays > 0 and len(runner.graphs) >= 3  # several buckets captured and replayed
@@ -122,7 +122,7 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_still_runs(tiny_model, m
     prompts = [[5, 9, 2, 7], [4, 4, 8]]
     out = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 5 and o.error is None for o in out)
-    assert "capture failed" in (llm.runner.graph_runner.off_reason or "")
+    assert "capture failed" in (llm.executor.runner.graph_runner.off_reason or "")
     assert sum("CUDA graphs off" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -172,7 +172,7 @@ def test_warm_up_runs_every_kind_of_step_without_touching_the_cache(tiny_model):
     """The start-up steps (on a GPU: Triton compiles their kernels) are valid inputs for the model, and write
     nothing: every slot is -1. Run here on the CPU runner, which does not warm up by itself."""
     llm = small_engine(tiny_model, max_num_seqs=5, device="cpu")
-    runner = llm.runner
+    runner = llm.executor.runner
     assert runner.warm_up_s is None  # a CPU engine starts as it is
     before = [(k.clone(), v.clone()) for k, v in runner.cache.gpu_cache]
     note = runner.warm_up(5, 16)
@@ -184,6 +184,6 @@ def test_warm_up_runs_every_kind_of_step_without_touching_the_cache(tiny_model):
 @needs_cuda
 def test_a_gpu_engine_starts_with_its_graphs_captured(tiny_model, capsys):
     llm = LLM(model=tiny_model, device="cuda", max_num_seqs=20, kv_cache_memory="64MiB")
-    assert len(llm.runner.graph_runner.graphs) == len(capture_sizes(20))
+    assert len(llm.executor.runner.graph_runner.graphs) == len(capture_sizes(20))
     assert f"captured {len(capture_sizes(20))} CUDA graphs" in capsys.readouterr().out
     llm.shutdown()

@@ -176,7 +176,7 @@ def test_a_dropped_engine_ends_its_process_and_frees_its_decode_engine(tiny_mode
     engine = tiny_engine(tiny_model, threads=(1, before + 1))  # this process's torch threads, while it lives
     assert torch.get_num_threads() == before + 1
     serve(engine, TOKENS[:1])
-    proc, runner, ref = engine._link.proc, engine.llm.runner, weakref.ref(engine)
+    proc, runner, ref = engine._link.proc, engine.llm.executor.runner, weakref.ref(engine)
     del engine
     assert ref() is None  # no cycle and no thread (the receiver's) keeps it: collected at once
     proc.join(5.0)
@@ -198,7 +198,7 @@ def test_a_dead_prefill_process_is_an_error_not_a_hang(tiny_model):
             engine.generate(TOKENS[:1], SHORT)
     finally:
         engine.shutdown()
-    assert engine.llm.runner.released
+    assert engine.llm.executor.released
     with pytest.raises(RuntimeError, match="shut down"):
         engine.add_request(TOKENS[0])
 
@@ -266,6 +266,6 @@ def test_shutdown_of_a_stopped_prefill_process_is_bounded(tiny_disagg):
     finally:
         if process_state(pid):
             os.kill(pid, signal.SIGKILL)
-    assert process_state(pid) == "" and engine.llm.runner.released
+    assert process_state(pid) == "" and engine.llm.executor.released
     with pytest.raises(RuntimeError, match="shut down"):
         engine.add_request(TOKENS[0])

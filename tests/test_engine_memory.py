@@ -14,8 +14,8 @@ import torch
 from conftest import small_engine
 
 from minipaged import LLM, SamplingParams
-from minipaged.worker import executor, model_runner
-from minipaged.worker.model_runner import GPUMemoryError
+from minipaged.worker import executor, gpu_memory
+from minipaged.worker.gpu_memory import GPUMemoryError
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory figures need a CUDA GPU")
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -28,7 +28,7 @@ def served(tiny_model, **kw) -> tuple[LLM, dict[str, weakref.ref]]:
         "llm": weakref.ref(llm),
         "weights": weakref.ref(next(llm.model.parameters())),
         "K of layer 0": weakref.ref(llm.cache.gpu_cache[0][0]),
-        "input buffer": weakref.ref(llm.runner.buffers.input_ids),
+        "input buffer": weakref.ref(llm.executor.runner.buffers.input_ids),
     }
     return llm, refs
 
@@ -57,7 +57,7 @@ def test_shutdown_frees_the_tensors_while_the_engine_is_still_referenced(tiny_mo
     for call in (lambda: llm.generate([[1, 2]], GREEDY), lambda: llm.step(), lambda: llm.model, lambda: llm.cache):
         with pytest.raises(RuntimeError, match=r"shut down \(llm.shutdown\(\)\).*build a new LLM"):
             call()
-    assert llm.runner not in model_runner._LIVE
+    assert llm.executor.runner not in gpu_memory._LIVE
 
 
 def test_an_engine_in_a_reference_cycle_is_freed_by_the_collector(tiny_model):
@@ -71,15 +71,15 @@ def test_an_engine_in_a_reference_cycle_is_freed_by_the_collector(tiny_model):
 def test_the_memory_report_names_the_engine_holding_the_device(tiny_model, monkeypatch):
     llm, _ = served(tiny_model, device="cpu")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 80 << 30))
-    text = model_runner.gpu_memory_report(torch.device("cpu"), need=70 << 30)
+    text = gpu_memory.gpu_memory_report(torch.device("cpu"), need=70 << 30)
     assert text.splitlines()[0] == "cpu has 1.00 GiB free of 80.00 GiB, and this engine needs 70.00 GiB"
     assert "held by the engine built at " + str(Path(__file__).with_name("conftest.py")) + ":" in text  # who built it
     assert "KV pool 28.00 KiB (14 blocks), weights 289.25 KiB" in text and "llm.shutdown()" in text
     held = text.count("held by")  # this engine, and any other test's still alive in this process
     llm.shutdown()
-    assert model_runner.gpu_memory_report(torch.device("cpu")).count("held by") == held - 1
-    monkeypatch.setattr(model_runner, "_LIVE", weakref.WeakSet())
-    text = model_runner.gpu_memory_report(torch.device("cpu"))
+    assert gpu_memory.gpu_memory_report(torch.device("cpu")).count("held by") == held - 1
+    monkeypatch.setattr(gpu_memory, "_LIVE", weakref.WeakSet())
+    text = gpu_memory.gpu_memory_report(torch.device("cpu"))
     assert "held by" not in text and "another process" in text
 
 
@@ -125,11 +125,11 @@ def test_three_engines_built_and_dropped_end_where_they_started(tiny_model, enfo
         del llm
 
     one_round(shutdown=True)
-    model_runner.free_device_memory(torch.device("cuda"))
+    gpu_memory.free_device_memory(torch.device("cuda"))
     allocated, used = torch.cuda.memory_allocated(), device_used()
     for i in range(3):
         one_round(shutdown=i % 2 == 0)  # shut down, dropped, shut down
-        model_runner.free_device_memory(torch.device("cuda"))
+        gpu_memory.free_device_memory(torch.device("cuda"))
         assert torch.cuda.memory_allocated() <= allocated * 1.01 + (1 << 20), f"round {i}"
         assert device_used() <= used * 1.01, f"round {i}: {device_used() - used:,} bytes more in use"
 

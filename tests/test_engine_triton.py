@@ -57,20 +57,20 @@ def test_triton_backend_checks_and_plans_once_per_step(tiny_model, monkeypatch):
 
 def test_runner_reuses_its_input_buffers(tiny_model):
     llm = LLM(model=tiny_model, block_size=16, num_gpu_blocks_override=16, max_model_len=64)
-    buffers = llm.runner.buffers
+    buffers = llm.executor.runner.buffers
     addresses = {
         name: getattr(buffers, name).data_ptr()
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "cu_seqlens_q", "block_tables")
     }
     seen = []
-    real = llm.runner.prepare_inputs
+    real = llm.executor.runner.prepare_inputs
 
     def spy(out):
         ids, pos, meta, rows = real(out)
         seen.append((ids.data_ptr(), pos.data_ptr(), meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr()))
         return ids, pos, meta, rows
 
-    llm.runner.prepare_inputs = spy
+    llm.executor.runner.prepare_inputs = spy
     llm.generate([[5, 17, 3, 9, 40, 2], [7, 7, 30]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(seen) >= 4 and set(seen) == {
         (addresses["input_ids"], addresses["positions"], addresses["slot_mapping"], addresses["block_tables"])

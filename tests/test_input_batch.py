@@ -24,7 +24,7 @@ from minipaged.lab.simulator import fake_samples
 from minipaged.sampling_params import SamplingParams
 from minipaged.worker.block_table import make_block_table_tensor, slot_mapping
 from minipaged.worker.input_batch import InputBatch, InputBuffers
-from minipaged.worker.model_runner import step_inputs
+from minipaged.worker.step_inputs import step_inputs
 
 
 class BothWays:

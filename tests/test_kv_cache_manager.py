@@ -374,7 +374,7 @@ def test_the_engine_keeps_the_tables_it_was_sent_and_forgets_them(tiny_model):
     while llm.scheduler.has_unfinished():
         llm.step()
         for r in llm.scheduler.running:
-            if r.request_id in llm.runner.block_tables:
-                assert llm.runner.block_tables[r.request_id][0] == kv.get_block_ids(r.request_id)
+            if r.request_id in llm.executor.runner.block_tables:
+                assert llm.executor.runner.block_tables[r.request_id][0] == kv.get_block_ids(r.request_id)
                 seen += 1
-    assert seen > 0 and llm.scheduler.num_preemptions > 0 and llm.runner.block_tables == {}
+    assert seen > 0 and llm.scheduler.num_preemptions > 0 and llm.executor.runner.block_tables == {}

@@ -239,7 +239,7 @@ def test_an_interrupted_step_ends_every_rank(tp_model, monkeypatch) -> None:
     Every rank is ended, the KeyboardInterrupt reaches the caller, and this call's requests are gone."""
     llm = small_engine(tp_model, tensor_parallel_size=2)
     pids = llm.executor.pids
-    forward, calls = llm.runner.forward_step, []
+    forward, calls = llm.executor.runner.forward_step, []
 
     def interrupted(out):
         calls.append(1)
@@ -247,7 +247,7 @@ def test_an_interrupted_step_ends_every_rank(tp_model, monkeypatch) -> None:
             raise KeyboardInterrupt
         return forward(out)
 
-    monkeypatch.setattr(llm.runner, "forward_step", interrupted)
+    monkeypatch.setattr(llm.executor.runner, "forward_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, GREEDY)
     assert gone(pids) and not llm._requests

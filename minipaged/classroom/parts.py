@@ -62,6 +62,8 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import num_seqs_when_running
 from ..hooks import PartError
 from ..kernels import reference
+from ..model import attention as _attention_seam  # noqa: F401 (its seam, for _where)
+from ..worker import step_inputs as _step_inputs_seam  # noqa: F401
 from ..worker.block_table import slot_mapping as package_slot_mapping
 from .policy import POLICY_PARTS, PolicyAsker
 
@@ -723,7 +725,7 @@ def _plain(scheduled: Any) -> list[tuple[Any, ...]]:
 
 
 def _inputs_before(args: tuple[Any, ...]) -> Any:
-    from ..worker.model_runner import step_inputs
+    from ..worker.step_inputs import step_inputs
 
     return step_inputs(args[0]), _plain(args[0])
 
@@ -964,6 +966,11 @@ def _hit_probes() -> list[Probe]:
     ]
 
 
+def _where(part: str) -> str:
+    """Where the engine runs ``part``: in its seam's own words (``hooks.Seam``, declared by the component)."""
+    return next(seam.parts[part] for seam in hooks.SEAMS.values() if part in seam.parts)
+
+
 PARTS: dict[str, Part] = {
     p.name: p
     for p in [
@@ -971,7 +978,7 @@ PARTS: dict[str, Part] = {
             "free_queue_remove",
             "ex03",
             "remove(queue, block) -> None",
-            "BlockPool.touch: a cached block leaves the middle of the free queue",
+            _where("free_queue_remove"),
             _remove_before,
             _none,
             _remove_verify,
@@ -981,7 +988,7 @@ PARTS: dict[str, Part] = {
             "slot_mapping",
             "ex04",
             "slot_mapping(block_tables, positions, block_size, pad_to=None) -> list[int]",
-            "ModelRunner.prepare_inputs: the slot of every new token",
+            _where("slot_mapping"),
             None,
             _slots_accept,
             _slots_verify,
@@ -991,7 +998,7 @@ PARTS: dict[str, Part] = {
             "would_allocate",
             "ex04",
             "would_allocate(manager, request, num_new_tokens) -> bool",
-            "KVCacheManager.allocate_slots: are there blocks now? (requests without prefix hits or a shared block)",
+            _where("would_allocate"),
             _would_before,
             _would_accept,
             _would_verify,
@@ -1001,7 +1008,7 @@ PARTS: dict[str, Part] = {
             "reshape_and_cache",
             "ex05",
             "reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None",
-            "PagedAttention: write this step's K/V into the paged cache",
+            _where("reshape_and_cache"),
             _cache_before,
             _none,
             _cache_verify,
@@ -1012,7 +1019,7 @@ PARTS: dict[str, Part] = {
             "admit_waiting",
             "ex06",
             "admit_waiting(waiting, kv, token_budget, free_seats) -> [(request_id, n)]",
-            "Scheduler.schedule, step 2: admit waiting requests",
+            _where("admit_waiting"),
             _admit_before,
             _admit_accept,
             _admit_verify,
@@ -1021,7 +1028,7 @@ PARTS: dict[str, Part] = {
             "schedule_running",
             "ex07",
             "schedule_running(running, waiting, kv, token_budget, preempt) -> (scheduled, preempted)",
-            "Scheduler.schedule, step 1: serve running requests, preempt the newest",
+            _where("schedule_running"),
             _running_before,
             _running_accept,
             _running_verify,
@@ -1030,7 +1037,7 @@ PARTS: dict[str, Part] = {
             "preempt_recompute",
             "ex07",
             "preempt_recompute(victim, kv, waiting) -> None",
-            "Scheduler.preempt: undo a victim's allocation (recompute)",
+            _where("preempt_recompute"),
             _preempt_before,
             _none,
             _preempt_verify,
@@ -1039,7 +1046,7 @@ PARTS: dict[str, Part] = {
             "chain_block_hashes",
             "ex08",
             "chain_block_hashes(token_ids, block_size, cache_salt=None) -> [bytes]",
-            "Request.block_hashes: the chained hash of every full block",
+            _where("chain_block_hashes"),
             None,
             _hashes_accept,
             _hashes_verify,
@@ -1049,7 +1056,7 @@ PARTS: dict[str, Part] = {
             "find_prefix_hits",
             "ex08",
             "find_prefix_hits(pool, block_hashes, num_tokens, block_size) -> [block id]",
-            "KVCacheManager.get_computed_blocks: the longest cached prefix",
+            _where("find_prefix_hits"),
             lambda args: _pool_state(args[0]),
             _hits_accept,
             _hits_verify,
@@ -1059,7 +1066,7 @@ PARTS: dict[str, Part] = {
             "get_new_blocks",
             "ex08",
             "get_new_blocks(pool, num_blocks) -> [KVCacheBlock]",
-            "BlockPool.get_new_blocks: hand out the least recently freed blocks, evicting their hashes",
+            _where("get_new_blocks"),
             _get_new_before,
             _blocks_accept,
             _get_new_verify,
@@ -1069,7 +1076,7 @@ PARTS: dict[str, Part] = {
             "free_blocks",
             "ex08",
             "free_blocks(pool, ordered_blocks) -> None",
-            "BlockPool.free_blocks: drop a reference; blocks reaching 0 join the back of the free queue",
+            _where("free_blocks"),
             _free_before,
             _none,
             _free_verify,
@@ -1106,7 +1113,7 @@ PARTS: dict[str, Part] = {
             "step_inputs",
             "ex09b",
             "step_inputs(scheduled) -> (input_ids, positions, cu_seqlens_q, seq_lens, sample_rows)",
-            "ModelRunner.prepare_inputs: the flat inputs of a mixed prefill + decode step",
+            _where("step_inputs"),
             _inputs_before,
             _inputs_accept,
             _inputs_verify,
@@ -1116,7 +1123,7 @@ PARTS: dict[str, Part] = {
             "paged_decode_attention",
             "ex05a",
             "paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale) -> Tensor",
-            "PagedAttention: the attention of a decode-only step",
+            _where("paged_decode_attention"),
             _attention_before,
             _attention_accept,
             _attention_verify,
@@ -1128,7 +1135,7 @@ PARTS: dict[str, Part] = {
             "ex05b",
             "paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale) -> "
             "Tensor",
-            "PagedAttention: the attention of a step with new prompt tokens (puzzle 6's kernel)",
+            _where("paged_prefill_attention"),
             _attention_before,
             _attention_accept,
             _attention_verify,

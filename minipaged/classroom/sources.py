@@ -1130,12 +1130,17 @@ def _chapter_09() -> list[Claim]:
             "core/block_pool.py",
             "worker/block_table.py",
             "core/kv_cache_manager.py",
+            "core/block_budget.py",
+            "core/step_commit.py",
             "core/request.py",
             "sampling_params.py",
             "core/scheduler.py",
             "worker/sampler.py",
             "worker/cache_engine.py",
             "worker/model_runner.py",
+            "worker/step_inputs.py",
+            "worker/sampled_output.py",
+            "worker/kv_pool_plan.py",
             "engine/llm.py",
         ]
         files += [f"model/{p.name}" for p in sorted((root / "model").glob("*.py"))]

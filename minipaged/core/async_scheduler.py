@@ -12,8 +12,8 @@ Step N+1 is scheduled before step N's tokens are known, so the scheduler counts 
 
 * ``plan_ahead`` advances every request of step N as if its tokens were in. A request that samples gets a
   *placeholder* token (``PLACEHOLDER_TOKEN_ID``) at the end of its outputs: step N+1 feeds it, and the runner
-  copies the real token into that row on the device (``ModelRunner._fill_placeholders``). The placeholder's
-  block is not hashed, so no prefix lookup can find a block with a token nobody knows.
+  copies the real token into that row on the device (``InputPreparer._fill_placeholders`` in
+  ``worker/step_inputs.py``). The placeholder's block is not hashed, so no prefix lookup can find a block with a token nobody knows.
 * A request that N's token ends for sure (``max_tokens``, ``max_model_len``) is left out of step N+1. One that
   a stop token may end cannot be told apart: it is scheduled, and if its token was a stop, what step N+1
   computed for it is thrown away (vLLM does the same).

@@ -15,9 +15,10 @@ share of the hardware::
                            hits, loaded into its pool; it computes the last partial block, samples, decodes
 
 The two engines meet only through the KV connector seam: the producer's ``SendingConnector`` lists the blocks
-each step fills (``KVConnectorMetadata.sends``) and its runner ships them after the forward (``KVSender``); the
-consumer's ``ReceivingConnector`` is the CPU offloading store, fed from the wire. The decode engine computes the
-first output token itself, so its tokens are those of a single engine (tests/test_disagg.py).
+each step fills (``KVConnectorMetadata.sends``) and its runner ships them after the forward (``KVSender``, handed
+to it by ``executor.attach_kv_sender``); the consumer's ``ReceivingConnector`` is the CPU offloading store, fed
+from the wire (``executor.write_offload_block``). Neither side touches a runner itself. The decode engine computes
+the first output token itself, so its tokens are those of a single engine (tests/test_disagg.py).
 
 Kept small on purpose: one producer and one consumer, single-rank engines, only full blocks travel (the last
 partial block is recomputed, at most ``block_size - 1`` tokens), and a block the consumer's store has lost by
@@ -60,7 +61,6 @@ from ..distributed import FOREVER, free_port, open_store
 from ..sampling_params import SamplingParams
 from ..utils import check_int
 from ..worker.cache_engine import CacheEngine
-from ..worker.model_runner import ModelRunner
 from .inputs import InputProcessor, ParamsLike, Prompt, Prompts, check_params
 from .llm import LLM
 from .outputs import RequestOutput, request_output
@@ -122,7 +122,7 @@ def _prefill_main(model: Any, kwargs: dict[str, Any], port: int, inbox: Any, sta
         sender = KVSender(group)
         llm.kv_connector_factory = SendingConnector
         llm.reset()
-        llm.runner.kv_sender = sender
+        llm.executor.attach_kv_sender(sender)  # the connector's worker side: it ships what each step filled
         sender._send(torch.tensor(_block_shape(llm), dtype=torch.long))  # rank 0 checks its pool matches
         while True:
             wait = not llm.scheduler.has_unfinished()
@@ -220,14 +220,6 @@ class ReceivingConnector(OffloadingConnector):
             self.num_received += 1
 
 
-def _write_block(runner: ModelRunner, slot: int, kv: torch.Tensor) -> None:
-    """Copy an arrived block into the decode engine's store (the runner's, not the ``LLM``'s: a connector that
-    referred to its ``LLM`` would keep it alive)."""
-    for layer, (k, v) in enumerate(runner.cache.offload_cache):
-        k[slot].copy_(kv[layer, 0])
-        v[slot].copy_(kv[layer, 1])
-
-
 def process_state(pid: int) -> str:
     """The process's state letter in ``/proc`` ("R" running, "S" sleeping, "T" stopped, "t" stopped by a
     tracer, "Z" dead), or "" where it cannot be read (gone, or no ``/proc``: not Linux)."""
@@ -258,6 +250,7 @@ class _Link:
         self.deadline = math.inf
 
     def start(self, threads: int, model: Any, kwargs: dict[str, Any]) -> None:
+        """Start the prefill process and join a group with it, within ``start_timeout_s``."""
         port = free_port()
         self.store = open_store("127.0.0.1", port, 2, True, self.start_s)
         ctx = mp.get_context("spawn")
@@ -272,6 +265,32 @@ class _Link:
         )
         self.proc.start()
         self.deadline = time.monotonic() + self.start_s  # of the start as a whole: joining, then loading
+        store, timeout = self.store, datetime.timedelta(seconds=self.start_s)
+        self.group = self.while_starting(
+            "joining the group", lambda: dist.ProcessGroupGloo(dist.PrefixStore("disagg", store), 0, 2, timeout)
+        )
+
+    def check_block_shape(self, mine: list[int]) -> None:
+        """The handshake: the producer sends its block shape (``_block_shape``) once its model is loaded; its
+        blocks are copied into this engine's pool as they are, so the two must be the same."""
+        shape, group, timeout = torch.zeros(5, dtype=torch.long), self.group, datetime.timedelta(seconds=self.start_s)
+        self.while_starting("loading its model", lambda: group.recv([shape], 1, 0).wait(timeout))
+        theirs = shape.tolist()
+        if theirs != mine:
+            names = ("layers", "block_size", "kv_heads", "head_dim", "dtype")
+            diff = ", ".join(
+                f"{n} {_shape_value(n, a)} there, {_shape_value(n, b)} here"
+                for n, a, b in zip(names, theirs, mine)
+                if a != b
+            )
+            raise ValueError(f"the prefill engine's blocks do not fit the decode engine's pool: {diff}")
+
+    def start_receiver(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Receive what the producer sends, on a thread of its own, until goodbye (``receive``)."""
+        self.receiver = threading.Thread(
+            target=self.receive, args=(block_shape, dtype), name="minipaged-kv-receiver", daemon=True
+        )
+        self.receiver.start()
 
     @property
     def pid(self) -> int:
@@ -398,9 +417,36 @@ class _Link:
         self.group = self.store = None  # dropping the store stops its server
 
 
+def _connect_consumer(llm: LLM, link: _Link) -> None:
+    """Make the decode engine the KV consumer of ``link``: its connector is the offloading store, fed with what
+    the receiver thread takes off the wire. The connector writes through the executor, not the ``LLM``: one that
+    referred to its ``LLM`` would keep it alive."""
+    executor = llm.executor
+    llm.kv_connector_factory = functools.partial(
+        ReceivingConnector, executor.pool.num_offload_blocks, llm.block_size, link.inbox, executor.write_offload_block
+    )
+    llm.reset()
+    layers, block_size, heads, dim, _ = _block_shape(llm)
+    link.start_receiver((layers, 2, block_size, heads, dim), llm.dtype)
+
+
 def _free_decode_engine(llm: LLM, threads: int) -> None:
     llm.shutdown()
     torch.set_num_threads(threads)
+
+
+def _check_threads(threads: tuple[int, int] | None) -> tuple[int, int]:
+    """Each process's torch threads, (prefill, decode): as given, or half the machine's cores each (on one
+    machine the two share them)."""
+    if threads is None:
+        half = max(1, (os.cpu_count() or 2) // 2)
+        threads = (half, half)
+    elif not isinstance(threads, (tuple, list)) or len(threads) != 2:
+        raise ValueError(f"threads must be a pair (prefill threads, decode threads), got {threads!r}")
+    return (
+        check_int("threads[0] (the prefill process's)", threads[0], 1),
+        check_int("threads[1] (the decode engine's)", threads[1], 1),
+    )
 
 
 def _check_seconds(name: str, value: object) -> float:
@@ -430,14 +476,26 @@ def engine_kwargs(
             configs[side] = Config.from_kwargs(model, kw)
         except ValueError as e:
             raise ValueError(f"the {side} engine's arguments: {e}") from None
-    p, d = configs["prefill"], configs["decode"]
+    given = functools.partial(_given, kwargs, prefill, decode)
+    _check_blocks_travel(configs["prefill"], configs["decode"], given)
+    _check_roles(configs["prefill"], configs["decode"], given)
+    return sides["prefill"], sides["decode"]
 
-    def given(side: str, knob: str) -> str:
-        mine = prefill if side == "prefill" else decode
-        if mine is not None and knob in mine:
-            return f"{side}={{{knob!r}: {mine[knob]!r}}}"
-        return f"{knob}={kwargs[knob]!r}" if knob in kwargs else "the default"
 
+def _given(
+    kwargs: dict[str, Any], prefill: dict[str, Any] | None, decode: dict[str, Any] | None, side: str, knob: str
+) -> str:
+    """Where ``side``'s value of ``knob`` came from, as the caller wrote it: the side's own dict, the shared
+    arguments, or the default (an error message names what to change)."""
+    mine = prefill if side == "prefill" else decode
+    if mine is not None and knob in mine:
+        return f"{side}={{{knob!r}: {mine[knob]!r}}}"
+    return f"{knob}={kwargs[knob]!r}" if knob in kwargs else "the default"
+
+
+def _check_blocks_travel(p: Config, d: Config, given: Callable[[str, str], str]) -> None:
+    """The producer's blocks are copied into the consumer's pool as they are: the same ``block_size`` and
+    ``dtype`` on both sides."""
     if p.block_size != d.block_size:
         raise ValueError(
             f"block_size differs: the prefill engine's is {p.block_size} ({given('prefill', 'block_size')}), the "
@@ -453,6 +511,11 @@ def engine_kwargs(
             f"the decode engine's {d.dtype!r} ({given('decode', 'dtype')}) on {d.torch_device}. The prefill "
             "engine's blocks are copied into the decode engine's pool as they are: give both the same dtype"
         )
+
+
+def _check_roles(p: Config, d: Config, given: Callable[[str, str], str]) -> None:
+    """Each side can play its part: single-rank engines, a producer that hashes its blocks (prefix caching),
+    a consumer with a KV store to receive them in."""
     for side, c in (("prefill", p), ("decode", d)):
         if c.tensor_parallel_size != 1:
             raise ValueError(
@@ -470,7 +533,6 @@ def engine_kwargs(
             f"kv_offloading_size={d.kv_offloading_size!r} ({given('decode', 'kv_offloading_size')}): the decode "
             "engine needs a KV store, where the prefill engine's blocks land (default 256MiB)"
         )
-    return sides["prefill"], sides["decode"]
 
 
 def _model_path(model: str | os.PathLike | None) -> str | os.PathLike:
@@ -512,13 +574,7 @@ class DisaggregatedLLM:
     ) -> None:
         self.timeout_s = _check_seconds("timeout_s", timeout_s)
         start_s = _check_seconds("start_timeout_s", start_timeout_s)
-        if threads is None:
-            half = max(1, (os.cpu_count() or 2) // 2)
-            threads = (half, half)
-        elif not isinstance(threads, (tuple, list)) or len(threads) != 2:
-            raise ValueError(f"threads must be a pair (prefill threads, decode threads), got {threads!r}")
-        prefill_threads = check_int("threads[0] (the prefill process's)", threads[0], 1)
-        decode_threads = check_int("threads[1] (the decode engine's)", threads[1], 1)
+        prefill_threads, decode_threads = _check_threads(threads)
         prefill_kw, decode_kw = engine_kwargs(model, kwargs, prefill, decode)
         path = _model_path(model)
 
@@ -529,28 +585,9 @@ class DisaggregatedLLM:
         llm: LLM | None = None
         try:
             link.start(prefill_threads, path, prefill_kw)
-            link.group = link.while_starting(
-                "joining the group",
-                lambda: dist.ProcessGroupGloo(
-                    dist.PrefixStore("disagg", link.store), 0, 2, datetime.timedelta(seconds=start_s)
-                ),
-            )
             torch.set_num_threads(decode_threads)
             llm = LLM(path, **decode_kw)
-            shape = torch.zeros(5, dtype=torch.long)
-            group = link.group
-            link.while_starting(
-                "loading its model", lambda: group.recv([shape], 1, 0).wait(datetime.timedelta(seconds=start_s))
-            )
-            theirs, mine = shape.tolist(), _block_shape(llm)
-            if theirs != mine:
-                names = ("layers", "block_size", "kv_heads", "head_dim", "dtype")
-                diff = ", ".join(
-                    f"{n} {_shape_value(n, a)} there, {_shape_value(n, b)} here"
-                    for n, a, b in zip(names, theirs, mine)
-                    if a != b
-                )
-                raise ValueError(f"the prefill engine's blocks do not fit the decode engine's pool: {diff}")
+            link.check_block_shape(_block_shape(llm))
         except BaseException:
             link.end(graceful=False)
             if llm is not None:
@@ -562,23 +599,7 @@ class DisaggregatedLLM:
         self._end_link = weakref.finalize(self, link.end, False)
         self._free_decode = weakref.finalize(self, _free_decode_engine, llm, old_threads)
         self._free_decode.atexit = False  # as LLM's own: nothing to give back to a process that is ending
-        runner = llm.runner
-        llm.kv_connector_factory = functools.partial(
-            ReceivingConnector,
-            runner.num_offload_blocks,
-            llm.block_size,
-            link.inbox,
-            functools.partial(_write_block, runner),
-        )
-        llm.reset()
-        layers, block_size, heads, dim, _ = mine
-        link.receiver = threading.Thread(
-            target=link.receive,
-            args=((layers, 2, block_size, heads, dim), llm.dtype),
-            name="minipaged-kv-receiver",
-            daemon=True,
-        )
-        link.receiver.start()
+        _connect_consumer(llm, link)
 
     @property
     def prefill_pid(self) -> int:

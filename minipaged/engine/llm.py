@@ -2,14 +2,15 @@
 
 Everything the course built meets here, in a loop that vLLM users will recognise::
 
-    prompts ─▶ InputProcessor ─▶ Request ─▶ run_step: Scheduler.schedule() ─▶ ModelRunner.execute() ─▶
+    prompts ─▶ InputProcessor ─▶ Request ─▶ run_step: Scheduler.schedule() ─▶ executor.execute() ─▶
                                                       Scheduler.update_from_output() ─▶ RequestOutput
                               KVCacheManager / BlockPool       CacheEngine (K/V tensors)
                               └──────────────── blocks in, blocks out ─────────────────┘
 
 The pieces live in their own modules: prompts in ``inputs``, the step in ``step``, the weights, the pool's
-size and the cache tensors in ``model_runner``, what comes back in ``outputs``. ``LLM`` holds them together
-and keeps the requests a caller added until it has handed their outputs back.
+size and the cache tensors behind the executor (``worker/executor.py``: one model runner in this process, or one
+per tensor-parallel rank), what comes back in ``outputs``. ``LLM`` holds them together, asks the executor (never
+a runner) what it needs, and keeps the requests a caller added until it has handed their outputs back.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _serialised(method: Callable[Concatenate[LLM, P], R]) -> Callable[Concatenat
     @functools.wraps(method)
     def locked(self: LLM, *args: P.args, **kwargs: P.kwargs) -> R:
         with self._lock:
-            if self.runner.released:
+            if self.executor.released:
                 raise RuntimeError(SHUT_DOWN)
             return method(self, *args, **kwargs)
 
@@ -59,14 +60,14 @@ def _serialised(method: Callable[Concatenate[LLM, P], R]) -> Callable[Concatenat
 
 
 def _held(name: str) -> Any:
-    """An ``LLM`` attribute that is the runner's (its weights, its cache): refused once ``shutdown()`` gave it back."""
+    """An ``LLM`` attribute that is rank 0's (its weights, its cache): refused once ``shutdown()`` gave it back."""
 
     def get(llm: LLM) -> Any:
-        if llm.runner.released:
+        if llm.executor.released:
             raise RuntimeError(SHUT_DOWN)
-        return getattr(llm.runner, name)
+        return getattr(llm.executor, name)
 
-    return property(get, doc=f"The runner's {name} (gone after ``shutdown()``).")
+    return property(get, doc=f"Rank 0's {name}, from the executor (gone after ``shutdown()``).")
 
 
 class LLM:
@@ -79,12 +80,12 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
         self.config = Config.from_kwargs(model, kwargs)
-        self.executor = make_executor(self.config)  # this process's runner, or rank 0 of a tensor-parallel group
-        self.runner = r = self.executor.runner
-        self.spec, self.dtype, self.device = r.spec, r.dtype, r.device
-        weakref.finalize(self, r.free_memory).atexit = False  # dropped without shutdown(): the memory goes back too
-        self.block_size, self.num_blocks, self.max_model_len = r.block_size, r.num_blocks, r.max_model_len
-        self.tokenizer, self.processor, self.eos_token_id = model_inputs(r.path, r.model.config)
+        self.executor = ex = make_executor(self.config)  # this process's runner, or rank 0 of a tensor-parallel group
+        pool = ex.pool  # the KV pool every rank agreed on (a runner is the executor's: it may live elsewhere)
+        self.spec, self.dtype, self.device = pool.spec, pool.dtype, pool.device
+        weakref.finalize(self, ex.free_memory).atexit = False  # dropped without shutdown(): the memory goes back too
+        self.block_size, self.num_blocks, self.max_model_len = pool.block_size, pool.num_blocks, pool.max_model_len
+        self.tokenizer, self.processor, self.eos_token_id = model_inputs(ex.model_path, ex.model.config)
         self._t0, self._lock = time.perf_counter(), threading.RLock()
         self.observers = Observers()  # watchers of every step (events.py); they outlive reset()
         self.kv_connector_factory: Callable[[], KVConnector] | None = None  # makes one per reset() (disagg.py)
@@ -98,19 +99,19 @@ class LLM:
     def reset(self) -> None:
         """A fresh engine around the same weights and cache tensors: every request dropped, an empty pool and
         prefix cache, a new scheduler (a second ``LLM`` would load the model again)."""
-        connector, r = None if self.kv_connector_factory is None else self.kv_connector_factory(), self.runner
+        connector, pool = None if self.kv_connector_factory is None else self.kv_connector_factory(), self.executor.pool
         self.pipeline.forget()  # a step in flight serves requests that are dropped now
-        self.scheduler = Scheduler.from_config(self.config, self.num_blocks, self.max_model_len, r.num_cpu_blocks,
-                                               r.num_offload_blocks, connector, r.kv_cache_groups)  # fmt: skip
+        self.scheduler = Scheduler.from_config(self.config, self.num_blocks, self.max_model_len, pool.num_cpu_blocks,
+                                               pool.num_offload_blocks, connector, pool.kv_cache_groups)  # fmt: skip
         self.kv_cache_manager = self.scheduler.kv_cache_manager
-        self.runner.reset()
-        self.sampler = self.runner.sampler
+        self.executor.reset()
+        self.sampler = self.executor.sampler
         self.step_stats: deque[dict[str, Any]] = deque(maxlen=STEP_STATS_KEPT)  # a row a step, for the widgets
         self._requests: dict[str, Request] = {}  # added and not yet handed back (the scheduler forgets finished)
         self.num_steps = self._counter = 0  # steps run (a part's error names its step), automatic ids handed out
 
     def describe(self) -> str:
-        return self.runner.describe()
+        return self.executor.describe()
 
     def shutdown(self) -> None:
         """Give back the workers and the device memory now (``executor.shutdown``), even while something (a
@@ -172,8 +173,8 @@ class LLM:
         that finished in it. A request whose logits or sampling fail (NaN logits, say) finishes with an ``error``."""
         self.num_steps += 1
         res = self.pipeline.step(self.scheduler, self.executor, self.now, step_index=self.num_steps)
-        self.runner.timers["schedule"] += res.schedule_s
-        self.runner.timers["update"] += res.update_s
+        self.executor.timers["schedule"] += res.schedule_s
+        self.executor.timers["update"] += res.update_s
         self.step_stats.append(res.stats(self.scheduler, now := self.now()))
         if self.observers:  # nothing is built while nobody watches
             self.observers.publish(step_event(self.scheduler, res, self.num_steps, now, self.device.type))
@@ -268,4 +269,4 @@ class LLM:
 
     def profile(self) -> dict[str, float]:
         """Seconds spent so far in each phase of the step loop."""
-        return dict(self.runner.timers)
+        return dict(self.executor.timers)

@@ -13,7 +13,7 @@ never dropped while a request it serves is still there: when the next step canno
 waited for and applied as ``run_step`` applies a step. The scheduler's side
 (placeholders for the tokens still on the device, what a failed step takes back) is ``core/async_scheduler.py``;
 the runner's (the last step's tokens copied into this step's inputs on the device) is
-``ModelRunner._fill_placeholders``.
+``InputPreparer._fill_placeholders`` (``worker/step_inputs.py``).
 
 A step that cannot be planned ahead (``can_plan_ahead``: an ``n > 1`` request's first sample) is waited for
 and updated as ``run_step`` does. An engine with speculative decoding or a KV connector, or with a learner's

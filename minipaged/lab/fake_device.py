@@ -8,7 +8,7 @@ give every request the same tokens as a run without. ``benchmarks/bench_host_ste
 steps with it; ``tests/test_overlap.py`` checks the overlap loop's order with it.
 
 A step scheduled ahead feeds placeholders; the fake device fills them with what it sampled for that request
-in the step before (what ``ModelRunner._fill_placeholders`` does on a GPU) and checks there was such a token.
+in the step before (what ``InputPreparer._fill_placeholders`` does on a GPU) and checks there was such a token.
 """
 
 from __future__ import annotations

@@ -39,6 +39,15 @@ import torch
 from .. import hooks
 from ..profiling import span
 
+# The kernels a learner may write in the backend's place (exercises 05, 05b, 09; ``minipaged.classroom.parts``);
+# their signatures are the reference kernels' (``kernels.reference``), which stand in for any not plugged in.
+SEAM = hooks.Seam(
+    "paged_attention",
+    reshape_and_cache="PagedAttention: write this step's K/V into the paged cache",
+    paged_decode_attention="PagedAttention: the attention of a decode-only step",
+    paged_prefill_attention="PagedAttention: the attention of a step with new prompt tokens (puzzle 6's kernel)",
+)
+
 
 @dataclass
 class AttentionMetadata:
@@ -73,9 +82,8 @@ class TritonAttentionMetadata(AttentionMetadata):
 
 
 class PagedAttention:
-    """Picks the kernels of one backend: ``torch`` (``kernels.torch_backend``, the CPU default) or ``triton``."""
-
-    PARTS = ("reshape_and_cache", "paged_decode_attention", "paged_prefill_attention")  # a learner's may replace
+    """Picks the kernels of one backend: ``torch`` (``kernels.torch_backend``, the CPU default) or ``triton``;
+    a learner's kernels (``SEAM``) in their place when plugged in."""
 
     def __init__(self, backend: str = "torch") -> None:
         from .. import kernels
@@ -95,17 +103,31 @@ class PagedAttention:
         """Check a step's metadata once against the cache, and plan it for this backend; with a
         ``sliding_window``, for layers that see only that many positions back (the PyTorch backend's masks: the
         compiled CPU kernel and the Triton kernels have no window)."""
-        from ..kernels import cpu_kernel, paged_decode, torch_backend, validation
-
         if isinstance(meta, (TorchAttentionMetadata, TritonAttentionMetadata)):
             return meta
-        if sliding_window is not None and (self.backend != "torch" or any(hooks.plugged(p) for p in self.PARTS)):
+        if sliding_window is not None and (self.backend != "torch" or SEAM.replaced()):
             raise ValueError(
                 f"sliding-window attention runs on the PyTorch backend's kernels only, not on {self.backend!r} "
                 "or a learner's plugged-in kernel: use attention_backend='torch'"
             )
+        q = self._check_against_cache(meta, key_cache, value_cache, num_q_heads, dtype)
+        if self.backend == "torch":
+            return self._plan_torch(meta, q, key_cache, value_cache, sliding_window)
+        return self._plan_triton(meta, key_cache, value_cache, dtype)
+
+    @staticmethod
+    def _check_against_cache(
+        meta: AttentionMetadata,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        num_q_heads: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The kernels' own input checks, run once for the step instead of once per layer, on stand-ins with the
+        shapes, dtype and device of this step's q and k/v (one element, expanded). Returns the q stand-in."""
+        from ..kernels import validation
+
         num_tokens, num_kv_heads, head_dim = meta.slot_mapping.shape[0], key_cache.shape[2], key_cache.shape[3]
-        # Stand-ins with the shapes, dtype and device of this step's q and k/v: one element, expanded.
         dev = key_cache.device
         q = torch.empty((1, num_q_heads, head_dim), dtype=dtype, device=dev).expand(num_tokens, -1, -1)
         kv = torch.empty((1, num_kv_heads, head_dim), dtype=dtype, device=dev).expand(num_tokens, -1, -1)
@@ -114,38 +136,51 @@ class PagedAttention:
         validation.check_paged_prefill(
             q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, 1.0, check_values=on_cpu
         )
-        if self.backend == "torch":
-            keep = meta.slot_mapping >= 0
-            rows = None if bool(keep.all()) else keep
-            slots = meta.slot_mapping.long() if rows is None else meta.slot_mapping[rows].long()
-            plan = torch_backend.plan_attention(
-                meta.block_tables,
-                meta.cu_seqlens_q,
-                meta.seq_lens,
-                key_cache.shape[1],
-                in_place=sliding_window is None and cpu_kernel.usable(key_cache, value_cache),
-                sliding_window=sliding_window,
-            )
-            fused = (
-                plan.in_place is not None
-                and cpu_kernel.fits_layer_ops(q, key_cache)
-                and not any(hooks.plugged(part) for part in self.PARTS)
-            )
-            return TorchAttentionMetadata(
-                **meta.common(),
-                write_rows=rows,
-                write_slots=slots,
-                plan=plan,
-                fused=fused,
-                sliding_window=sliding_window,
-            )
+        return q
+
+    @staticmethod
+    def _plan_torch(
+        meta: AttentionMetadata,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        sliding_window: int | None,
+    ) -> TorchAttentionMetadata:
+        """The PyTorch backend's plan: the rows to write and their slots (padding left out), the gather indices
+        and masks, and whether the compiled CPU kernels may take the whole layer (``fused``)."""
+        from ..kernels import cpu_kernel, torch_backend
+
+        keep = meta.slot_mapping >= 0
+        rows = None if bool(keep.all()) else keep
+        slots = meta.slot_mapping.long() if rows is None else meta.slot_mapping[rows].long()
+        plan = torch_backend.plan_attention(
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            key_cache.shape[1],
+            in_place=sliding_window is None and cpu_kernel.usable(key_cache, value_cache),
+            sliding_window=sliding_window,
+        )
+        fused = plan.in_place is not None and cpu_kernel.fits_layer_ops(q, key_cache) and not SEAM.replaced()
+        return TorchAttentionMetadata(
+            **meta.common(), write_rows=rows, write_slots=slots, plan=plan, fused=fused, sliding_window=sliding_window
+        )
+
+    @staticmethod
+    def _plan_triton(
+        meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor, dtype: torch.dtype
+    ) -> TritonAttentionMetadata:
+        """The Triton backend's: its runtime checked once, and a decode-only step's split count (the GPU's SM
+        count decides it)."""
+        from ..kernels import paged_decode, validation
+
         validation.check_triton_runtime(dtype, key_cache.device)
         validation.check_last_dim_contiguous(key_cache=key_cache, value_cache=value_cache)
         num_splits = None
         if meta.is_decode_only and meta.seq_lens.shape[0]:
             capacity = meta.block_tables.shape[1] * key_cache.shape[1]
             num_splits = paged_decode.default_num_splits(
-                meta.seq_lens.shape[0], num_kv_heads, capacity, key_cache.device
+                meta.seq_lens.shape[0], key_cache.shape[2], capacity, key_cache.device
             )
         return TritonAttentionMetadata(**meta.common(), num_splits=num_splits)
 
@@ -176,9 +211,8 @@ class PagedAttention:
             # Called on its own (chapter 09 runs one layer by hand): plan for this call. Inside the model the
             # metadata arrives built, once per step, from LlamaModel.forward.
             meta = self.build_metadata(meta, key_cache, value_cache, q.shape[1], q.dtype)
-        write, decode, prefill = (hooks.plugged(part) for part in self.PARTS)
-        if write is not None or decode is not None or prefill is not None:  # a learner's own (exercises 05, 05b, 09)
-            return self._with_parts(write, decode, prefill, q, k, v, key_cache, value_cache, meta, scale)
+        if SEAM.replaced():  # a learner's own (exercises 05, 05b, 09)
+            return self._with_parts(q, k, v, key_cache, value_cache, meta, scale)
         if isinstance(meta, TorchAttentionMetadata):
             from ..kernels import torch_backend
 
@@ -237,9 +271,6 @@ class PagedAttention:
 
     def _with_parts(
         self,
-        write: Any,
-        decode: Any,
-        prefill: Any,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -255,11 +286,11 @@ class PagedAttention:
         """
         from ..kernels import reference
 
-        (write or reference.reshape_and_cache)(k, v, key_cache, value_cache, meta.slot_mapping)
+        SEAM.pick("reshape_and_cache", reference.reshape_and_cache)(k, v, key_cache, value_cache, meta.slot_mapping)
         if meta.is_decode_only:
-            return (decode or reference.paged_decode_attention)(
+            return SEAM.pick("paged_decode_attention", reference.paged_decode_attention)(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale
             )
-        return (prefill or reference.paged_prefill_attention)(
+        return SEAM.pick("paged_prefill_attention", reference.paged_prefill_attention)(
             q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale
         )

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import hooks
-from .attention import AttentionMetadata, PagedAttention
+from .attention import SEAM as ATTENTION_SEAM
+from .attention import AttentionMetadata
 from .layers import packed_rows
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class CUDAGraphRunner:
             return f"{input_ids.shape[0]} decodes: more than the largest captured batch ({self.sizes[-1]})"
         if meta.block_tables.shape[1] > self.max_blocks_per_seq:
             return "a block table wider than max_blocks_per_seq"
-        if any(hooks.plugged(part) for part in PagedAttention.PARTS):
+        if ATTENTION_SEAM.replaced():
             return "a learner's attention kernel is plugged in"
         return None
 

@@ -101,12 +101,11 @@ class AsyncEngine:
         thread without the engine's lock: flags, an error string, and a ``waitpid`` and a /proc read per worker."""
         if self._thread is None:
             return "the engine loop was never started (AsyncEngine.start())"
-        runner = self.llm.runner
-        if runner.released:
+        executor = self.llm.executor
+        if executor.released:
             return SHUT_DOWN
         from ..worker.executor import MultiprocExecutor  # the engine loaded it already
 
-        executor = self.llm.executor
         if isinstance(executor, MultiprocExecutor):  # tensor parallelism: rank 0 cannot step without every worker
             if executor.closed_because is not None:
                 return f"the engine's tensor-parallel ranks are gone ({executor.closed_because}); restart the server"
@@ -135,7 +134,7 @@ class AsyncEngine:
             raise RuntimeError("this AsyncEngine was started already (make a new one)")
         if self.llm in _DRIVEN:
             raise RuntimeError("another AsyncEngine drives this LLM: shut it down first (one engine loop per LLM)")
-        if self.llm.runner.released:
+        if self.llm.executor.released:
             raise RuntimeError(SHUT_DOWN.replace("restart the server", "build a new LLM"))
         self._snapshot()  # /metrics shows the pool from the first scrape, not zeros until the first step
         _DRIVEN.add(self.llm)

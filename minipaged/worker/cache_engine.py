@@ -18,7 +18,8 @@ that the scheduler hands over with a step:
 * ``copy``:     device → device, copy-on-write of a shared, partly filled block;
 
 and two for a KV connector's CPU store (``kv_connector.OffloadingConnector``): ``offload`` (device → store, a
-cached block about to be evicted) and ``onload`` (store → device, an external prefix hit).
+cached block about to be evicted) and ``onload`` (store → device, an external prefix hit); ``write_offload`` puts a
+block that arrived from another engine into that store (disaggregated prefill's consumer).
 
 A model with several KV cache groups (``kv_cache_coordinator.py``) has fewer tensors than layers:
 ``layer_tensors[i]`` names the tensor layer ``i`` uses, and the layers of different groups share one (a block id
@@ -157,6 +158,13 @@ class CacheEngine:
     def onload(self, pairs: list[tuple[int, int]]) -> None:
         """Copy store slots back into device blocks: pairs of (store slot, device block)."""
         self._copy(self.offload_cache, self.gpu_tensors, pairs, "onload", OFFLOAD_STORE)
+
+    def write_offload(self, slot: int, kv: torch.Tensor) -> None:
+        """Store one block that arrived from elsewhere (``kv``: ``[layers, 2, block_size, kv_heads, head_dim]``)
+        in slot ``slot`` of the KV offloading store: a KV consumer's blocks (disaggregated prefill)."""
+        for layer, (k, v) in enumerate(self.offload_cache):
+            k[slot].copy_(kv[layer, 0])
+            v[slot].copy_(kv[layer, 1])
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Device-to-device block copies (copy-on-write): pairs of (source block, destination block)."""

@@ -63,8 +63,14 @@ import torch.distributed as dist
 from ..config import Config
 from ..core.scheduler_output import PendingOutput, Ready, RunnerOutput, SchedulerOutput
 from ..distributed import START_S, TPGroup, check_tp_size, free_port, init_tp_group, open_store
+from ..model import LlamaForCausalLM
 from ..model.llama import read_config
-from .model_runner import GPUMemoryError, ModelRunner, free_device_memory, gpu_memory_report
+from .cache_engine import CacheEngine
+from .gpu_memory import GPUMemoryError, free_device_memory, gpu_memory_report
+from .kv_pool_plan import KVPoolPlan
+from .model_runner import KVSendFn, ModelRunner
+from .sampler import Sampler
+from .worker_rpc import WorkerRPC
 
 T = TypeVar("T")
 JOIN_S = 5.0  # a worker asked to stop gets this long to exit before it is killed
@@ -120,9 +126,12 @@ def make_executor(config: Config) -> UniProcExecutor | MultiprocExecutor:
 
 class ExecutorBase:
     """What both executors answer: a step (the step driver's ``Executor``), a hand-back of requests that left,
-    questions every rank answers, and shutdown. ``runner``: this process's model runner (rank 0's)."""
+    questions every rank answers, what the engine reads of its pool, and shutdown. ``runner``: this process's
+    model runner (rank 0's); the engine (``LLM``) asks the executor, never the runner, so that how the ranks are
+    run stays the executor's business."""
 
     runner: ModelRunner
+    rpc: WorkerRPC  # rank 0's answers to ``collective_rpc``
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         raise NotImplementedError
@@ -138,7 +147,7 @@ class ExecutorBase:
         self.runner.release(request_ids, sample_keys)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        """Every rank's answer to ``ModelRunner.rpc_<method>(*args)``, in rank order (vLLM's name)."""
+        """Every rank's answer to ``WorkerRPC``'s ``method(*args)``, in rank order (vLLM's name)."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -155,12 +164,73 @@ class ExecutorBase:
         its KV heads, head_dim] each), in rank order: what each rank's pool holds for the same block ids."""
         return self.collective_rpc("kv_blocks", layer, block_ids)
 
+    # ---- what the engine reads and resets of rank 0's runner ----------------------------------------------------
+    @property
+    def released(self) -> bool:
+        """Whether rank 0's device memory was given back (``shutdown``, or the engine dropped): no more steps."""
+        return self.runner.released
+
+    @property
+    def pool(self) -> KVPoolPlan:
+        """The KV pool every rank agreed on: its spec, dtype and device, block size, blocks of each kind (device,
+        swap, offload), cache groups and ``max_model_len``."""
+        return self.runner.plan
+
+    @property
+    def model_path(self) -> str | os.PathLike:
+        """The model folder the ranks loaded (its tokenizer is the engine's)."""
+        return self.runner.path
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        """Rank 0's weights (its shard under tensor parallelism)."""
+        return self.runner.model
+
+    @property
+    def cache(self) -> CacheEngine:
+        """Rank 0's KV cache tensors."""
+        return self.runner.cache
+
+    @property
+    def sampler(self) -> Sampler:
+        """The random streams of the requests (rank 0 samples alone); a new one at every ``reset``."""
+        return self.runner.sampler
+
+    @property
+    def timers(self) -> dict[str, float]:
+        """Seconds per phase of the step loop so far, rank 0's (the engine adds its scheduler's to them)."""
+        return self.runner.timers
+
+    def describe(self) -> str:
+        """The pool in one line (``ModelRunner.describe``)."""
+        return self.runner.describe()
+
+    def reset(self) -> None:
+        """Forget every request (a new sampler, zeroed timers, no block tables); the weights and cache stay."""
+        self.runner.reset()
+
+    def free_memory(self) -> None:
+        """Give back rank 0's device memory (the engine was dropped without ``shutdown``); safe to call twice."""
+        self.runner.free_memory()
+
+    # ---- disaggregated prefill: the KV connector's worker side -------------------------------------------------
+    def attach_kv_sender(self, sender: KVSendFn) -> None:
+        """Make this engine a KV producer: after each step's forward, ``sender(cache, sends)`` ships the blocks
+        the step filled (``KVConnectorMetadata.sends``) to the engine that decodes (``engine/disagg.py``: single-rank
+        engines, so rank 0 is the whole engine)."""
+        self.runner.attach_kv_sender(sender)
+
+    def write_offload_block(self, slot: int, kv: torch.Tensor) -> None:
+        """Store one arrived block (``kv``: ``[layers, 2, block_size, kv_heads, head_dim]``) in slot ``slot`` of
+        the KV offloading store, where a KV consumer's connector finds it (``engine/disagg.py``)."""
+        self.runner.cache.write_offload(slot, kv)
+
 
 class UniProcExecutor(ExecutorBase):
     """The runner of a one-process engine, as the step driver's executor."""
 
     def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+        self.runner, self.rpc = runner, WorkerRPC(runner)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(out)
@@ -169,7 +239,7 @@ class UniProcExecutor(ExecutorBase):
         return self.runner.launch(out)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        return [self.runner.rpc(method, *args)]
+        return [self.rpc(method, *args)]
 
     def shutdown(self) -> None:
         self.runner.free_memory()
@@ -320,6 +390,7 @@ class MultiprocExecutor(ExecutorBase):
         self.group: TPGroup = self.guard("start-up", lambda: self._join(store, config))
         self._ranks.group = self.group
         self.runner = self.guard("start-up", lambda: ModelRunner(config, tp=self.group))
+        self.rpc = WorkerRPC(self.runner)
         self.group.settle()  # every rank has its runner: a step waits distributed_timeout_s at most
 
     def _start(self, rank: int) -> None:
@@ -392,7 +463,7 @@ class MultiprocExecutor(ExecutorBase):
 
         def run() -> list[Any]:
             self.group.broadcast_object(("call", method, args))
-            answers = self.group.gather_objects(self.runner.rpc(method, *args))
+            answers = self.group.gather_objects(self.rpc(method, *args))
             assert answers is not None  # rank 0 gathers
             return answers
 
@@ -544,13 +615,14 @@ def worker_main(
         store.set(f"ready/{rank}", str(os.getpid()))
         tp = init_tp_group(rank, config.tensor_parallel_size, store, _device(config, local_rank), timeout_s)
         runner = ModelRunner(config, tp=tp, local_rank=local_rank, hf_config=hf_config)
+        rpc = WorkerRPC(runner)
         tp.settle()
         while (msg := tp.broadcast_object()) is not None:
             if msg[0] == "step":
                 runner.forward_step(msg[1])
             else:
                 _, method, args = msg
-                tp.gather_objects(runner.rpc(method, *args))
+                tp.gather_objects(rpc(method, *args))
     except BaseException as e:
         last = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()[-1][:500]
         try:

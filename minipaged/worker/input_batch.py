@@ -16,7 +16,7 @@ its new block ids into the rows and reads the batch's table by fancy indexing, n
       slot_mapping  tables[rows[req], pos // 16] * 16 + pos % 16  =  [4·16+5 | 9·16+0 ...]
 
 The slot mapping and positions are the same numbers ``block_table.slot_mapping`` and
-``model_runner.step_inputs`` compute one token at a time (they stay the readable specification, and the path a
+``step_inputs.step_inputs`` compute one token at a time (they stay the readable specification, and the path a
 learner's plugged-in part takes); ``tests/test_input_batch.py`` holds the two to each other.
 
 ``InputBuffers`` holds the device tensors a step fills, allocated once (a CUDA graph replays the same addresses).
@@ -123,7 +123,7 @@ class InputBatch:
         self._free = list(range(nr - 1, r - 1, -1)) + self._free
 
     def step_arrays(self, out: SchedulerOutput) -> StepArrays:
-        """The step's flat inputs (``model_runner.step_inputs``'s five lists, the slot mappings and the block
+        """The step's flat inputs (``step_inputs.step_inputs``'s five lists, the slot mappings and the block
         tables), computed with array operations. ``apply(out)`` must have run."""
         scheduled, bs = out.scheduled, self.block_size
         n = len(scheduled)

@@ -83,7 +83,7 @@ def _engine_tokens(step_inputs: Callable[..., Any]) -> Any:
 
 def check_step_inputs(step_inputs: Callable[..., Any]) -> list[CheckOutcome]:
     """``step_inputs(scheduled) -> (input_ids, positions, cu_seqlens_q, seq_lens, sample_rows)``."""
-    from ...worker.model_runner import step_inputs as package
+    from ...worker.step_inputs import step_inputs as package
 
     hint = (
         "one row per scheduled token, request after request: positions continue from each request's start "

@@ -55,7 +55,9 @@ _LAYER = ("minipaged.model.llama", "minipaged.model.layers", "minipaged.model.at
 _DECODE = ("minipaged.kernels.reference", "minipaged.kernels.torch_backend", "minipaged.kernels.paged_decode",
            "minipaged.kernels.cpu_kernel")  # fmt: skip
 _ENGINE = ("minipaged.engine.step", "minipaged.engine.llm", "minipaged.worker.model_runner",
-           "minipaged.worker.input_batch", "minipaged.worker.sampler")  # fmt: skip
+           "minipaged.worker.input_batch", "minipaged.worker.sampler", "minipaged.worker.step_inputs",
+           "minipaged.worker.sampled_output", "minipaged.worker.kv_pool_plan", "minipaged.worker.gpu_memory",
+           "minipaged.worker.worker_rpc")  # fmt: skip
 # The smaller pieces the earlier exercises write: the package's function or class that does the same work, and the
 # reference in the grading module the checks compare with. Top-level names only, so that what a starter hands the
 # learner stays usable (KVCacheBlock, hash_block_tokens, a KVCacheManager's methods, sse, the checks' Ring).
@@ -85,7 +87,7 @@ _HITS = ("minipaged.core.single_type_kv_cache_manager:find_prefix_hits,SingleTyp
          "SlidingWindowManager", "minipaged.core.kv_cache_coordinator:KVCacheCoordinator",
          "minipaged.core.kv_cache_manager:KVCacheManager", f"{_GRADING}.ex08:expected_hits")  # fmt: skip
 _LRU = ("minipaged.core.block_pool:get_new_blocks,free_blocks",)  # BlockPool's methods of the same names run these
-_STEP_INPUTS = ("minipaged.worker.model_runner:step_inputs", "minipaged.worker.input_batch:InputBatch")
+_STEP_INPUTS = ("minipaged.worker.step_inputs:step_inputs", "minipaged.worker.input_batch:InputBatch")
 _STREAMING = ("minipaged.serving.serving_engine:merged,final_outputs,unless_disconnected,TextDeltas",
               "minipaged.serving.serving_completion:_stream")  # fmt: skip
 _TP = (f"{_GRADING}.ex12:sum_all_reduce,reference_shard,reference_partial,full_mlp",
