@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from ...core.block_pool import BlockPool as PackagePool
 from ...core.block_pool import get_request_block_hasher
@@ -36,23 +36,15 @@ TWIN_OPS, TWIN_BLOCKS, TWIN_WATERMARK = 300, 24, 2
 VOCAB = 6  # few token ids: prompts share prefixes, so the prefix cache is hit often
 
 
-class _QuietConnector:
-    """A KV connector that holds nothing and hears everything: lets the package's manager take external hits."""
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_local_tokens: int) -> None:
-        pass
-
-    def on_evict(self, block_id: int, block_hash: Any) -> None:
-        pass
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        return 0
+class _QuietConnector(KVConnector):
+    """A KV connector that holds nothing and hears everything (the base class's no-ops): lets the package's manager
+    take external hits."""
 
 
 def package_manager(num_blocks: int, watermark_blocks: int) -> PackageManager:
     """The twin: the package's manager with the same pool size and watermark, block size ``BLOCK_SIZE``."""
     return PackageManager(
-        BLOCK_SIZE, num_blocks, watermark_blocks=watermark_blocks, connector=cast(KVConnector, _QuietConnector())
+        BLOCK_SIZE, num_blocks, watermark_blocks=watermark_blocks, connector=_QuietConnector()
     )
 
 
