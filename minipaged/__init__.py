@@ -1,6 +1,6 @@
 """minipaged: a paged-KV-cache inference engine, built chapter by chapter.
 
-One module per concept, in layers (README, "Layout"): the base modules here (``config``, ``kv_math``,
+One module per concept, in layers (``site/guide/layout.md``): the base modules here (``config``, ``kv_math``,
 ``hooks``, ...), then ``core/`` (block pool, requests, KV cache managers, scheduler), ``kernels/``, ``model/``,
 ``worker/`` (model runner, cache engine, executors), ``engine/`` (``LLM``), ``serving/`` and ``lab/``, and
 ``classroom/`` (parts, grading, widgets). A module's old flat path still imports it, with a warning naming its

@@ -2,10 +2,11 @@
 
 Sphinx with myst-nb and the Sphinx Book Theme: a maintained, pip-installed toolchain made for notebooks that
 builds with no network (Jupyter Book 2 needs Node.js and fetches its theme at build time). The source folder is
-the repository itself, so the notebooks are read where they live; only the chapters, the two appendices and the
-exercise starters are pages. The chapters and appendices are executed at build time, in a kernel that draws plotly
-figures with the site's own plotly.js and widgets as snapshots (``minipaged/classroom/viz/snapshot.py``); the
-exercises are shown as their task text, not executed (their check cells fail until a learner writes the code).
+the repository itself, so the notebooks are read where they live; only the chapters, the two appendices, the
+exercise starters and the guides (``site/guide/*.md``, the reference pages the README links to) are pages. The
+chapters and appendices are executed at build time, in a kernel that draws plotly figures with the site's own
+plotly.js and widgets as snapshots (``minipaged/classroom/viz/snapshot.py``); the exercises are shown as their task
+text, not executed (their check cells fail until a learner writes the code); the guides are MyST markdown.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ copyright = "the minipaged authors"
 root_doc = "site/index"
 
 extensions = ["myst_nb"]
-include_patterns = ["site/index.md", "notebooks/*.ipynb", "exercises/ex*.ipynb"]
+include_patterns = ["site/index.md", "site/guide/*.md", "notebooks/*.ipynb", "exercises/ex*.ipynb"]
 exclude_patterns = ["_build", ".venv", "**/.ipynb_checkpoints"]
 
 # ---- execution -------------------------------------------------------------------------------------------------

@@ -62,14 +62,15 @@ def test_setup_with_the_systems_torch_installs_everything_else_as_pinned():
     assert "--system-site-packages" in makefile and "tools/deps.py --extra dev --except torch,triton" in makefile
 
 
-def test_one_result_file_per_gpu_and_the_readme_lists_each():
+def test_one_result_file_per_gpu_and_the_gpu_page_lists_each():
     assert gpu_check.result_path("Tesla T4").name == "gpu_check_tesla-t4.json"
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "site" / "guide" / "gpu.md").read_text()  # "On a GPU", linked from the README
+    assert "site/guide/gpu.md" in (ROOT / "README.md").read_text()
     recorded = gpu_check.recorded()
     assert "NVIDIA H100 80GB HBM3" in recorded
     for device in recorded:
-        assert gpu_check.result_path(device).name in readme, f"README's GPU table does not name {device}'s result file"
-    table = readme[readme.index("Which GPUs have a recorded") :].split("\n\n")[1]
+        assert gpu_check.result_path(device).name in page, f"the GPU page's table does not name {device}'s result file"
+    table = page[page.index("Which GPUs have a recorded") :].split("\n\n")[1]
     for gpu in ("T4", "A100", "H100", "H200"):
         row = next(line for line in table.splitlines() if gpu in line.split("|")[1])
         named = any(gpu_check.result_path(d).name in row for d in recorded if gpu in d)

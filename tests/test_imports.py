@@ -1,6 +1,6 @@
 """The package's layers, read from its source: a module's layer is its folder, and no import goes up or round.
 
-Bottom up (README, "Layout")::
+Bottom up (``site/guide/layout.md``, the README's "Layout" page)::
 
     base        minipaged/*.py: config, sampling_params, kv_math, hooks, utils, profiling, distributed, ...
     core        minipaged/core/       the scheduler's world in plain Python
@@ -148,11 +148,12 @@ def test_the_seam_imports_nothing_from_the_package():
     assert GRAPH["minipaged.old_paths"] == set()  # it must not import a module before an old path asks for it
 
 
-def test_the_readme_draws_every_layer_and_base_module():
-    readme = (PACKAGE.parent / "README.md").read_text()
-    tree = readme[readme.index("## Layout") :]
+def test_the_layout_page_draws_every_layer_and_base_module():
+    page = (PACKAGE.parent / "site" / "guide" / "layout.md").read_text()
+    assert "site/guide/layout.md" in (PACKAGE.parent / "README.md").read_text()  # the README links to it
+    tree = page[page.index("## The package, in layers") :]
     tree = tree[: tree.index("\n## ", 1)]
-    drawn = set(re.findall(r"^\s+(\w+)/\s", tree, re.M))
+    drawn = set(re.findall(r"^\s+(?:\w+/)*(\w+)/\s", tree, re.M))  # classroom/grading/: grading
     assert drawn == set(RANKS) - {""} | {"grading", "viz"}
     base = {m.split(".")[1] for m in MODULES if folder(m) == ""}
     assert base <= set(re.findall(r"(\w+)\.py", tree))

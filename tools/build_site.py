@@ -1,11 +1,13 @@
 """Build the course's static site: ``make site`` (``python tools/build_site.py``).
 
 Sphinx reads the repository with ``site/conf.py`` and writes ``_build/site/index.html``: every chapter and appendix
-executed now, the exercises' task text, a sidebar in chapter order and a search page. It needs no network: the
+executed now, the exercises' task text, the guides the README links to (``site/guide/*.md``), a sidebar in chapter
+order and a search page. It needs no network: the
 `site` extra is installed from the project's pins, and plotly.js comes from the plotly package.
 
     python tools/build_site.py                 # the whole site (about four minutes on 2 cores)
     python tools/build_site.py --only notebooks/01_kv_cache_math.ipynb   # one page and the index, to try a change
+    python tools/build_site.py --only site/guide/*.md     # the guides and the index (seconds: nothing executes)
 """
 
 from __future__ import annotations

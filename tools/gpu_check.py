@@ -31,7 +31,7 @@ fills DIR with both.
 ``--dry-run`` (no GPU needed) lists every test file, notebook, exercise and benchmark the run would take, and
 exits 1 if a notebook, an exercise or a CUDA test of the tree is missing from the plan: ``make test`` runs it.
 ``--steps`` takes some of the steps; each step's outcome and time land in ``gpu_check_<the GPU>.json`` (one file
-per GPU: ``recorded()`` reads them, the README lists them), merged with an earlier run's steps on the same device, so a short lease can take them in two calls.
+per GPU: ``recorded()`` reads them, ``site/guide/gpu.md`` lists them), merged with an earlier run's steps on the same device, so a short lease can take them in two calls.
 """
 
 from __future__ import annotations

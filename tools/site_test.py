@@ -39,7 +39,7 @@ from minipaged.classroom.viz.snapshot import FIGURE_CLASS, WIDGET_CLASS  # noqa:
 SITE = REPO / "_build" / "site"
 EXECUTED = REPO / "_build" / "jupyter_execute"  # myst-nb's executed copies of the notebooks
 SEARCH_TERM, SEARCH_PAGE = "reshape_and_cache", "05_paged_kernels"
-SCREENSHOT = REPO / "assets" / "screenshots" / "site_chapter_02.png"  # the README shows it
+SCREENSHOT = REPO / "assets" / "screenshots" / "site_chapter_02.png"  # site/guide/commands.md shows it
 
 
 def expected_counts(page: Path) -> tuple[int, int] | None:

@@ -43,9 +43,7 @@ class _QuietConnector(KVConnector):
 
 def package_manager(num_blocks: int, watermark_blocks: int) -> PackageManager:
     """The twin: the package's manager with the same pool size and watermark, block size ``BLOCK_SIZE``."""
-    return PackageManager(
-        BLOCK_SIZE, num_blocks, watermark_blocks=watermark_blocks, connector=_QuietConnector()
-    )
+    return PackageManager(BLOCK_SIZE, num_blocks, watermark_blocks=watermark_blocks, connector=_QuietConnector())
 
 
 def learner_factory(cls: ManagerClass) -> Factory:

@@ -18,7 +18,7 @@ reach them. Three ways in, and what closes each:
   and ``ownership.foreign_code`` accepts a function only if its code is one of those.
 
 What is left: a cell that searches the process's memory (``gc``, frames, ``ctypes``) for the key or for these
-records can still forge. The README says so ("What the grader defends against").
+records can still forge. ``site/guide/grading.md`` says so ("What the grader defends against").
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ notebook, a name that matches no exercise), it gets its rows, named in the row, 
 ``format_details`` explains every lost point below the table: the failing checks, the cells that raised.
 Each notebook runs in a throwaway copy of its folder, under a memory and a time limit, with every process it
 starts ended with it (``sandbox.py``); the worker refuses code that is not the notebook's own
-(``ownership.py``), and a report the notebook wrote into or checks it changed (``integrity.py``; the README's
-"What the grader defends against" says what is left).
+(``ownership.py``), and a report the notebook wrote into or checks it changed (``integrity.py``;
+``site/guide/grading.md``, "What the grader defends against", says what is left).
 """
 
 from __future__ import annotations
