@@ -383,6 +383,7 @@ def test_a_base_exception_from_a_policy_is_a_part_error_naming_it(name, raised):
     assert caught.value.part == name and fingerprint(d) == before
 
 
+@pytest.mark.slow  # a real SIGINT to the process's main thread: run where the test owns it (make test-slow, one process)
 def test_ctrl_c_while_a_policy_runs_stops_it_and_interrupts_the_step(quick_leash, monkeypatch):
     # The leash is long, so that on a busy machine only the Ctrl-C can end the step; what is timed is from the
     # press to the interrupt.
