@@ -7,7 +7,7 @@
 Why the tokens stay on the device until asked for: the engine schedules the next step while this one runs
 (``engine/overlap.py``), and that step's inputs read this step's tokens where they are (``first_rows``: the row
 of each request's first sample, ``step_inputs.InputPreparer`` copies them on the device). The row bookkeeping
-(which logit row is whose, seeds, drafts) is here; turning one row of logits into a token is ``sampler.py``'s.
+(which logit row is whose, its random stream, its drafts) is here; turning one row of logits into a token is ``sampler.py``'s.
 """
 
 from __future__ import annotations
