@@ -82,15 +82,17 @@ class Seam:
 
     def pick(self, part: str, own: F) -> F:
         """The function to run for ``part``: the one plugged in now, else ``own``."""
-        if part not in self.parts:
-            raise KeyError(f"seam {self.component!r} has no part {part!r}; it has {sorted(self.parts)}")
+        self._declared(part)
         return cast(F, _plugged.get(part, own)) if _plugged else own
 
     def plugged(self, part: str) -> Callable[..., Any] | None:
         """What is plugged in for ``part`` now, or None: for a part with no one function of the engine's own."""
+        self._declared(part)
+        return _plugged.get(part) if _plugged else None
+
+    def _declared(self, part: str) -> None:
         if part not in self.parts:
             raise KeyError(f"seam {self.component!r} has no part {part!r}; it has {sorted(self.parts)}")
-        return _plugged.get(part) if _plugged else None
 
     def replaced(self) -> bool:
         """Whether any of this seam's parts is plugged in now."""
