@@ -106,6 +106,13 @@ class GPU:
         return None if self.memory_mib is None else self.memory_mib / 1024
 
     @property
+    def memory_bytes(self) -> int:
+        """What the device reports, in bytes: an "80 GB" H100's 81,559 MiB are 85.5e9 B, 79.6 GiB."""
+        if self.memory_mib is None:
+            raise ValueError(f"the table of GPUs has no reported memory size for {self.name}")
+        return self.memory_mib * 2**20
+
+    @property
     def ridge_point(self) -> float | None:
         """FLOP per byte read at which the dense fp16 peak and the bandwidth peak meet (the roofline's ridge)."""
         return None if self.fp16_tflops is None else self.fp16_tflops * 1e12 / (self.bandwidth_gbps * 1e9)

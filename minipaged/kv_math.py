@@ -180,8 +180,9 @@ class KVSpec:
         * n_kv divisible by tp: each rank keeps n_kv / tp heads (even shard).
         * tp divisible by n_kv: every rank needs one whole head; each head is
           replicated on tp / n_kv ranks (what vLLM does for 8 KV heads on 16 GPUs).
-        * neither: there is no clean split, so budget the whole cache on every
-          rank (the conservative, replicated budget).
+        * neither: there is no clean split. vLLM refuses such a size (``check_tp_size``
+          says why); this answer is only the budget of a cache replicated on every rank,
+          an upper bound for a calculator, not a split any engine runs.
         """
         check_int("tp_size", tp_size, 1)
         n = self.num_kv_heads
@@ -189,10 +190,40 @@ class KVSpec:
             return n // tp_size, "evenly sharded"
         if tp_size % n == 0:
             return 1, f"each KV head replicated on {tp_size // n} ranks"
-        return n, "replicated: heads do not split evenly"
+        return n, "no even split, which vLLM refuses; budgeted here as replicated"
+
+    def check_tp_size(self, tp_size: int) -> tuple[int, str]:
+        """``kv_heads_per_rank`` for a size vLLM accepts; a ValueError naming the problem for one it refuses.
+
+        vLLM checks the query heads when it builds its configuration: ``ModelConfig.verify_with_parallel_config``
+        (``vllm/config/model.py``) raises "Total number of attention heads (64) must be divisible by tensor
+        parallel size (3)." The KV heads are split when the attention layer is built (``QKVParallelLinear`` in
+        ``vllm/model_executor/layers/linear.py``, with ``divide``): the ranks must split them evenly, or be a
+        multiple of them so that each head is copied whole. A spec without ``num_attention_heads`` is checked on
+        its KV heads only.
+        """
+        check_int("tp_size", tp_size, 1)
+        why = self._tp_refusals(tp_size)
+        if why:
+            up_to = self.num_attention_heads or 2 * self.num_kv_heads  # no size above the query heads divides them
+            works = ", ".join(str(t) for t in range(1, up_to + 1) if not self._tp_refusals(t))
+            raise ValueError(
+                f"vLLM refuses tensor_parallel_size={tp_size} for this model: {' and '.join(why)}. "
+                f"Sizes it accepts{'' if self.num_attention_heads else f' up to {up_to}'}: {works}"
+            )
+        return self.kv_heads_per_rank(tp_size)
+
+    def _tp_refusals(self, tp_size: int) -> list[str]:
+        q, n = self.num_attention_heads, self.num_kv_heads
+        why = []
+        if q is not None and q % tp_size:
+            why.append(f"its {q} attention heads are not divisible by {tp_size}")
+        if n % tp_size and tp_size % n:
+            why.append(f"its {n} KV heads neither split evenly over {tp_size} ranks nor divide them")
+        return why
 
     def per_rank(self, tp_size: int) -> KVSpec:
-        """The KV spec one tensor-parallel rank sees."""
+        """The KV spec one tensor-parallel rank sees (``check_tp_size`` says whether vLLM accepts the size)."""
         heads, _ = self.kv_heads_per_rank(tp_size)
         # Each rank holds its own share of query heads too; drop them to keep the spec valid.
         return replace(

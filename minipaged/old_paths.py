@@ -12,7 +12,7 @@ The first import of an old name warns, once a process, with a ``FutureWarning`` 
     FutureWarning: minipaged.block_pool moved to minipaged.core.block_pool; import it from there (the old name
     still works)
 
-A module under a moved package (``minipaged.grading.ex05``) is covered by its package's warning: importing it
+A module under a moved package (``minipaged.grading.ex05b``) is covered by its package's warning: importing it
 imports the package by its old name first. The course, the package, its tests and tools import the new names
 only (``tests/test_old_paths.py``).
 """

@@ -122,8 +122,9 @@ def test_every_starter_fails_every_check():
 def test_the_course_map_says_what_each_exercise_has_you_write():
     """00's table: every function in "you write" is a stub of that exercise, every part in "it runs in the
     engine as" is a part of that exercise (minipaged.parts), and every part is there; every chapter has an
-    exercise. A chapter may have several (05: ex05, ex05a, the Triton puzzles ex05b; the build track's 03b, 04b,
-    06b, 09c, 10c), all of its own number."""
+    exercise. A chapter may have several (05: ex05 to ex05e; the build track's 03b, 04b, 06b, 09b, 09c, 10c), all of its
+    own number, each tagged with its time and difficulty."""
+    from minipaged.classroom.grading.exercises import EXERCISES as EXERCISE_TABLE
     from minipaged.classroom.parts import PARTS
 
     ENGINE_PARTS = {"paged_decode_attention", "paged_prefill_attention"}  # puzzles.decode_part, prefill_part
@@ -139,9 +140,11 @@ def test_the_course_map_says_what_each_exercise_has_you_write():
     assert len(graded) == len(rows) == 13, [row[0] for row in rows if row not in graded]  # every chapter has one
     seen_parts = set()
     for chapter, _, you_write, runs_as, _ in graded:
-        exercises = re.findall(r"\((ex\d\d[a-z]?)\)", you_write)  # "... (ex05); ... (ex05b)"
+        tags = re.findall(r"\((ex\d\d[a-z]?) · ([^)]*)\)", you_write)  # "... (ex05 · 40 min · ★★☆☆☆ steady); ..."
+        assert all(label == EXERCISE_TABLE[ex].label for ex, label in tags), (chapter, tags)
+        exercises = [ex for ex, _ in tags]
         assert exercises and all(ex[:4] == "ex" + chapter[:2] for ex in exercises), (chapter, you_write)
-        for ex, names in zip(exercises, re.split(r"\(ex\d\d[a-z]?\)", you_write)):  # the names before each tag
+        for ex, names in zip(exercises, re.split(r"\(ex\d\d[a-z]? · [^)]*\)", you_write)):  # the names before each tag
             (starter,) = EXERCISES.glob(f"{ex}_*.ipynb")
             stubs = "\n".join(
                 c.source
@@ -151,19 +154,19 @@ def test_the_course_map_says_what_each_exercise_has_you_write():
             for name in re.findall(r"`(\w+)`", names):
                 assert re.search(rf"(def {name}\(|class {name}\b)", stubs), f"{starter.name} has no stub {name}"
         for part in re.findall(r"`(\w+)`", runs_as):
-            # a part of the row's exercise, or one the Triton puzzles (ex05b) plug in through puzzles.*_part
-            assert PARTS[part].exercise in exercises or (part in ENGINE_PARTS and "ex05b" in exercises), (part, chapter)
+            # a part of the row's exercise, or one the Triton puzzles (ex05d) plug in through puzzles.*_part
+            assert PARTS[part].exercise in exercises or (part in ENGINE_PARTS and "ex05d" in exercises), (part, chapter)
             seen_parts.add(part)
     assert seen_parts == set(PARTS)
 
 
-# ---- exercise 05 on a GPU: the learner's wrapper gets tensors on the kernel's device --------------------------------
-def test_ex05_hands_the_wrapper_every_tensor_on_the_kernel_device(monkeypatch, capsys):
+# ---- exercise 05b on a GPU: the learner's wrapper gets tensors on the kernel's device --------------------------------
+def test_ex05b_hands_the_wrapper_every_tensor_on_the_kernel_device(monkeypatch, capsys):
     """On a GPU (``kernel_device()`` says cuda) every tensor a check passes is there, views kept as views (a fused
     qkv slice, a heads-major cache); the meta device stands in for cuda here. The reference runs on the CPU."""
     import torch
 
-    from minipaged.classroom.grading import ex05
+    from minipaged.classroom.grading import ex05b
     from minipaged.kernels import launch
 
     monkeypatch.setattr(launch, "kernel_device", lambda: torch.device("meta"))
@@ -173,9 +176,9 @@ def test_ex05_hands_the_wrapper_every_tensor_on_the_kernel_device(monkeypatch, c
         seen.append((key, value, key_cache, value_cache, slot_mapping))
         raise RuntimeError("stop")  # a meta tensor has no data to launch with
 
-    ex05.check_scatter_write(wrapper)
-    ex05.check_scatter_edges(wrapper)
-    cases = ex05._write_cases() + ex05._edge_cases()
+    ex05b.check_scatter_write(wrapper)
+    ex05b.check_scatter_edges(wrapper)
+    cases = ex05b._write_cases() + ex05b._edge_cases()
     assert len(seen) == len(cases) == 14
     for case, tensors in zip(cases, seen):
         assert [t.device.type for t in tensors] == ["meta"] * 5, case.label
@@ -188,19 +191,19 @@ def test_ex05_hands_the_wrapper_every_tensor_on_the_kernel_device(monkeypatch, c
     assert "RuntimeError: stop" in capsys.readouterr().out
 
 
-def test_ex05_reports_a_cpu_tensor_at_a_compiled_kernel_as_such_without_hints(capsys):
+def test_ex05b_reports_a_cpu_tensor_at_a_compiled_kernel_as_such_without_hints(capsys):
     """Triton's compiled launcher refuses a CPU tensor; that is said, not followed by hints about padding or
     strides that would send a learner with a right kernel looking for a bug."""
-    from minipaged.classroom.grading import ex05
+    from minipaged.classroom.grading import ex05b
     from minipaged.kernels.launch import DEVICE_PROBLEM
 
     def wrapper(*args):
         raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
 
-    outcomes = ex05.check_scatter_edges(wrapper)
+    outcomes = ex05b.check_scatter_edges(wrapper)
     assert outcomes and all(not o.passed and o.got.startswith(DEVICE_PROBLEM) for o in outcomes)
     printed = capsys.readouterr().out
-    assert "hint" not in printed and ex05._HINT_EDGES not in printed
+    assert "hint" not in printed and ex05b._HINT_EDGES not in printed
 
 
 def test_kernel_device_is_cuda_only_where_kernels_compile(monkeypatch):

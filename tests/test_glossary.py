@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _chapter_text(chapter: str) -> str:
     folder, pattern = (
-        (ROOT / "exercises", "ex05b_*.ipynb") if chapter == "05b" else (ROOT / "notebooks", f"{chapter}_*")
+        (ROOT / "exercises", "ex05c_*.ipynb") if chapter == "05c" else (ROOT / "notebooks", f"{chapter}_*")
     )
     (path,) = folder.glob(pattern)
     return "\n".join(c.source for c in nbformat.read(path, as_version=4).cells)

@@ -121,11 +121,12 @@ def test_the_simulator_reads_the_table():
         g, hw = GPUS[key], HARDWARE[key]
         assert g.fp16_tflops is not None and g.pcie_gbps is not None and g.memory_gb is not None
         assert (hw.name, hw.mem_bandwidth, hw.flops) == (g.name, g.bandwidth_gbps * 1e9, g.fp16_tflops * 1e12)
-        assert (hw.swap_bandwidth, hw.memory_bytes) == (g.pcie_gbps * 1e9, g.memory_gb * 1e9)
+        # the memory the device reports (nvidia-smi's MiB), not the marketed decimal GB: an "80 GB" H100 holds 85.5e9 B
+        assert (hw.swap_bandwidth, hw.memory_bytes) == (g.pcie_gbps * 1e9, g.memory_mib * 2**20)
         assert gpu_hardware(key) == hw
     # the entries the chapters' checked outputs were computed with, to the last bit
-    assert HARDWARE["a100"] == Hardware("A100-SXM4 80 GB", 2.039e12, 312e12, 32e9, 80e9, 5e-6)
-    assert HARDWARE["h100"] == Hardware("H100-SXM5 80 GB", 3.35e12, 989e12, 64e9, 80e9, 5e-6)
+    assert HARDWARE["a100"] == Hardware("A100-SXM4 80 GB", 2.039e12, 312e12, 32e9, 81920 * 2**20, 5e-6)
+    assert HARDWARE["h100"] == Hardware("H100-SXM5 80 GB", 3.35e12, 989e12, 64e9, 81559 * 2**20, 5e-6)
     with pytest.raises(ValueError, match="no FLOP/s"):
         gpu_hardware("l4")  # a row with bandwidth only
 

@@ -150,7 +150,7 @@ def test_one_bad_notebook_never_sinks_the_folder(tmp_path):
     _write(tmp_path / "ex02_fragmentation.ipynb", ["x = 1", "while True:\n    pass"])
     _write(tmp_path / "ex03_free_queue.ipynb", ["import os", "os._exit(1)"])
     (tmp_path / "ex04_slots_and_admission.ipynb").write_text('{"cells": [')
-    (tmp_path / "ex05_scatter_write.ipynb").write_text(json.dumps({"hello": "world"}))
+    (tmp_path / "ex05b_scatter_write.ipynb").write_text(json.dumps({"hello": "world"}))
     _write(tmp_path / "ex99_mine.ipynb", ["x = 1"])
     _write(tmp_path / "zz_last.ipynb", ["x = 1"])
     rows = grade_folder(tmp_path, timeout=10)
@@ -164,7 +164,7 @@ def test_one_bad_notebook_never_sinks_the_folder(tmp_path):
     assert "not in TOTAL" in again[0].note
     assert {r.note for r in by_nb["ex02_fragmentation.ipynb"]} == {"timed out after 10 s in cell 1"}
     assert {r.note for r in by_nb["ex03_free_queue.ipynb"]} == {"the notebook's process died (exit code 1) in cell 1"}
-    for name in ("ex04_slots_and_admission.ipynb", "ex05_scatter_write.ipynb"):
+    for name in ("ex04_slots_and_admission.ipynb", "ex05b_scatter_write.ipynb"):
         assert {r.note for r in by_nb[name]} == {"not a readable notebook"}
         assert all(r.passed == 0 and r.total > 0 for r in by_nb[name])
         assert all(r.detail.startswith(f"{name}: not a readable notebook: ") for r in by_nb[name])
@@ -173,7 +173,7 @@ def test_one_bad_notebook_never_sinks_the_folder(tmp_path):
             ("-", 0, 0, "not an exercise of this course")
         ]
     table = format_table(rows)
-    expected_total = 12 + sum(EXERCISES[k].total for k in ("ex02", "ex03", "ex04", "ex05"))
+    expected_total = 12 + sum(EXERCISES[k].total for k in ("ex02", "ex03", "ex04", "ex05b"))
     assert table.splitlines()[-1].split() == ["TOTAL", f"12/{expected_total}"]
 
 

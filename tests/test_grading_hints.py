@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from minipaged.classroom.grading import ex09c
+from minipaged.classroom.grading import ex09b
 from minipaged.classroom.grading.core import Check, report
-from tests.mutants import ex09c as mutants09c
+from tests.mutants import ex09b as mutants09c
 
 
 def test_a_hint_function_chooses_the_advice_or_none(capsys):
@@ -24,24 +24,24 @@ def _hints(out: str) -> list[str]:
     return [line.split("hint", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("hint")]
 
 
-@pytest.mark.slow  # ex09c's layer_spec twice: about 10 s
+@pytest.mark.slow  # ex09b's layer_spec twice: about 10 s
 def test_each_rung_of_layer_spec_has_its_own_hint_and_points_back_when_the_first_fails(capsys):
-    ex09c.check_layer_spec(mutants09c.layer_norm)  # wrong in every case, the first included
+    ex09b.check_layer_spec(mutants09c.layer_norm)  # wrong in every case, the first included
     hints = _hints(capsys.readouterr().out)
-    assert hints[0] == ex09c.PLAN_HINTS[0]
+    assert hints[0] == ex09b.PLAN_HINTS[0]
     assert hints[1:] and all(h.startswith("the one-step case fails too") for h in hints[1:])
-    ex09c.check_layer_spec(mutants09c.row_index_rope)  # right in one step, wrong once a chunk starts mid-sequence
+    ex09b.check_layer_spec(mutants09c.row_index_rope)  # right in one step, wrong once a chunk starts mid-sequence
     out = capsys.readouterr().out
-    assert ex09c.PLAN_HINTS[1] in _hints(out) and ex09c.PLAN_HINTS[0] not in _hints(out)
-    assert len(set(ex09c.PLAN_HINTS)) == len(ex09c.PLANS)
+    assert ex09b.PLAN_HINTS[1] in _hints(out) and ex09b.PLAN_HINTS[0] not in _hints(out)
+    assert len(set(ex09b.PLAN_HINTS)) == len(ex09b.PLANS)
 
 
 @pytest.mark.slow  # SmolLM2's 30 layers, twice per mutant
 def test_layer_smollm2_says_layer_spec_passes_only_when_it_does(capsys):
-    ex09c.check_layer_smollm2(mutants09c.norm_without_eps)  # passes layer_spec, fails on SmolLM2
+    ex09b.check_layer_smollm2(mutants09c.norm_without_eps)  # passes layer_spec, fails on SmolLM2
     first = _hints(capsys.readouterr().out)[0]
     assert first.startswith("a first layer that differs while layer_spec passes")
-    ex09c.check_layer_smollm2(mutants09c.layer_norm)  # fails layer_spec too
+    ex09b.check_layer_smollm2(mutants09c.layer_norm)  # fails layer_spec too
     hints = _hints(capsys.readouterr().out)
     assert hints[0].startswith("layer_spec fails too") and not any("while layer_spec passes" in h for h in hints)
 

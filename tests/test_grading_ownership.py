@@ -105,7 +105,7 @@ def test_a_wrapper_around_the_reference_is_found(tmp_path):
         "    out = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)\n"
         "    return out"
     )
-    rows = _grade(tmp_path, "ex05a_paged_decode.ipynb", [wrapper])
+    rows = _grade(tmp_path, "ex05_paged_decode.ipynb", [wrapper])
     assert rows["paged_decode"][:2] == (0, "runs the package's implementation")
     assert "paged_decode_attention of minipaged/kernels/reference.py" in rows["paged_decode"][2]
 
@@ -182,7 +182,7 @@ WRAPPERS: dict[str, tuple[str, set[str]]] = {
         "    return manager.can_allocate(request, num_new_tokens)  # the manager's own answer, one method away",
         {"slot_mapping", "would_allocate"},
     ),
-    "ex05_scatter_write.ipynb": (
+    "ex05b_scatter_write.ipynb": (
         "from minipaged.kernels.cache_write import reshape_and_cache as package_write\n\n"
         "def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):\n"
         "    package_write(key, value, key_cache, value_cache, slot_mapping)  # a Triton kernel runs: the package's",
@@ -216,7 +216,7 @@ WRAPPERS: dict[str, tuple[str, set[str]]] = {
         "    return package_get(pool, num_blocks)",
         {"chain_block_hashes", "find_prefix_hits", "free_blocks", "get_new_blocks"},
     ),
-    "ex09b_step_inputs.ipynb": (
+    "ex09_step_inputs.ipynb": (
         "from minipaged.worker.step_inputs import step_inputs as package_inputs\n\n"
         "def step_inputs(scheduled):\n"
         "    return package_inputs(scheduled)",
@@ -249,9 +249,9 @@ WRAPPERS: dict[str, tuple[str, set[str]]] = {
         {"ring", "shards", "partial", "tp_mlp"},
     ),
 }
-# ex05b: Triton kernels. The solution's cells draw traces and compile every kernel for two GPUs, so only its imports
+# ex05c: Triton kernels. The solution's cells draw traces and compile every kernel for two GPUs, so only its imports
 # run here, and one kernel: the package's scatter kernel called from a @triton.jit function of the notebook.
-PUZZLES = "ex05b_triton_puzzles.ipynb"
+PUZZLES = "ex05c_triton_puzzles.ipynb"
 PUZZLE_WRAPPER = (
     "from minipaged.kernels.cache_write import _reshape_and_cache_kernel\n\n"
     "@triton.jit\n"

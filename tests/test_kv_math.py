@@ -98,6 +98,30 @@ def test_kv_heads_per_rank_rules():
     assert KVSpec(80, 1, 128, 2).kv_heads_per_rank(4)[0] == 1
 
 
+def test_check_tp_size_refuses_what_vllm_refuses():
+    """vLLM's ModelConfig.verify_with_parallel_config (vllm/config/model.py) wants the attention heads divisible by
+    tensor_parallel_size; its QKVParallelLinear splits the KV heads evenly or copies each whole. TP=3 on
+    Llama-3-70B (64 query heads, 8 KV heads) breaks both; a size it accepts gives kv_heads_per_rank's answer."""
+    llama70 = KVSpec.from_preset("llama-3-70b")
+    with pytest.raises(ValueError, match=r"refuses tensor_parallel_size=3.*64 attention heads are not divisible by 3"):
+        llama70.check_tp_size(3)
+    with pytest.raises(ValueError, match="Sizes it accepts: 1, 2, 4, 8, 16, 32, 64$"):
+        llama70.check_tp_size(3)
+    with pytest.raises(ValueError, match="64 attention heads are not divisible by 128"):
+        llama70.check_tp_size(128)  # the KV heads could be copied on 128 ranks, the query heads cannot split
+    assert llama70.check_tp_size(2) == llama70.kv_heads_per_rank(2) == (4, "evenly sharded")
+    assert llama70.check_tp_size(16) == (1, "each KV head replicated on 2 ranks")
+    with pytest.raises(ValueError, match="8 KV heads neither split evenly over 3 ranks"):
+        KVSpec(80, 8, 128, 2).check_tp_size(3)  # no query heads given: checked on the KV heads alone
+    smol = KVSpec.from_preset("smollm2-135m")
+    assert smol.check_tp_size(3) == (1, "evenly sharded")  # chapter 12's split: 9 query heads, 3 KV heads
+    with pytest.raises(ValueError, match="9 attention heads are not divisible by 2"):
+        smol.check_tp_size(2)
+    with pytest.raises(ValueError, match="tp_size"):
+        smol.check_tp_size(0)
+    assert "vLLM refuses" in llama70.kv_heads_per_rank(3)[1]  # the calculator's budget says so too
+
+
 def test_capacity_counts_whole_blocks_and_tail_waste():
     spec = KVSpec.from_preset("smollm2-135m", dtype="fp32")
     cap = spec.capacity(GiB, block_size=16, request_tokens=2048)

@@ -30,7 +30,7 @@ from minipaged import old_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_NAMES = sorted({*old_paths.MOVED, *old_paths.MOVED_PACKAGES})
-# each module under a moved package, by its old name: minipaged.grading.ex05, minipaged.viz.block_viz, ...
+# each module under a moved package, by its old name: minipaged.grading.ex05b, minipaged.viz.block_viz, ...
 OLD_PACKAGE_MODULES = sorted(
     f"{old}.{info.name}"
     for old, new in old_paths.MOVED_PACKAGES.items()
@@ -171,9 +171,9 @@ def test_a_moved_package_brings_each_of_its_modules(old):
 
 
 def test_a_moved_package_and_what_did_not_move():
-    from minipaged.classroom.grading import ex05 as new
+    from minipaged.classroom.grading import ex05b as new
 
-    old = _run("from minipaged.grading import ex05")["ex05"]
+    old = _run("from minipaged.grading import ex05b")["ex05b"]
     assert (
         old is new
         and importlib.import_module("minipaged.viz.block_viz").__name__ == "minipaged.classroom.viz.block_viz"
@@ -193,7 +193,7 @@ def _not_quiet(monkeypatch):
 def test_under_nbval_an_old_path_does_not_warn():
     """A notebook saved before the move, run by ``pytest --nbval-lax``: its checked cells' stderr stays as recorded."""
     env = {**os.environ, old_paths.QUIET_ENV: "1"}
-    code = "import minipaged.block_pool\nfrom minipaged.grading import ex05\nprint('ran')"
+    code = "import minipaged.block_pool\nfrom minipaged.grading import ex05b\nprint('ran')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert (out.returncode, out.stdout, out.stderr) == (0, "ran\n", "")
 
@@ -226,7 +226,7 @@ def test_the_warning_points_at_the_importing_line(statement):
 
 def test_a_module_of_a_moved_package_warns_as_its_package_once():
     with _forgotten("minipaged.grading"), _recorded() as caught:
-        _run("from minipaged.grading import ex05\nfrom minipaged.grading.ex03 import _reference\n")
+        _run("from minipaged.grading import ex05b\nfrom minipaged.grading.ex03 import _reference\n")
         _run("import minipaged.grading.ex07\n")
     assert [str(w.message) for w in caught] == [
         "minipaged.grading moved to minipaged.classroom.grading; import it from there (the old name still works)"

@@ -46,27 +46,27 @@ INVISIBLE = {
     "ex03-walks_the_list": "right answer, O(n) time: check_remove_is_O1 catches it",
     "ex04-pads_with_zero": "the engine never pads the slot mapping (pad_to=None)",
     "ex04-ignores_reserved": "the engine reserves no blocks (reserved_blocks=0)",
-    "ex05-writes_padding": "the engine's slot mapping has no padding slots (-1)",
-    "ex05-shape_addresses": "the engine's new K/V rows and its caches are contiguous: strides are what shapes give",
-    "ex05-flat_slot_index": "the engine's caches are contiguous: slot x slot stride is block x block stride + offset",
+    "ex05b-writes_padding": "the engine's slot mapping has no padding slots (-1)",
+    "ex05b-shape_addresses": "the engine's new K/V rows and its caches are contiguous: strides are what shapes give",
+    "ex05b-flat_slot_index": "the engine's caches are contiguous: slot x slot stride is block x block stride + offset",
     "ex08-salts_every_block": "LLM sets no cache salt",
     "ex08-ignores_salt": "LLM sets no cache salt",
     "ex08-skips_misses": "a chain of cached blocks never has a gap in the engine: a block is freed no later "
     "than its prefix (fewer owners; tail first in one request), so it is evicted first",
-    "ex05a-ignores_scale": "the engine's scale is head_dim ** -0.5, the very value this mutant assumes",
-    "ex05a-no_float32": "in a float32 engine there is nothing to upcast",
-    "ex05a-whole_table_row": "the engine fills the null block with finite numbers, so reading it is harmless here",
+    "ex05-ignores_scale": "the engine's scale is head_dim ** -0.5, the very value this mutant assumes",
+    "ex05-no_float32": "in a float32 engine there is nothing to upcast",
+    "ex05-whole_table_row": "the engine fills the null block with finite numbers, so reading it is harmless here",
 }
 
 # Invisible in the engine's calls, caught by the probes that ``use(check=True)`` runs first.
 PROBED = {
     "ex04-ignores_reserved",
-    "ex05-shape_addresses",
+    "ex05b-shape_addresses",
     "ex08-salts_every_block",
     "ex08-ignores_salt",
     "ex08-skips_misses",
-    "ex05a-ignores_scale",
-    "ex05a-no_float32",
+    "ex05-ignores_scale",
+    "ex05-no_float32",
 }
 
 

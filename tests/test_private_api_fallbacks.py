@@ -5,7 +5,7 @@ disappears").
     minipaged.model.layers.Linear           torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise(.binary)
     minipaged.kernels.report               create_function_from_signature, JITFunction._pack_args; bundled ptxas
     minipaged.kernels.validation           triton.knobs, triton.runtime.interpreter.InterpretedFunction
-    minipaged.grading.ex05                 InterpretedFunction.run / JITFunction.run (launch counting)
+    minipaged.grading.ex05b                 InterpretedFunction.run / JITFunction.run (launch counting)
     minipaged.profiling.span               torch._C._profiler._RecordFunctionFast (tests/test_step_program.py
                                            profiles the engine with it and with record_function in its place)
 
@@ -282,29 +282,29 @@ def test_interpreter_ready_fallback_still_sees_compiled_helpers(monkeypatch):
     assert triton_interpreter_ready() is True
 
 
-# ---- grading.ex05: counting Triton launches ----------------------------------------------------------------------
+# ---- grading.ex05b: counting Triton launches ----------------------------------------------------------------------
 
 
 @pytest.fixture
-def ex05():
+def ex05b():
     if torch.cuda.is_available():
         pytest.skip("the checks run kernels in the interpreter here")
-    from minipaged.classroom.grading import ex05
+    from minipaged.classroom.grading import ex05b
 
-    return ex05
-
-
-def _one_case(ex05):
-    return ex05._write_cases()[0]  # one decode token: quick in the interpreter
+    return ex05b
 
 
-def test_launches_are_counted_through_run(ex05):
+def _one_case(ex05b):
+    return ex05b._write_cases()[0]  # one decode token: quick in the interpreter
+
+
+def test_launches_are_counted_through_run(ex05b):
     from minipaged.kernels import reference, reshape_and_cache
 
-    case = _one_case(ex05)
-    assert ex05._run(reshape_and_cache, case) == ex05._expected(case)
-    assert ex05._run(reference.reshape_and_cache, case).startswith("no Triton kernel ran")  # PyTorch, not Triton
-    with ex05._count_triton_launches() as launches:
+    case = _one_case(ex05b)
+    assert ex05b._run(reshape_and_cache, case) == ex05b._expected(case)
+    assert ex05b._run(reference.reshape_and_cache, case).startswith("no Triton kernel ran")  # PyTorch, not Triton
+    with ex05b._count_triton_launches() as launches:
         reshape_and_cache(*_inputs(case))
     assert launches.hook == "run" and len(launches) == 1 and not launches.unavailable
 
@@ -314,50 +314,50 @@ def _inputs(case):
     return key, value, case.cache_view(k_buf), case.cache_view(v_buf), slots
 
 
-def test_run_hook_classes_are_gone_when_triton_drops_them(ex05, monkeypatch):
+def test_run_hook_classes_are_gone_when_triton_drops_them(ex05b, monkeypatch):
     import triton.runtime.interpreter
     import triton.runtime.jit
 
-    assert ex05._run_hook_classes()
+    assert ex05b._run_hook_classes()
     with monkeypatch.context() as m:
         m.delattr(triton.runtime.interpreter, "InterpretedFunction")
-        assert ex05._run_hook_classes() == []
+        assert ex05b._run_hook_classes() == []
     with monkeypatch.context() as m:
         m.delattr(triton.runtime.jit.JITFunction, "run")  # KernelInterface.run, a stub, is still inherited
-        assert ex05._run_hook_classes() == []
-    assert ex05._run_hook_classes()
+        assert ex05b._run_hook_classes() == []
+    assert ex05b._run_hook_classes()
 
 
-def test_launches_are_counted_through_getitem_without_run(ex05, monkeypatch):
+def test_launches_are_counted_through_getitem_without_run(ex05b, monkeypatch):
     """Without the run hooks, kernel[grid] (KernelInterface.__getitem__) counts: a Triton kernel passes, PyTorch
     indexing does not, and __getitem__ is Triton's own again afterwards."""
     from triton.runtime import KernelInterface
 
     from minipaged.kernels import reference, reshape_and_cache
 
-    monkeypatch.setattr(ex05, "_run_hook_classes", lambda: [])
+    monkeypatch.setattr(ex05b, "_run_hook_classes", lambda: [])
     original = KernelInterface.__dict__["__getitem__"]
-    case = _one_case(ex05)
-    with ex05._count_triton_launches() as launches:
+    case = _one_case(ex05b)
+    with ex05b._count_triton_launches() as launches:
         reshape_and_cache(*_inputs(case))
     assert launches.hook == "__getitem__" and len(launches) == 1
     assert KernelInterface.__dict__["__getitem__"] is original
-    assert ex05._run(reshape_and_cache, case) == ex05._expected(case)
-    assert ex05._run(reference.reshape_and_cache, case).startswith("no Triton kernel ran")
+    assert ex05b._run(reshape_and_cache, case) == ex05b._expected(case)
+    assert ex05b._run(reference.reshape_and_cache, case).startswith("no Triton kernel ran")
 
 
-def test_without_any_hook_the_check_fails_and_says_counting_is_unavailable(ex05, monkeypatch):
+def test_without_any_hook_the_check_fails_and_says_counting_is_unavailable(ex05b, monkeypatch):
     """Neither hook: even a correct Triton kernel fails the check, with a sentence saying why (never a pass)."""
     from minipaged.classroom.grading.core import Check, run_check
     from minipaged.kernels import reshape_and_cache
 
-    monkeypatch.setattr(ex05, "_run_hook_classes", lambda: [])
-    monkeypatch.setattr(ex05, "_getitem_hook_class", lambda: None)
-    case = _one_case(ex05)
-    outcome = run_check(Check(case.describe(), lambda: ex05._run(reshape_and_cache, case), ex05._expected(case)))
+    monkeypatch.setattr(ex05b, "_run_hook_classes", lambda: [])
+    monkeypatch.setattr(ex05b, "_getitem_hook_class", lambda: None)
+    case = _one_case(ex05b)
+    outcome = run_check(Check(case.describe(), lambda: ex05b._run(reshape_and_cache, case), ex05b._expected(case)))
     assert not outcome.passed
     assert outcome.got.startswith("launch counting is unavailable") and "cannot pass" in outcome.got
-    assert ex05._expected(case) in outcome.got  # it still says what the caches hold
+    assert ex05b._expected(case) in outcome.got  # it still says what the caches hold
 
 
 # ---- kernels.report: compiling without Triton's private binder ---------------------------------------------------

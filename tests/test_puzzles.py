@@ -1,7 +1,7 @@
 """The puzzle ladder's harness (``minipaged.puzzles``) and the access trace it stands on (``kernels.trace``).
 
 Right kernels written differently from the solution notebook's get "right" on every case; kernels with a
-learner's mistake (``tests/mutants/ex05b.py``) get a verdict that names it: a stray read in the trace, a store
+learner's mistake (``tests/mutants/ex05c.py``, ``ex05d.py``) get a verdict that names it: a stray read in the trace, a store
 outside every tensor (refused before the interpreter touches memory), a wrong number. The figure shows the same.
 """
 
@@ -21,7 +21,8 @@ from minipaged.classroom.viz.layout import check_layout
 from minipaged.classroom.viz.trace_viz import trace_figure
 
 sys.path.insert(0, str(Path(__file__).parent))
-import mutants.ex05b as M
+import mutants.ex05c as M
+import mutants.ex05d as H
 
 
 @triton.jit
@@ -177,7 +178,7 @@ def test_a_store_into_an_input_is_named() -> None:
 
 
 def test_a_kernel_that_does_not_pack_is_right_but_reads_k_and_v_g_times() -> None:
-    result = puzzles.run("gqa", M.gqa_head_by_head, 0)  # 8 query heads over 2 KV heads: G = 4
+    result = puzzles.run("gqa", H.gqa_head_by_head, 0)  # 8 query heads over 2 KV heads: G = 4
     assert result.max_error("out") < 1e-4
     once = (20 + 5 + 33) * 2 * 16
     assert puzzles.verdict(result) == (
@@ -188,7 +189,7 @@ def test_a_kernel_that_does_not_pack_is_right_but_reads_k_and_v_g_times() -> Non
 def test_the_engine_check_fails_a_kernel_the_probes_catch(capsys) -> None:
     """A prefill kernel that ignores causality (and a decode stub) never get to serve: the part probes refuse the
     first, every engine check fails, naming the part."""
-    from minipaged.classroom.grading import ex05b
+    from minipaged.classroom.grading import ex05d
 
     @triton.jit
     def stub(query, key_cache, value_cache, block_tables, seq_lens, out, scale, table_stride,
@@ -196,7 +197,7 @@ def test_the_engine_check_fails_a_kernel_the_probes_catch(capsys) -> None:
              BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
         pass
 
-    outcomes = ex05b.check_engine(stub, M.prefill_not_causal)
+    outcomes = ex05d.check_engine(stub, H.prefill_not_causal)
     assert [o.passed for o in outcomes] == [False, False, False]
     assert "PartError: part 'paged_decode_attention'" in outcomes[0].got
     assert capsys.readouterr().out.startswith("engine: 0/3 checks passed")
@@ -255,16 +256,16 @@ def test_every_tensor_goes_to_the_kernel_device(name, monkeypatch) -> None:
 
 
 def test_a_cpu_tensor_given_to_a_compiled_kernel_is_reported_without_the_puzzles_hint(capsys) -> None:
-    from minipaged.classroom.grading import ex05b
+    from minipaged.classroom.grading import ex05c
     from minipaged.kernels.launch import DEVICE_PROBLEM
 
-    outcomes = ex05b.check_scatter(
+    outcomes = ex05c.check_scatter(
         _Recorder("scatter", "Pointer argument cannot be accessed from Triton (cpu tensor?)")
     )
     assert not any(o.passed for o in outcomes)
     assert all(o.got.startswith(DEVICE_PROBLEM) and "(cpu tensor?)" in o.got for o in outcomes)
     printed = capsys.readouterr().out
-    assert "hint" not in printed and ex05b.HINTS["scatter"] not in printed
+    assert "hint" not in printed and ex05c.HINTS["scatter"] not in printed
 
 
 def test_without_a_trace_the_verdict_rests_on_outputs_inputs_and_guards() -> None:

@@ -277,7 +277,7 @@ def test_the_program_follows_a_weight_change_and_stands_aside_for_a_learners_ker
 
     calls = []
 
-    def learners_write(*args):  # a learner's scatter-write (exercise 05): the modules' path must run it
+    def learners_write(*args):  # a learner's scatter-write (exercise 05b): the modules' path must run it
         calls.append(1)
         return reference.reshape_and_cache(*args)
 

@@ -35,8 +35,8 @@ TEXT_SUFFIXES = {".ipynb", ".md", ".txt", ".py", ".html", ".json", ".yml", ".yam
 MIN_LINE = 24  # shorter lines (``return x``) are too common to say anything
 # (file in the copy, solution) pairs that share lines on purpose, and why.
 SHARED_ON_PURPOSE = {
-    ("notebooks/10_capstone.ipynb", "ex05a_paged_decode.ipynb"): "chapter 10 shows the grader catching a paged "
-    "decode with the wrong head mapping; its prerequisites are exercises 03-09, ex05a among them",
+    ("notebooks/10_capstone.ipynb", "ex05_paged_decode.ipynb"): "chapter 10 shows the grader catching a paged "
+    "decode with the wrong head mapping; its prerequisites are exercises 03-09, ex05 among them",
 }
 
 

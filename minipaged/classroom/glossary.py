@@ -23,7 +23,7 @@ from typing import Any
 class Term:
     term: str
     meaning: str
-    chapter: str  # "01" ... "13", or "05b" for the puzzle exercise
+    chapter: str  # "01" ... "13", or "05c" for the puzzle exercise (its core)
     where: str = ""  # a dotted name in the package ("minipaged.core.block_pool.BlockPool"), "" for an idea only
 
 
@@ -126,13 +126,13 @@ TERMS: tuple[Term, ...] = (
     Term(
         "online softmax",
         "a softmax over blocks seen one at a time: running max and sum, rescaled when the max grows",
-        "05b",
+        "05c",
         "minipaged.classroom.puzzles",
     ),
     Term(
         "access trace",
         "which elements each program of a Triton kernel loaded or stored, recorded by the interpreter",
-        "05b",
+        "05c",
         "minipaged.classroom.kernel_trace.AccessTrace",
     ),
     Term(

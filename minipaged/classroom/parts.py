@@ -1,7 +1,7 @@
 """Parts: run the real engine with a learner's own piece in place of the package's.
 
-Exercises 03–09 (and two of exercise 05b's Triton puzzles) each build one piece of the engine, with the same signature as the
-package's own. ``use`` plugs them in, without editing the package, for as long as a
+Exercises 03–09 (and two of exercise 05d's Triton puzzles) each build one piece of the engine, with the same
+signature as the package's own. ``use`` plugs them in, without editing the package, for as long as a
 ``with`` block lasts::
 
     from minipaged import LLM, parts
@@ -17,7 +17,9 @@ part (``policy.py``)::
     ex03  free_queue_remove       BlockPool.touch: a cached block leaves the middle of the free queue
     ex04  slot_mapping            ModelRunner.prepare_inputs: the slot of every new token
     ex04  would_allocate          KVCacheManager.allocate_slots: "are there blocks now?" (no prefix hit)
-    ex05  reshape_and_cache       PagedAttention: write this step's K/V into the paged cache
+    ex05  paged_decode_attention  PagedAttention: a decode-only step's attention (or puzzle 5's Triton kernel)
+    ex05b reshape_and_cache       PagedAttention: write this step's K/V into the paged cache
+    ex05d paged_prefill_attention PagedAttention: a step with new prompt tokens (puzzle 6's Triton kernel)
     ex06  admit_waiting           Scheduler.schedule, step 2: admit waiting requests
     ex07  schedule_running        Scheduler.schedule, step 1: serve running requests, preempt
     ex07  preempt_recompute       Scheduler.preempt: undo a victim's allocation
@@ -25,11 +27,7 @@ part (``policy.py``)::
     ex08  find_prefix_hits        KVCacheManager.get_computed_blocks: the longest cached prefix
     ex08  get_new_blocks          BlockPool.get_new_blocks: the least recently freed blocks, hashes evicted
     ex08  free_blocks             BlockPool.free_blocks: blocks reaching ref count 0 join the back of the queue
-    ex05a paged_decode_attention  PagedAttention: a decode-only step's attention (or puzzle 5's Triton kernel)
-    ex09b step_inputs             ModelRunner.prepare_inputs: the flat inputs of a mixed prefill + decode step
-    ex05b paged_prefill_attention PagedAttention: a step with new prompt tokens (puzzle 6's Triton kernel)
-    ex10b admission_order         Scheduler.schedule: the order waiting requests are tried in (a policy)
-    ex10b preemption_order        Scheduler.schedule: the order running requests give way in (a policy)
+    ex09  step_inputs             ModelRunner.prepare_inputs: the flat inputs of a mixed prefill + decode step
     ex10b prefill_cap             Scheduler.schedule: the most prompt tokens a prefill takes this step (a policy)
 
 **Checked by default.** With ``check=True`` every call of a plugged part is checked
@@ -1006,7 +1004,7 @@ PARTS: dict[str, Part] = {
         ),
         Part(
             "reshape_and_cache",
-            "ex05",
+            "ex05b",
             "reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None",
             _where("reshape_and_cache"),
             _cache_before,
@@ -1111,7 +1109,7 @@ PARTS: dict[str, Part] = {
         ),
         Part(
             "step_inputs",
-            "ex09b",
+            "ex09",
             "step_inputs(scheduled) -> (input_ids, positions, cu_seqlens_q, seq_lens, sample_rows)",
             _where("step_inputs"),
             _inputs_before,
@@ -1121,7 +1119,7 @@ PARTS: dict[str, Part] = {
         ),
         Part(
             "paged_decode_attention",
-            "ex05a",
+            "ex05",
             "paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale) -> Tensor",
             _where("paged_decode_attention"),
             _attention_before,
@@ -1132,7 +1130,7 @@ PARTS: dict[str, Part] = {
         ),
         Part(
             "paged_prefill_attention",
-            "ex05b",
+            "ex05d",
             "paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale) -> "
             "Tensor",
             _where("paged_prefill_attention"),

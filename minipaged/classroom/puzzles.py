@@ -1,4 +1,4 @@
-"""The Triton puzzle ladder (exercise 05b, beside chapter 05): seven small kernels up to paged decode and prefill.
+"""The Triton puzzle ladder (exercise 05c, beside chapter 05): seven small kernels up to paged decode and prefill.
 
 Each puzzle fixes a kernel's parameters and its grid; the learner writes the body. ``run`` builds the inputs in
 guarded buffers, launches the learner's ``@triton.jit`` function in Triton's interpreter and records an access

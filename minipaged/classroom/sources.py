@@ -51,10 +51,21 @@ def _fig2_band() -> dict:
 
 
 def _chapter_01() -> list[Claim]:
+    from ..gpus import GPUS
     from ..kv_math import GiB, KVSpec, MiB, dtype_bytes, format_bytes, num_blocks_at_startup
+
+    h100_bytes = GPUS["h100"].memory_bytes  # what an "80 GB" H100 reports (nvidia-smi's memory.total)
+    a100_bytes = GPUS["a100"].memory_bytes
 
     def llama70() -> KVSpec:
         return KVSpec.from_preset("llama-3-70b")
+
+    def card_bytes() -> str:
+        return "; ".join(
+            f"minipaged.gpus' {GPUS[key].name}: {GPUS[key].memory_mib:,} MiB = {total:,} B = {total / GiB:.2f} GiB "
+            f"= {total / 1e9:.2f} GB"
+            for key, total in (("h100", h100_bytes), ("a100", a100_bytes))
+        )
 
     def per_token() -> str:
         b = llama70().bytes_per_token
@@ -98,8 +109,10 @@ def _chapter_01() -> list[Claim]:
                 )
             )
         batch = 128 * llama70().bytes_for_tokens(4096)
-        fit = llama70().capacity(80e9, 16, 4096).full_requests
-        return "; ".join(rows) + f"; 128 × 4K = {format_bytes(batch)}, an 80 GB card holds {fit} of them"
+        fit = llama70().capacity(h100_bytes, 16, 4096).full_requests
+        return "; ".join(rows) + (
+            f"; 128 × 4K = {format_bytes(batch)}, an 80 GB H100 ({h100_bytes / 1e9:.1f} GB reported) holds {fit} of them"
+        )
 
     def kv_vs_weights() -> str:
         s = llama70()
@@ -114,24 +127,37 @@ def _chapter_01() -> list[Claim]:
     def h100_chain() -> str:
         s = llama70()
         assert s.num_params is not None  # every preset has its weights' size
-        budget = 80e9 - s.num_params // 2
+        budget = h100_bytes - s.num_params // 2
         static = s.capacity(budget, 16, 32 * 1024).full_requests
         tokens = int(200e6 // s.bytes_per_token)
         paged = s.capacity(budget, 16, tokens).full_requests
         assert static is not None and paged is not None  # set whenever request_tokens is given
         return (
-            f"4-bit weights {s.num_params / 2 / 1e9:.1f} GB, KV budget {budget / 1e9:.1f} GB; static 32K: "
-            f"{static} requests; paged at 200 MB ({tokens} tokens): {paged} requests = {paged / static:.1f}×"
+            f"4-bit weights {s.num_params / 2 / 1e9:.1f} GB; KV budget {budget / 1e9:.1f} GB of the "
+            f"{h100_bytes / 1e9:.1f} GB an H100 reports ({(80e9 - s.num_params // 2) / 1e9:.1f} GB of a marketed "
+            f"80 GB); static 32K: {static} requests; paged at 200 MB ({tokens} tokens): {paged} requests = "
+            f"{paged / static:.1f}×"
         )
 
     def startup_blocks() -> str:
         s = KVSpec.from_preset("llama-3-8b")
         assert s.num_params is not None  # every preset has its weights' size
-        blocks = num_blocks_at_startup(80e9, 0.9, s.num_params * 2, 2 * GiB, s, 16)
+        blocks = num_blocks_at_startup(a100_bytes, 0.9, s.num_params * 2, 2 * GiB, s, 16)
         return (
-            f"{blocks:,} blocks = {blocks * 16:,} token slots (0.9 of 80 GB, bf16 weights, 2 GiB activation "
-            f"peak); 4,096 blocks are {format_bytes(4096 * s.bytes_per_block(16))}"
+            f"{blocks:,} blocks = {blocks * 16:,} token slots (0.9 of the {a100_bytes / GiB:.0f} GiB an A100 80 GB "
+            f"reports, bf16 weights, 2 GiB activation peak); 4,096 blocks are "
+            f"{format_bytes(4096 * s.bytes_per_block(16))}"
         )
+
+    def tp_sizes() -> str:
+        s, out = llama70(), []
+        for t in (2, 3, 16):
+            try:
+                heads, how = s.check_tp_size(t)
+                out.append(f"TP={t}: {heads} KV head{'s' * (heads > 1)} per rank ({how})")
+            except ValueError as refused:
+                out.append(f"TP={t}: refused ({str(refused).split(': ', 1)[1].split('. Sizes')[0]})")
+        return "KVSpec.check_tp_size on Llama-3-70B (64 attention heads, 8 KV heads): " + "; ".join(out)
 
     def tp2() -> str:
         rank = llama70().per_rank(2)
@@ -195,13 +221,25 @@ def _chapter_01() -> list[Claim]:
         ),
         Claim(
             "01",
+            'an "80 GB" H100 SXM has 80 GB of HBM3; nvidia-smi reports its total memory as 81559MiB (an "80GB" A100: '
+            "81920MiB)",
+            "NVIDIA H100 Tensor Core GPU datasheet (SXM column); the nvidia-smi output quoted in the GitHub issue "
+            'wilicc/gpu-burn#114 ("NVIDIA H100 80GB HBM3 ... 81559MiB") and the GitHub pull request '
+            "modal-labs/modal-client#2797 (H100 81559MiB, A100 80GB 81920MiB)",
+            card_bytes,
+            'holds: the marketed "80 GB" is neither unit. An H100 reports 79.65 GiB, 85.52 GB, and chapter 01 does '
+            "every capacity on an 80 GB card with those bytes (the A100's, exactly 80 GiB, for the start-up "
+            "calculation); what PyTorch can allocate is a little less again, which the course does not pin down",
+        ),
+        Claim(
+            "01",
             "32×8 / 80×8 / 96×96 (layers × KV heads, head_dim 128, fp16): 128 KiB / 320 KiB / 4.5 MiB per "
             "token, 512 MiB / 1.25 GiB / 18 GiB at 4K, 4 / 10 / 144 GiB at 32K; 128 requests of 4K "
             "on the 80-layer model need 160 GiB, beyond one 80 GB-class accelerator",
             CAPACITY_ARTICLE,
             three_architectures,
-            "holds: every figure is exact in binary units (160 GiB is 171.8 GB); an 80 GB card holding "
-            "nothing but KV takes fewer than half of the 128 requests",
+            "holds: every figure is exact in binary units (160 GiB is 171.8 GB); an 80 GB H100 holding nothing "
+            "but KV (the 81,559 MiB it reports) takes fewer than half of the 128 requests",
         ),
         Claim(
             "01",
@@ -219,16 +257,29 @@ def _chapter_01() -> list[Claim]:
             '~200: "50× more throughput per GPU"',
             f'{INFERENCE_AT_SCALE}, third "think, then check"',
             h100_chain,
-            "holds if read as requests held at once, each figure rounded down (4 and 218, 54.5×); not as "
-            "throughput, which grows with the batch but not in proportion (chapter 09)",
+            'holds if read as requests held at once, each figure rounded down. Its "~45 GB" is 80 − 35 in marketed '
+            "gigabytes: the card reports 85.5 GB, which leaves 50.2 GB, 4 static requests and 245 paged ones (61×), "
+            'so "~200" and "50×" are conservative. Not as throughput, which grows with the batch but not in '
+            "proportion (chapter 09)",
         ),
         Claim(
             "01",
             'A100 80 GB, Llama-3-8B, bf16, block_size 16: "~4 096 blocks → ~65 536 concurrent token slots"',
             f"{DEEP_DIVE}, chapter 06 (start-up memory calculation)",
             startup_blocks,
-            "wrong: the start-up formula it states gives about 25,650 blocks (410,400 slots) for a 2 GiB "
-            "activation peak; 4,096 blocks of 2 MiB are only 8 GiB of the card",
+            "wrong: the start-up formula it states gives 28,181 blocks (450,896 slots) on the 81,920 MiB an "
+            "A100 80 GB reports, for a 2 GiB activation peak; 4,096 blocks of 2 MiB are only 8 GiB of the card",
+        ),
+        Claim(
+            "01",
+            "vLLM runs tensor_parallel_size t only if t divides the model's attention heads; its KV heads are split "
+            "evenly over the t ranks, or each copied whole onto t / n_kv ranks when t is a multiple of them",
+            'vLLM, vllm/config/model.py (ModelConfig.verify_with_parallel_config: "Total number of attention heads '
+            '(...) must be divisible by tensor parallel size (...)") and vllm/model_executor/layers/linear.py '
+            "(QKVParallelLinear)",
+            tp_sizes,
+            "holds: KVSpec.check_tp_size applies both rules. TP=3 on Llama-3-70B breaks both (64 attention heads, 8 KV "
+            "heads), so vLLM refuses it; chapter 01 shows the refusal instead of budgeting a replicated cache",
         ),
         Claim(
             "01",
@@ -291,6 +342,17 @@ def _chapter_02() -> list[Claim]:
             for name, shares in waste_breakdown(_fig2_band()).items()
         )
 
+    def three_wastes() -> str:
+        from ..lab.contiguous import simulate_trace
+
+        trace = workloads.sharegpt_like_trace(400, seed=0, arrival_rate=2.0, max_model_len=2048)
+        got = simulate_trace(trace, 16 * 2048, "contiguous", 2048, policy="max").summary()
+        return (
+            f"chapter 02's 400-request trace, max reservation: reserved for tokens to come {got['reservation']:.1%}, "
+            f"internal fragmentation {got['internal_fragmentation']:.1%}, external {got['external_waste']:.1%}; "
+            f"reserved but empty (exercise 02's internal) {got['internal_waste']:.1%}, the first two together"
+        )
+
     def sixty_fifteen() -> str:
         b = _fig2_band()
         return (
@@ -332,6 +394,17 @@ def _chapter_02() -> list[Claim]:
         f"{k}: " + " / ".join("–" if x is None else f"{x}" for x in v) for k, v in PAPER_FIG2.items()
     )
     return [
+        Claim(
+            "02",
+            'three kinds of waste in a contiguous KV cache: "reserved" slots for future tokens, "internal '
+            'fragmentation" in slots over-provisioned for the maximum length that will never be used, and '
+            '"external fragmentation" from the memory allocator',
+            f"{PAGED_ATTENTION}, section 3.1 and Fig. 3",
+            three_wastes,
+            "holds, and chapter 02 keeps the three apart: only the slots past a request's final length are internal "
+            'fragmentation. Exercise 02\'s "internal" key counts every reserved-but-empty slot, the first two '
+            "together, because a snapshot of the arena cannot split them; its markdown says so",
+        ),
         Claim(
             "02",
             "four chat requests of 600, 1,250, 4,000 and 128 tokens, each reserving 8,192 slots at "
@@ -979,6 +1052,34 @@ def _chapter_07() -> list[Claim]:
         spec = KVSpec.from_preset("llama-3-8b")
         return f"4 GiB holds {4 * 2**30 // spec.bytes_per_block(16):,} blocks of 16 Llama-3-8B tokens (bf16)"
 
+    def v1_preemption() -> str:
+        from ..core.kv_cache_manager import KVCacheManager
+        from ..core.request import Request
+        from ..core.scheduler import Scheduler, SchedulerConfig
+        from ..sampling_params import SamplingParams
+
+        kv = KVCacheManager(block_size=4, num_blocks=12, enable_caching=False, watermark=0.0)
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        reqs = {
+            f"r{i}": Request(f"r{i}", list(range(10 * i + 1, 10 * i + 9)), sampling_params=params) for i in range(4)
+        }
+        for r in reqs.values():
+            sched.add_request(r)
+        for step in range(1, 10):
+            out = sched.schedule()
+            if out.preempted:
+                victim = reqs[out.preempted[0]]
+                return (
+                    f"minipaged's scheduler ({SchedulerConfig().preemption_mode}, its default), chapter 07's four "
+                    f"requests: at step {step} it preempts {victim.request_id}: status {victim.status.name}, "
+                    f"num_computed_tokens {victim.num_computed_tokens}, {len(kv.get_block_ids(victim.request_id))} "
+                    f"blocks held, position {[r.request_id for r in sched.waiting].index(victim.request_id)} of the "
+                    f"waiting queue, nothing swapped out ({out.swap_out})"
+                )
+            sched.update_from_output(out, {q.request_id: [7] for q in out.scheduled if q.samples}, now=step)
+        return "no preemption in 9 steps"
+
     def a100_entry() -> str:
         from ..lab.simulator import HARDWARE
 
@@ -990,6 +1091,17 @@ def _chapter_07() -> list[Claim]:
         )
 
     return [
+        Claim(
+            "07",
+            "vLLM v1 preempts only by recompute: the victim's blocks are freed, its status set to PREEMPTED, its "
+            "num_computed_tokens reset to 0, and it goes back to the front of the waiting queue; swapping to CPU "
+            "memory was vLLM v0's other way, and the PagedAttention paper's",
+            "vLLM, vllm/v1/core/sched/scheduler.py (Scheduler._preempt_request, called from Scheduler.schedule when "
+            f"allocate_slots returns None); {PAGED_ATTENTION}, §4.5 (swapping and recomputation)",
+            v1_preemption,
+            "holds: v1's _preempt_request has no swap branch; chapter 07 says so up front and builds swap only to "
+            "compare the two, as v0 and the paper had them",
+        ),
         Claim(
             "07",
             "A100 80 GB SXM: 2,039 GB/s of HBM2e; 312 TFLOPS of BF16 tensor-core arithmetic (624 with sparsity)",
@@ -1080,6 +1192,29 @@ def _chapter_08() -> list[Claim]:
         holding = {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks[:per_copy]}
         return per_copy, len(holding), computed
 
+    def fork_and_copy() -> str:
+        from ..core.kv_cache_manager import KVCacheManager
+        from ..core.request import Request
+        from ..core.scheduler import Scheduler, SchedulerConfig
+        from ..sampling_params import SamplingParams
+
+        kv = KVCacheManager(block_size=4, num_blocks=32, enable_caching=True, watermark=0.0)
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
+        params = SamplingParams(n=3, max_tokens=4, ignore_eos=True)
+        sched.add_request(Request("p", [1, 2, 3, 4, 5, 6], sampling_params=params))
+        copies = []
+        for step in (1, 2, 3):
+            out = sched.schedule()
+            copies += out.copy_blocks
+            sampled = {q.request_id: [40 + step] * q.num_samples for q in out.scheduled if q.num_samples}
+            sched.update_from_output(out, sampled, now=step)
+        shared = {b.block_id: b.ref_cnt for b in kv.block_pool.blocks if b.ref_cnt > 1}
+        return (
+            f"minipaged, chapter 08's fork (n=3, a 6-token prompt, blocks of 4): {len(copies)} block copies "
+            f"{copies} at the siblings' first writes into the shared partial block; the full first block stays "
+            f"shared (block id: ref count {shared})"
+        )
+
     def blocks_saved() -> str:
         parts = []
         for n in (1000, 1008):
@@ -1100,6 +1235,17 @@ def _chapter_08() -> list[Claim]:
         return "; ".join(parts)
 
     return [
+        Claim(
+            "08",
+            "parallel sampling and beam search share a sequence's blocks by reference counts, and a shared block is "
+            "copied on its first write (copy-on-write at the block level)",
+            f"{PAGED_ATTENTION}, §4.4 and Fig. 8; vLLM v0, vllm/core/block_manager.py (SelfAttnBlockSpaceManager.fork) "
+            "and vllm/core/block/common.py (CopyOnWriteTracker); vLLM v1, vllm/v1/engine/parallel_sampling.py "
+            "(ParentRequest) and vllm/v1/core/block_pool.py (BlockPool.cache_full_blocks)",
+            fork_and_copy,
+            "holds for the paper and vLLM v0, whose design chapter 08 builds; vLLM v1 has no copy-on-write: it turns "
+            "n > 1 into n child requests that share only full, immutable blocks through the prefix cache",
+        ),
         Claim(
             "08",
             "a 1000-token system prompt in 16-token blocks: 63 blocks per copy; 100 requests with their own "
@@ -1284,10 +1430,11 @@ def _chapter_13() -> list[Claim]:
         )
 
     def failure_table() -> str:
+        from ..gpus import GPUS
         from ..kv_math import KVSpec
 
         per_req = KVSpec.from_preset("llama-3-8b").bytes_for_tokens(8192)
-        room = 80e9 * 0.9 - 16e9
+        room = GPUS["h100"].memory_bytes * 0.9 - 16e9  # what an "80 GB" H100 reports, at 90 %
         return (
             f"first row: 8K-token chats on Llama-3-8B hold {per_req / 2**30:.0f} GiB each; {int(room // per_req)} fit"
         )

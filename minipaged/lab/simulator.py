@@ -98,8 +98,9 @@ class Hardware:
 
 def gpu_hardware(key: str, copy_latency: float = 5e-6) -> Hardware:
     """A GPU of the package's table (``minipaged.gpus``) as the cost model sees it: its datasheet's peak
-    bandwidth, dense 16-bit tensor-core FLOP/s, PCIe one way and marketed memory; ``copy_latency`` seconds per
-    device↔host copy (assumed, see the module docstring)."""
+    bandwidth, dense 16-bit tensor-core FLOP/s, PCIe one way and the memory the device reports (``memory_mib``,
+    81,559 MiB = 85.5e9 B for an "80 GB" H100; the marketed decimal GB where the table has no reported figure);
+    ``copy_latency`` seconds per device↔host copy (assumed, see the module docstring)."""
     gpu = GPUS[key]
     if gpu.fp16_tflops is None or gpu.pcie_gbps is None or gpu.memory_gb is None:
         raise ValueError(f"the table of GPUs has no FLOP/s, PCIe or memory size for {gpu.name}")
@@ -108,7 +109,7 @@ def gpu_hardware(key: str, copy_latency: float = 5e-6) -> Hardware:
         gpu.bandwidth_gbps * 1e9,
         gpu.fp16_tflops * 1e12,
         gpu.pcie_gbps * 1e9,
-        gpu.memory_gb * 1e9,
+        gpu.memory_gb * 1e9 if gpu.memory_mib is None else gpu.memory_bytes,
         copy_latency,
     )
 

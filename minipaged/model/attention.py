@@ -39,7 +39,8 @@ import torch
 from .. import hooks
 from ..profiling import span
 
-# The kernels a learner may write in the backend's place (exercises 05, 05b, 09; ``minipaged.classroom.parts``);
+# The kernels a learner may write in the backend's place (exercises 05, 05b, 05c and 05d;
+# ``minipaged.classroom.parts``);
 # their signatures are the reference kernels' (``kernels.reference``), which stand in for any not plugged in.
 SEAM = hooks.Seam(
     "paged_attention",
@@ -211,7 +212,7 @@ class PagedAttention:
             # Called on its own (chapter 09 runs one layer by hand): plan for this call. Inside the model the
             # metadata arrives built, once per step, from LlamaModel.forward.
             meta = self.build_metadata(meta, key_cache, value_cache, q.shape[1], q.dtype)
-        if SEAM.replaced():  # a learner's own (exercises 05, 05b, 09)
+        if SEAM.replaced():  # a learner's own (exercises 05, 05b, 05c, 05d)
             return self._with_parts(q, k, v, key_cache, value_cache, meta, scale)
         if isinstance(meta, TorchAttentionMetadata):
             from ..kernels import torch_backend

@@ -11,7 +11,7 @@ For a step with a 5-token prefill chunk of ``a`` and decodes of ``b`` and ``c``:
     cu_seqlens_q  [0, 5, 6, 7]
     sample rows   [4, 5, 6]    the last new token of each request that samples this step
 
-- ``step_inputs``: those lists one token at a time, the readable specification (exercise 09b writes it).
+- ``step_inputs``: those lists one token at a time, the readable specification (exercise 09 writes it).
 - ``SEAM``: the model runner's replaceable parts, ``step_inputs`` and ``slot_mapping`` (a learner's, plugged in
   through ``hooks``).
 - ``InputPreparer``: the same numbers from the persistent input batch with array operations

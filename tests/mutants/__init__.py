@@ -1,6 +1,7 @@
 """Wrong solutions to the exercises, written the way a learner gets them wrong (issue 16, item 3).
 
-One module per exercise (``ex01`` ... ``ex10``, ``ex03b``, ``ex04b``, ``ex05a``, ``ex05b`` (the Triton puzzles), ``ex05c``, ``ex06b``, ``ex09b``, ``ex09c``, ``ex09d``, ``ex10b``, ``ex10c``; ``ex11``, ``ex12``, ``ex13``). In each, a
+One module per exercise (``ex01`` ... ``ex10``, ``ex03b``, ``ex04b``, ``ex05b``, ``ex05c`` and ``ex05d`` (the Triton puzzles), ``ex05e``, ``ex06b``, ``ex09b``, ``ex09c``, ``ex10b``,
+``ex10c``; ``ex11``, ``ex12``, ``ex13``). In each, a
 function decorated with ``@mutant(target, mistake)`` is a wrong version of the exercise function
 ``target``; the line that differs from the reference solution is marked ``# MISTAKE``. ``CHECKS`` names the check
 functions of ``minipaged.grading.exNN`` that grade ``target`` (a mutant runs through all of them,
@@ -24,16 +25,17 @@ EXERCISES = [
     "ex04",
     "ex04b",
     "ex05",
-    "ex05a",
     "ex05b",
     "ex05c",
+    "ex05d",
+    "ex05e",
     "ex06",
     "ex06b",
     "ex07",
     "ex08",
+    "ex09",
     "ex09b",
     "ex09c",
-    "ex09d",
     "ex10",
     "ex10b",
     "ex10c",

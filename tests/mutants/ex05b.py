@@ -1,7 +1,8 @@
-"""Exercise 05b — the Triton puzzle ladder: wrong kernels a learner writes, one mistake each (``# MISTAKE``).
+"""Exercise 05b — the paged scatter-write as a Triton kernel: wrong kernels a learner writes.
 
-The harness runs every kernel in guarded buffers with an access trace, so a wrong address is refused before the
-interpreter touches memory; several of these are caught only by the trace (their outputs are right).
+Each mutant is the solution's launcher around a wrong ``@triton.jit`` kernel. Every wrong write
+here stays inside the buffers the checks hand over (the guard blocks included): under the
+interpreter a store outside them would scribble over the process's memory.
 """
 
 from __future__ import annotations
@@ -13,476 +14,221 @@ import minipaged.kernels  # noqa: F401  (first: turns the Triton interpreter on 
 
 from . import mutant
 
-CHECKS = {
-    "scatter_kernel": ["check_scatter"],
-    "gather_kernel": ["check_gather"],
-    "decode_kernel": ["check_decode"],
-    "split_kernel": ["check_split"],
-    "merge_kernel": ["check_merge"],
-    "gqa_kernel": ["check_gqa"],
-    "prefill_kernel": ["check_prefill"],
-}
+CHECKS = {"reshape_and_cache": ["check_scatter_write", "check_scatter_edges"]}
 HELPERS: dict = {}
 
 
-# ---- 1. scatter ------------------------------------------------------------------------------------------------
-@mutant("scatter_kernel", "no test for slot -1: a padding token writes just before the cache")
-@triton.jit
-def scatter_writes_padding(key, cache, slot_mapping, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_mapping + t)  # MISTAKE: no `if slot >= 0`
-    d = tl.arange(0, HEAD_DIM)
-    tl.store(
-        cache + (slot // BLOCK_SIZE * BLOCK_SIZE + slot % BLOCK_SIZE) * HEAD_DIM + d, tl.load(key + t * HEAD_DIM + d)
+def _launch(kernel, key, value, key_cache, value_cache, slot_mapping) -> None:
+    """The exercise's launcher (given to the learner), with the kernel as a parameter."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    kernel[(key.shape[0],)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
     )
 
 
-@mutant("scatter_kernel", "block and offset swapped in the address")
 @triton.jit
-def scatter_swaps_block_and_offset(key, cache, slot_mapping, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _writes_padding_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     t = tl.program_id(0)
-    slot = tl.load(slot_mapping + t)
-    if slot >= 0:
-        d = tl.arange(0, HEAD_DIM)
-        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-        tl.store(cache + (offset * BLOCK_SIZE + block) * HEAD_DIM + d, tl.load(key + t * HEAD_DIM + d))  # MISTAKE
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    # MISTAKE: no early return for a padding token (slot -1)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_P2)[:, None]
+    dims = tl.arange(0, HEAD_DIM_P2)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    k = tl.load(key_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(key_cache_ptr + block * stride_kcb + offset * stride_kco + heads * stride_kch + dims, k, mask=mask)
+    tl.store(value_cache_ptr + block * stride_vcb + offset * stride_vco + heads * stride_vch + dims, v, mask=mask)
 
 
-@mutant("scatter_kernel", "reads key row `slot` instead of row `t`")
+@mutant(
+    "reshape_and_cache",
+    "no early return for a padding token: slot -1 is written (just before the pool)",
+    checks=["check_scatter_edges"],
+)
+def writes_padding(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _launch(_writes_padding_kernel, key, value, key_cache, value_cache, slot_mapping)
+
+
 @triton.jit
-def scatter_reads_key_by_slot(key, cache, slot_mapping, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _shape_addresses_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     t = tl.program_id(0)
-    slot = tl.load(slot_mapping + t)
-    if slot >= 0:
-        d = tl.arange(0, HEAD_DIM)
-        tl.store(cache + slot * HEAD_DIM + d, tl.load(key + slot * HEAD_DIM + d))  # MISTAKE: key row t
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_P2)[:, None]
+    dims = tl.arange(0, HEAD_DIM_P2)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    # MISTAKE: addresses from the shapes, as if every tensor were contiguous in its logical layout
+    src = t * NUM_KV_HEADS * HEAD_DIM + heads * HEAD_DIM + dims
+    dst = ((block * BLOCK_SIZE + offset) * NUM_KV_HEADS + heads) * HEAD_DIM + dims
+    k = tl.load(key_ptr + src, mask=mask)
+    v = tl.load(value_ptr + src, mask=mask)
+    tl.store(key_cache_ptr + dst, k, mask=mask)
+    tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
-# ---- 2. gather -------------------------------------------------------------------------------------------------
-@mutant("gather_kernel", "no mask on the load: the last block is read whole (the output alone looks right)")
+@mutant(
+    "reshape_and_cache",
+    "addresses built from the shapes, not the strides (assumes contiguous tensors)",
+    checks=["check_scatter_edges"],
+)
+def shape_addresses(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _launch(_shape_addresses_kernel, key, value, key_cache, value_cache, slot_mapping)
+
+
 @triton.jit
-def gather_reads_block_tail(cache, block_table, out, seq_len, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    i = tl.program_id(0)
-    block = tl.load(block_table + i)
-    s = tl.arange(0, BLOCK_SIZE)[:, None]
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    pos = i * BLOCK_SIZE + s
-    rows = tl.load(cache + (block * BLOCK_SIZE + s) * HEAD_DIM + d)  # MISTAKE: mask=pos < seq_len
-    tl.store(out + pos * HEAD_DIM + d, rows, mask=pos < seq_len)
+def _flat_slot_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_P2)[:, None]
+    dims = tl.arange(0, HEAD_DIM_P2)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    k = tl.load(key_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask)
+    # MISTAKE: the slot times the offset stride, as if the pool were one flat run of slots (never split
+    # into block and offset, so the block stride is never used)
+    tl.store(key_cache_ptr + slot * stride_kco + heads * stride_kch + dims, k, mask=mask)
+    tl.store(value_cache_ptr + slot * stride_vco + heads * stride_vch + dims, v, mask=mask)
 
 
-@mutant("gather_kernel", "the program id taken for the physical block: the table is never read")
+@mutant(
+    "reshape_and_cache",
+    "indexes the pool as a flat run of slots (slot × offset stride), no block/offset split",
+    checks=["check_scatter_edges"],
+)
+def flat_slot_index(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _launch(_flat_slot_kernel, key, value, key_cache, value_cache, slot_mapping)
+
+
 @triton.jit
-def gather_ignores_table(cache, block_table, out, seq_len, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    i = tl.program_id(0)
-    block = i  # MISTAKE: tl.load(block_table + i)
-    s = tl.arange(0, BLOCK_SIZE)[:, None]
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    pos = i * BLOCK_SIZE + s
-    rows = tl.load(cache + (block * BLOCK_SIZE + s) * HEAD_DIM + d, mask=pos < seq_len)
-    tl.store(out + pos * HEAD_DIM + d, rows, mask=pos < seq_len)
+def _unpadded_tiles_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, NUM_KV_HEADS)[:, None]  # MISTAKE: tiles the real sizes, which need not be powers of 2
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    k = tl.load(key_ptr + t * stride_kt + heads * stride_kh + dims)
+    v = tl.load(value_ptr + t * stride_vt + heads * stride_vh + dims)
+    tl.store(key_cache_ptr + block * stride_kcb + offset * stride_kco + heads * stride_kch + dims, k)
+    tl.store(value_cache_ptr + block * stride_vcb + offset * stride_vco + heads * stride_vch + dims, v)
 
 
-# ---- 3. decode -------------------------------------------------------------------------------------------------
-@mutant("decode_kernel", "no rescale of the running sums when the maximum grows")
-@triton.jit
-def decode_no_rescale(query, key_cache, value_cache, block_tables, seq_lens, out, scale, table_stride,
-                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    n = tl.load(seq_lens + i)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    q = tl.load(query + i * HEAD_DIM + d)
-    m = tl.full((), float("-inf"), tl.float32)
-    total = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for b in range(0, tl.cdiv(n, BLOCK_SIZE)):
-        block = tl.load(block_tables + i * table_stride + b)
-        live = b * BLOCK_SIZE + s < n
-        offs = (block * BLOCK_SIZE + s[:, None]) * HEAD_DIM + d[None, :]
-        k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
-        v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
-        scores = tl.where(live, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
-        total = total + tl.sum(p, axis=0)  # MISTAKE: total * exp(m - m_new) + ...
-        acc = acc + tl.sum(p[:, None] * v, axis=0)
-        m = m_new
-    tl.store(out + i * HEAD_DIM + d, acc / total)
-
-
-@mutant("decode_kernel", "masked slots score 0 instead of -inf: the empty tail of the last block gets weight")
-@triton.jit
-def decode_masks_with_zero(query, key_cache, value_cache, block_tables, seq_lens, out, scale, table_stride,
-                           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    n = tl.load(seq_lens + i)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    q = tl.load(query + i * HEAD_DIM + d)
-    m = tl.full((), float("-inf"), tl.float32)
-    total = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for b in range(0, tl.cdiv(n, BLOCK_SIZE)):
-        block = tl.load(block_tables + i * table_stride + b)
-        live = b * BLOCK_SIZE + s < n
-        offs = (block * BLOCK_SIZE + s[:, None]) * HEAD_DIM + d[None, :]
-        k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
-        v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
-        scores = tl.sum(k * q[None, :], axis=1) * scale  # MISTAKE: tl.where(live, ..., -inf)
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)
-        total = total * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m = m_new
-    tl.store(out + i * HEAD_DIM + d, acc / total)
-
-
-# ---- 4a. split -------------------------------------------------------------------------------------------------
-@mutant("split_kernel", "an empty segment divides 0 by 0: its output is NaN, not zeros")
-@triton.jit
-def split_empty_segment_nan(query, key_cache, value_cache, block_tables, seq_lens, part_max, part_sum, part_out, scale, table_stride,
-           BLOCKS_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-           HEAD_DIM: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    seg = tl.program_id(1)
-    n = tl.load(seq_lens + i)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    q = tl.load(query + i * HEAD_DIM + d)
-    m = tl.full((), float("-inf"), tl.float32)
-    total = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    first = seg * BLOCKS_PER_SPLIT
-    for b in range(first, tl.minimum(first + BLOCKS_PER_SPLIT, tl.cdiv(n, BLOCK_SIZE))):
-        block = tl.load(block_tables + i * table_stride + b)
-        live = b * BLOCK_SIZE + s < n
-        offs = (block * BLOCK_SIZE + s[:, None]) * HEAD_DIM + d[None, :]
-        k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
-        v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
-        scores = tl.where(live, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)
-        total = total * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m = m_new
-    tl.store(part_max + i * NUM_SPLITS + seg, m)
-    tl.store(part_sum + i * NUM_SPLITS + seg, total)
-    out = acc / total  # MISTAKE: an empty segment has total 0
-    tl.store(part_out + (i * NUM_SPLITS + seg) * HEAD_DIM + d, out)
-
-
-@mutant("split_kernel", "stores the accumulator, not the accumulator divided by the sum")
-@triton.jit
-def split_not_normalised(query, key_cache, value_cache, block_tables, seq_lens, part_max, part_sum, part_out, scale, table_stride,
-           BLOCKS_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-           HEAD_DIM: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    seg = tl.program_id(1)
-    n = tl.load(seq_lens + i)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    q = tl.load(query + i * HEAD_DIM + d)
-    m = tl.full((), float("-inf"), tl.float32)
-    total = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    first = seg * BLOCKS_PER_SPLIT
-    for b in range(first, tl.minimum(first + BLOCKS_PER_SPLIT, tl.cdiv(n, BLOCK_SIZE))):
-        block = tl.load(block_tables + i * table_stride + b)
-        live = b * BLOCK_SIZE + s < n
-        offs = (block * BLOCK_SIZE + s[:, None]) * HEAD_DIM + d[None, :]
-        k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
-        v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
-        scores = tl.where(live, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)
-        total = total * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m = m_new
-    tl.store(part_max + i * NUM_SPLITS + seg, m)
-    tl.store(part_sum + i * NUM_SPLITS + seg, total)
-    out = acc  # MISTAKE: o_s is normalised, acc / total
-    tl.store(part_out + (i * NUM_SPLITS + seg) * HEAD_DIM + d, out)
-
-
-@mutant("split_kernel", "each segment runs one block into the next: the segments overlap")
-@triton.jit
-def split_overlapping_segments(query, key_cache, value_cache, block_tables, seq_lens, part_max, part_sum, part_out, scale, table_stride,
-           BLOCKS_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-           HEAD_DIM: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    seg = tl.program_id(1)
-    n = tl.load(seq_lens + i)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    q = tl.load(query + i * HEAD_DIM + d)
-    m = tl.full((), float("-inf"), tl.float32)
-    total = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    first = seg * BLOCKS_PER_SPLIT
-    for b in range(first, tl.minimum(first + BLOCKS_PER_SPLIT + 1, tl.cdiv(n, BLOCK_SIZE))):  # MISTAKE
-        block = tl.load(block_tables + i * table_stride + b)
-        live = b * BLOCK_SIZE + s < n
-        offs = (block * BLOCK_SIZE + s[:, None]) * HEAD_DIM + d[None, :]
-        k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
-        v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
-        scores = tl.where(live, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)
-        total = total * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m = m_new
-    tl.store(part_max + i * NUM_SPLITS + seg, m)
-    tl.store(part_sum + i * NUM_SPLITS + seg, total)
-    out = tl.where(total > 0, acc / tl.maximum(total, 1e-30), 0.0)
-    tl.store(part_out + (i * NUM_SPLITS + seg) * HEAD_DIM + d, out)
-
-
-# ---- 4b. merge -------------------------------------------------------------------------------------------------
-@mutant("merge_kernel", "averages the segments' outputs, ignoring how much weight each carried")
-@triton.jit
-def merge_plain_average(part_max, part_sum, part_out, out, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    i = tl.program_id(0)
-    d = tl.arange(0, HEAD_DIM)
-    segs = tl.arange(0, NUM_SPLITS)
-    total = tl.load(part_sum + i * NUM_SPLITS + segs)
-    o = tl.load(part_out + (i * NUM_SPLITS + segs[:, None]) * HEAD_DIM + d[None, :])
-    w = tl.where(total > 0, 1.0, 0.0)  # MISTAKE: the weight is l_s * exp(m_s - m*)
-    tl.store(out + i * HEAD_DIM + d, tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0))
-
-
-@mutant("merge_kernel", "weights each segment by its sum alone, without rescaling to the common maximum")
-@triton.jit
-def merge_no_rescale(part_max, part_sum, part_out, out, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    i = tl.program_id(0)
-    d = tl.arange(0, HEAD_DIM)
-    segs = tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_max + i * NUM_SPLITS + segs)
-    total = tl.load(part_sum + i * NUM_SPLITS + segs)
-    o = tl.load(part_out + (i * NUM_SPLITS + segs[:, None]) * HEAD_DIM + d[None, :])
-    w = total + 0.0 * tl.max(m, axis=0)  # MISTAKE: total * exp(m - max(m))
-    tl.store(out + i * HEAD_DIM + d, tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0))
-
-
-# ---- 5. gqa ----------------------------------------------------------------------------------------------------
-@mutant("gqa_kernel", "the program takes query heads kv_head, kv_head + NUM_KV_HEADS, ... (h % NUM_KV_HEADS)")
-@triton.jit
-def gqa_heads_by_modulo(query, key_cache, value_cache, block_tables, seq_lens, out, scale, table_stride,
-           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_ROWS: tl.constexpr,
-           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    G: tl.constexpr = NUM_Q_HEADS // NUM_KV_HEADS
-    n = tl.load(seq_lens + i)
-    r = tl.arange(0, Q_ROWS)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    rows = r < G
-    q_offs = (i * NUM_Q_HEADS + kv_head + r[:, None] * NUM_KV_HEADS) * HEAD_DIM + d[None, :]  # MISTAKE
-    q = tl.load(query + q_offs, mask=rows[:, None], other=0.0)
-    m = tl.full([Q_ROWS], float("-inf"), tl.float32)
-    total = tl.zeros([Q_ROWS], dtype=tl.float32)
-    acc = tl.zeros([Q_ROWS, HEAD_DIM], dtype=tl.float32)
-    for b in range(0, tl.cdiv(n, BLOCK_SIZE)):
-        block = tl.load(block_tables + i * table_stride + b)
-        live = b * BLOCK_SIZE + s < n
-        offs = ((block * BLOCK_SIZE + s[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-        k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
-        v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
-        scores = tl.where(live[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m = m_new
-    tl.store(out + q_offs, acc / total[:, None], mask=rows[:, None])
-
-
-@mutant("gqa_kernel", "stores all Q_ROWS rows: the padding rows overwrite other heads' outputs")
-@triton.jit
-def gqa_stores_padded_rows(query, key_cache, value_cache, block_tables, seq_lens, out, scale, table_stride,
-           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_ROWS: tl.constexpr,
-           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    G: tl.constexpr = NUM_Q_HEADS // NUM_KV_HEADS
-    n = tl.load(seq_lens + i)
-    r = tl.arange(0, Q_ROWS)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    rows = r < G
-    q_offs = (i * NUM_Q_HEADS + kv_head * G + r[:, None]) * HEAD_DIM + d[None, :]
-    q = tl.load(query + q_offs, mask=rows[:, None], other=0.0)
-    m = tl.full([Q_ROWS], float("-inf"), tl.float32)
-    total = tl.zeros([Q_ROWS], dtype=tl.float32)
-    acc = tl.zeros([Q_ROWS, HEAD_DIM], dtype=tl.float32)
-    for b in range(0, tl.cdiv(n, BLOCK_SIZE)):
-        block = tl.load(block_tables + i * table_stride + b)
-        live = b * BLOCK_SIZE + s < n
-        offs = ((block * BLOCK_SIZE + s[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-        k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
-        v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
-        scores = tl.where(live[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m = m_new
-    tl.store(out + q_offs, acc / total[:, None])  # MISTAKE: mask=rows[:, None]
-
-
-@mutant("gqa_kernel", "no packing: the program walks the sequence once for each of its G query heads")
-@triton.jit
-def gqa_head_by_head(query, key_cache, value_cache, block_tables, seq_lens, out, scale, table_stride,
-                     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_ROWS: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    G: tl.constexpr = NUM_Q_HEADS // NUM_KV_HEADS
-    n = tl.load(seq_lens + i)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    for g in tl.static_range(G):  # MISTAKE: one walk over K and V for all G heads
-        h = kv_head * G + g
-        q = tl.load(query + (i * NUM_Q_HEADS + h) * HEAD_DIM + d)
-        m = tl.full((), float("-inf"), tl.float32)
-        total = tl.full((), 0.0, tl.float32)
-        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-        for b in range(0, tl.cdiv(n, BLOCK_SIZE)):
-            block = tl.load(block_tables + i * table_stride + b)
-            live = b * BLOCK_SIZE + s < n
-            offs = ((block * BLOCK_SIZE + s[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-            k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
-            v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
-            scores = tl.where(live, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=0))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new)
-            total = total * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            m = m_new
-        tl.store(out + (i * NUM_Q_HEADS + h) * HEAD_DIM + d, acc / total)
-
-
-# ---- 6. prefill ------------------------------------------------------------------------------------------------
-@mutant("prefill_kernel", "no causal mask: every new token sees the keys after it")
-@triton.jit
-def prefill_not_causal(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, table_stride,
-           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    kv_head = h // (NUM_Q_HEADS // NUM_KV_HEADS)
-    n = tl.load(seq_lens + i)
-    start = tl.load(cu_seqlens_q + i)
-    q_len = tl.load(cu_seqlens_q + i + 1) - start
-    cached = n - q_len
-    r = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    rows = r < q_len
-    q_offs = ((start + r[:, None]) * NUM_Q_HEADS + h) * HEAD_DIM + d[None, :]
-    q = tl.load(query + q_offs, mask=rows[:, None], other=0.0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for b in range(0, tl.cdiv(n, BLOCK_SIZE)):
-        block = tl.load(block_tables + i * table_stride + b)
-        pos = b * BLOCK_SIZE + s
-        live = pos < n
-        offs = ((block * BLOCK_SIZE + s[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-        k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
-        v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
-        seen = live[None, :] & (cached >= 0)  # MISTAKE: & (pos <= cached + r)
-        scores = tl.where(seen, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m = m_new
-    tl.store(out + q_offs, acc / total[:, None], mask=rows[:, None])
-
-
-@mutant("prefill_kernel", "new token j taken for position j: the cached prefix is forgotten")
-@triton.jit
-def prefill_ignores_cached_prefix(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, table_stride,
-           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    kv_head = h // (NUM_Q_HEADS // NUM_KV_HEADS)
-    n = tl.load(seq_lens + i)
-    start = tl.load(cu_seqlens_q + i)
-    q_len = tl.load(cu_seqlens_q + i + 1) - start
-    cached = 0 * n  # MISTAKE: n - q_len tokens are cached before the new ones
-    r = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    rows = r < q_len
-    q_offs = ((start + r[:, None]) * NUM_Q_HEADS + h) * HEAD_DIM + d[None, :]
-    q = tl.load(query + q_offs, mask=rows[:, None], other=0.0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for b in range(0, tl.cdiv(n, BLOCK_SIZE)):
-        block = tl.load(block_tables + i * table_stride + b)
-        pos = b * BLOCK_SIZE + s
-        live = pos < n
-        offs = ((block * BLOCK_SIZE + s[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-        k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
-        v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
-        seen = live[None, :] & (pos[None, :] <= cached + r[:, None])
-        scores = tl.where(seen, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m = m_new
-    tl.store(out + q_offs, acc / total[:, None], mask=rows[:, None])
-
-
-@mutant("prefill_kernel", "query head h reads KV head h % NUM_KV_HEADS")
-@triton.jit
-def prefill_kv_head_modulo(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, table_stride,
-           NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    kv_head = h % NUM_KV_HEADS  # MISTAKE: h // G
-    n = tl.load(seq_lens + i)
-    start = tl.load(cu_seqlens_q + i)
-    q_len = tl.load(cu_seqlens_q + i + 1) - start
-    cached = n - q_len
-    r = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    rows = r < q_len
-    q_offs = ((start + r[:, None]) * NUM_Q_HEADS + h) * HEAD_DIM + d[None, :]
-    q = tl.load(query + q_offs, mask=rows[:, None], other=0.0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for b in range(0, tl.cdiv(n, BLOCK_SIZE)):
-        block = tl.load(block_tables + i * table_stride + b)
-        pos = b * BLOCK_SIZE + s
-        live = pos < n
-        offs = ((block * BLOCK_SIZE + s[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
-        k = tl.load(key_cache + offs, mask=live[:, None], other=0.0)
-        v = tl.load(value_cache + offs, mask=live[:, None], other=0.0)
-        seen = live[None, :] & (pos[None, :] <= cached + r[:, None])
-        scores = tl.where(seen, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m = m_new
-    tl.store(out + q_offs, acc / total[:, None], mask=rows[:, None])
+@mutant(
+    "reshape_and_cache",
+    "tiles of NUM_KV_HEADS × HEAD_DIM, unmasked: breaks on 3 heads or head_dim 80",
+    checks=["check_scatter_write"],
+)
+def unpadded_tiles(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _launch(_unpadded_tiles_kernel, key, value, key_cache, value_cache, slot_mapping)

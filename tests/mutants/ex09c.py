@@ -1,167 +1,232 @@
-"""Exercise 09c — one Llama decoder layer on a paged step: layers a learner gets wrong, each one mistake away.
+"""Exercise 09c — the sampler beyond greedy: masks and samplers a learner gets wrong, each one mistake from a right one.
 
-``FusedLayer`` is a right answer written differently from the solution notebook's (which loops over sequences
-with einsum): it gathers every sequence's context into one padded batch and calls PyTorch's
-``scaled_dot_product_attention`` with a mask, fuses the three projections into one matrix product, and rotates with
-complex numbers. It is graded for full marks as the mutants' helper. Each mutant below changes one stage of it.
+``mask_ascending`` is a right mask written differently from the solution notebook's (which ranks the row largest
+first and drops a token when the probability before it reaches top_p): it ranks smallest first, as vLLM's
+``topk_topp_sampler.py`` does, and drops the tokens whose cumulative probability from the bottom stays within
+``1 - top_p``. ``RowSampler`` is a right sampler that refuses bad rows for the whole batch up front and keeps its
+streams in a ``dict`` filled with ``setdefault``-style lookups. Both are graded for full marks as the mutants'
+helpers; each sampler mutant below changes one method of ``RowSampler``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
+
+from minipaged.sampling_params import SamplingParams
 
 from . import mutant
 
-CHECKS = {"decoder_layer": ["check_layer_spec", "check_layer_smollm2"]}
+CHECKS = {
+    "apply_top_k_top_p": ["check_mask"],
+    "Sampler": ["check_streams", "check_distribution", "check_sample_smollm2"],
+}
+NEG = float("-inf")
 
 
-class FusedLayer:
-    """One stage per method, so that each mutant changes exactly one."""
+def mask_ascending(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    ranked, order = logits.sort()  # smallest first
+    drop = torch.zeros_like(logits, dtype=torch.bool)
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        drop |= ranked < ranked[vocab - top_k]  # below the k-th largest value: ties with it stay
+    if top_p < 1.0:
+        from_bottom = ranked.masked_fill(drop, NEG).softmax(-1).cumsum(-1)
+        drop |= from_bottom <= 1 - top_p  # what the tokens at or below it hold leaves at least top_p above them
+        drop[-1] = False  # the largest always stays
+    return logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), NEG)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return weight * (x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps))
 
-    def angles(self, positions: torch.Tensor, d: int, theta: float) -> torch.Tensor:
-        freqs = theta ** (-torch.arange(0, d // 2, dtype=torch.float64) * 2 / d)
-        return torch.outer(positions.double(), freqs)
+class RowSampler:
+    """A right sampler: bad rows refused before any draw, one generator per key made on its first draw."""
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-        d = x.shape[-1]
-        rot = torch.polar(torch.ones(1, dtype=torch.float64), self.angles(positions, d, theta))[:, None, :]
-        z = torch.complex(x[..., : d // 2].double(), x[..., d // 2 :].double()) * rot
-        return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
+    def __init__(self) -> None:
+        self.streams: dict[Hashable, torch.Generator] = {}
 
-    def write(self, cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-        cache.flatten(0, 1).index_copy_(0, slots, values)
+    def forget(self, key: Hashable) -> None:
+        if key in self.streams:
+            del self.streams[key]
 
-    def expand(self, kv: torch.Tensor, num_heads: int) -> torch.Tensor:
-        return kv.repeat_interleave(num_heads // kv.shape[1], dim=1)
+    def refuse(self, logits: torch.Tensor, keys: Sequence[Hashable]) -> None:
+        bad = logits.isnan().any(-1) | logits.isposinf().any(-1) | logits.isneginf().all(-1)
+        for i in bad.nonzero().flatten().tolist():
+            raise ValueError(f"row {i} ({keys[i]!r}) has no finite largest logit")
 
-    def mask(self, q_len: int, n: int) -> torch.Tensor:
-        return torch.ones(q_len, n, dtype=torch.bool).tril(n - q_len)
+    def stream(self, key: Hashable, row: int, p: SamplingParams, device: torch.device) -> torch.Generator | None:
+        if p.seed is None:
+            return None
+        g = self.streams.get(key)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(p.seed)
+            self.streams[key] = g
+        return g
 
-    def context(self, cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-        bs = cache.shape[1]
-        return cache[table[: (n + bs - 1) // bs]].flatten(0, 1)[:n]
+    def probs(self, row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        return torch.softmax(mask_ascending(row.float() / p.temperature, p.top_k, p.top_p), dim=-1)
 
-    def attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        cu = meta.cu_seqlens_q.tolist()
-        for j, n in enumerate(meta.seq_lens.tolist()):
-            s, e = cu[j], cu[j + 1]
-            k = self.expand(self.context(kc, meta.block_tables[j], n), q.shape[1])
-            v = self.expand(self.context(vc, meta.block_tables[j], n), q.shape[1])
-            o = F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=self.mask(e - s, n),
-                scale=scale,
-            )  # fmt: skip
-            out[s:e] = o.transpose(0, 1)
+    def __call__(self, logits: torch.Tensor, keys: Sequence[Hashable], params: Sequence[SamplingParams]) -> list[int]:
+        self.refuse(logits, keys)
+        out = []
+        for i, p in enumerate(params):
+            if p.temperature == 0:
+                out.append(int(torch.argmax(logits[i])))
+            else:
+                g = self.stream(keys[i], i, p, logits.device)
+                out.append(int(torch.multinomial(self.probs(logits[i], p), 1, generator=g).item()))
         return out
 
-    def mlp(self, h: torch.Tensor, w: dict) -> torch.Tensor:
-        return (F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])) @ w[
-            "mlp.down_proj.weight"
-        ].T
 
-    def scale(self, cfg: Any) -> float:
-        return 1 / cfg.head_dim**0.5
-
-    def __call__(self, x, positions, weights, k_cache, v_cache, meta, cfg) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        w, hd = weights, cfg.head_dim
-        h = self.rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps)
-        qkv = F.linear(h, torch.cat([w[f"self_attn.{p}_proj.weight"] for p in "qkv"]))
-        q, k, v = qkv.split([cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd], dim=-1)
-        q = self.rope(q.unflatten(-1, (cfg.num_heads, hd)), positions, cfg.rope_theta)
-        k = self.rope(k.unflatten(-1, (cfg.num_kv_heads, hd)), positions, cfg.rope_theta)
-        self.write(k_cache, meta.slot_mapping, k)
-        self.write(v_cache, meta.slot_mapping, v.unflatten(-1, (cfg.num_kv_heads, hd)))
-        a = self.attention(q, k_cache, v_cache, meta, self.scale(cfg))
-        x = x + F.linear(a.flatten(1), w["self_attn.o_proj.weight"])
-        return x + self.mlp(self.rms_norm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps), w)
+HELPERS: dict = {"apply_top_k_top_p": mask_ascending, "Sampler": RowSampler}
 
 
-def _layer(cls: type[FusedLayer]) -> Any:
-    layer = cls()
-
-    def decoder_layer(x, positions, weights, k_cache, v_cache, meta, cfg):  # type: ignore[no-untyped-def]
-        return layer(x, positions, weights, k_cache, v_cache, meta, cfg)
-
-    return decoder_layer
+# ---- apply_top_k_top_p -----------------------------------------------------------------------------------------
+def _top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    if 0 < top_k < logits.shape[-1]:
+        return logits.masked_fill(logits < torch.topk(logits, top_k).values[-1], NEG)
+    return logits
 
 
-HELPERS: dict = {"decoder_layer": _layer(FusedLayer)}
+@mutant("apply_top_k_top_p", "top-p drops the token that crosses top_p: the kept set holds less than top_p")
+def drops_the_crossing_token(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    logits = _top_k(logits, top_k)
+    if top_p < 1.0:
+        ranked, order = torch.sort(logits, descending=True)
+        drop = ranked.softmax(-1).cumsum(-1) > top_p  # MISTAKE: the probability held *before* the token
+        drop[0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), NEG)
+    return logits
 
 
-class _NormWithoutEps(FusedLayer):
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return weight * (x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True)))  # MISTAKE: + eps inside the root
+@mutant("apply_top_k_top_p", "top-k keeps exactly k indices from torch.topk: logits tied with the k-th are dropped")
+def top_k_drops_ties(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if 0 < top_k < logits.shape[-1]:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[torch.topk(logits, top_k).indices] = True  # MISTAKE: every logit >= the k-th value stays
+        logits = logits.masked_fill(~keep, NEG)
+    return mask_ascending(logits, -1, top_p)
 
 
-class _LayerNorm(FusedLayer):
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return weight * F.layer_norm(x, x.shape[-1:], eps=eps)  # MISTAKE: RMSNorm subtracts no mean
+@mutant("apply_top_k_top_p", "top-p measured on the original row, not renormalised over what top-k left")
+def top_p_before_top_k(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    nucleus = mask_ascending(logits, -1, top_p)  # MISTAKE: top-k first, then top-p on the survivors
+    return _top_k(nucleus, top_k)
 
 
-class _InterleavedRope(FusedLayer):
-    def rope(self, x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-        d = x.shape[-1]
-        rot = torch.polar(torch.ones(1, dtype=torch.float64), self.angles(positions, d, theta))[:, None, :]
-        z = torch.view_as_complex(x.double().unflatten(-1, (d // 2, 2)).contiguous()) * rot  # MISTAKE: halves
-        return torch.view_as_real(z).flatten(-2).to(x.dtype)
+@mutant("apply_top_k_top_p", "the input row is masked in place (masked_fill_): the caller's logits change")
+def masks_in_place(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    masked = mask_ascending(logits, top_k, top_p)
+    return logits.masked_fill_(masked == NEG, NEG)  # MISTAKE: masked_fill, a new tensor
 
 
-class _RowIndexRope(FusedLayer):
-    def rope(self, x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-        return super().rope(x, torch.arange(x.shape[0]), theta)  # MISTAKE: each row's own position, not its index
+@mutant("apply_top_k_top_p", "top_p 1.0 is not switched off: rounding drops a tail whose probability sums to 1.0")
+def top_p_one_still_on(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    logits = _top_k(logits, top_k)
+    ranked, order = torch.sort(logits, descending=True)  # MISTAKE: only when top_p < 1.0
+    probs = ranked.softmax(-1)
+    drop = probs.cumsum(-1) - probs >= top_p
+    drop[0] = False
+    return logits.masked_fill(drop.scatter(-1, order, drop), NEG)
 
 
-class _RepeatNotInterleave(FusedLayer):
-    def expand(self, kv: torch.Tensor, num_heads: int) -> torch.Tensor:
-        return kv.repeat(1, num_heads // kv.shape[1], 1)  # MISTAKE: head h reads KV head h // group
+@mutant("apply_top_k_top_p", "top_k above the vocabulary is passed to torch.topk, which refuses it")
+def top_k_above_vocab(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0:  # MISTAKE: and top_k < the vocabulary
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[-1], NEG)
+    return mask_ascending(logits, -1, top_p)
 
 
-class _NoCausalMask(FusedLayer):
-    def mask(self, q_len: int, n: int) -> torch.Tensor:
-        return torch.ones(q_len, n, dtype=torch.bool)  # MISTAKE: a row must not see the positions after it
+@mutant("apply_top_k_top_p", "vLLM's rule without its last line: a tiny top_p masks every token, the largest too")
+def largest_can_go(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    logits = _top_k(logits, top_k)
+    if top_p < 1.0:
+        ranked, order = logits.sort()
+        drop = ranked.softmax(-1).cumsum(-1) <= 1 - top_p  # MISTAKE: then drop[-1] = False, the largest stays
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), NEG)
+    return logits
 
 
-class _MaskFromTheStart(FusedLayer):
-    def mask(self, q_len: int, n: int) -> torch.Tensor:
-        return torch.ones(q_len, n, dtype=torch.bool).tril()  # MISTAKE: the new rows are the last of the context
+# ---- Sampler ---------------------------------------------------------------------------------------------------
+@mutant("Sampler", "temperature after the mask: top-p is measured on the untempered distribution")
+class TemperatureAfterMask(RowSampler):
+    def probs(self, row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        return torch.softmax(mask_ascending(row, p.top_k, p.top_p) / p.temperature, -1)  # MISTAKE: divide first
 
 
-class _ScaleByDim(FusedLayer):
-    def scale(self, cfg: Any) -> float:
-        return 1 / cfg.head_dim  # MISTAKE: 1 / sqrt(head_dim)
+@mutant("Sampler", "the logits multiplied by the temperature: 0.5 flattens instead of sharpening")
+class TemperatureMultiplied(RowSampler):
+    def probs(self, row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        return torch.softmax(mask_ascending(row * p.temperature, p.top_k, p.top_p), -1)  # MISTAKE: row / t
 
 
-class _SiluOnUp(FusedLayer):
-    def mlp(self, h: torch.Tensor, w: dict) -> torch.Tensor:
-        gate, up = F.linear(h, w["mlp.gate_proj.weight"]), F.linear(h, w["mlp.up_proj.weight"])
-        return (gate * F.silu(up)) @ w["mlp.down_proj.weight"].T  # MISTAKE: silu(gate) * up
+@mutant("Sampler", "softmax without the temperature: every sampled row drawn at temperature 1")
+class NoTemperature(RowSampler):
+    def probs(self, row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        return torch.softmax(mask_ascending(row, p.top_k, p.top_p), -1)  # MISTAKE: row / p.temperature
 
 
-class _AttendsToTheStepOnly(FusedLayer):
-    def attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
-        lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
-        short = type(meta)(meta.slot_mapping, meta.cu_seqlens_q, lens, meta.block_tables)
-        return super().attention(q, kc, vc, short, scale)  # MISTAKE: seq_lens, the whole context in the cache
+@mutant("Sampler", "one generator for every seeded key: a request's tokens depend on the rows drawn before it")
+class OneGeneratorForAll(RowSampler):
+    def stream(self, key: Hashable, row: int, p: SamplingParams, device: torch.device) -> torch.Generator | None:
+        if p.seed is None:
+            return None
+        return super().stream("every key", row, p, device)  # MISTAKE: the key's own generator
 
 
-MUTANTS = [
-    ("norm_without_eps", _NormWithoutEps, "RMSNorm without eps: a row near zero blows up"),
-    ("layer_norm", _LayerNorm, "LayerNorm instead of RMSNorm: the mean is subtracted"),
-    ("interleaved_rope", _InterleavedRope, "RoPE on interleaved pairs (GPT-J style), not on the two halves (Llama)"),
-    ("row_index_rope", _RowIndexRope, "RoPE at each row's index in the step, not its position in its sequence"),
-    ("gqa_by_repeat", _RepeatNotInterleave, "GQA by repeat: query head h reads KV head h % kv_heads, not h // group"),
-    ("no_causal_mask", _NoCausalMask, "no causal mask: a prompt's rows see the tokens after them"),
-    ("mask_from_the_start", _MaskFromTheStart, "the causal mask anchored at position 0, not at the context's end"),
-    ("scale_by_dim", _ScaleByDim, "scores scaled by 1/head_dim, not 1/sqrt(head_dim)"),
-    ("silu_on_up", _SiluOnUp, "SwiGLU with silu on the up projection"),
-    ("step_rows_only", _AttendsToTheStepOnly, "attention over this step's rows only: the cache is never read"),
-]
-for _name, _cls, _mistake in MUTANTS:  # module-level names: tests/mutants collects them by name
-    globals()[_name] = mutant("decoder_layer", _mistake)(_layer(_cls))
+@mutant("Sampler", "a new generator at every draw: the stream never advances, it repeats its first number")
+class NewGeneratorEachDraw(RowSampler):
+    def stream(self, key: Hashable, row: int, p: SamplingParams, device: torch.device) -> torch.Generator | None:
+        if p.seed is None:
+            return None
+        return torch.Generator(device=device).manual_seed(p.seed)  # MISTAKE: made once per key, then kept
+
+
+@mutant("Sampler", "generators kept by row number: a request that moves to another row draws from another stream")
+class StreamPerRow(RowSampler):
+    def stream(self, key: Hashable, row: int, p: SamplingParams, device: torch.device) -> torch.Generator | None:
+        return super().stream(row, row, p, device)  # MISTAKE: by key; rows change from step to step
+
+
+@mutant("Sampler", "generators kept in the class: a fresh Sampler goes on with the old streams")
+class StreamsInTheClass(RowSampler):
+    shared: ClassVar[dict[Hashable, torch.Generator]] = {}
+
+    def __init__(self) -> None:
+        self.streams = StreamsInTheClass.shared  # MISTAKE: a dict of the instance's own
+
+
+@mutant("Sampler", "forget does nothing: a forgotten key's next draw goes on with its old stream")
+class ForgetKeepsTheStream(RowSampler):
+    def forget(self, key: Hashable) -> None:
+        pass  # MISTAKE: drop the key's generator
+
+
+@mutant("Sampler", "unseeded rows get a fresh default torch.Generator(): every unseeded draw is the same")
+class UnseededFixedGenerator(RowSampler):
+    def stream(self, key: Hashable, row: int, p: SamplingParams, device: torch.device) -> torch.Generator | None:
+        if p.seed is None:
+            return torch.Generator(device=device)  # MISTAKE: None, torch's global generator
+        return super().stream(key, row, p, device)
+
+
+@mutant("Sampler", "any -inf refuses the row: a masked vocabulary counts as a model failure")
+class RefusesMaskedTokens(RowSampler):
+    def refuse(self, logits: torch.Tensor, keys: Sequence[Hashable]) -> None:
+        for i, row in enumerate(logits):
+            if not torch.isfinite(row).all():  # MISTAKE: only the row's largest logit must be finite
+                raise ValueError(f"row {i} ({keys[i]!r}) is not finite")
+
+
+@mutant("Sampler", "no check for bad rows: NaN reaches multinomial (RuntimeError) and argmax (a token)")
+class NoBadRowCheck(RowSampler):
+    def refuse(self, logits: torch.Tensor, keys: Sequence[Hashable]) -> None:
+        pass  # MISTAKE: a row whose largest logit is NaN, +inf or -inf raises ValueError naming its key
+
+
+@mutant("Sampler", "the temperature divides a view of the caller's logits in place")
+class DividesInPlace(RowSampler):
+    def probs(self, row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        row /= p.temperature  # MISTAKE: row / p.temperature, a new tensor
+        return torch.softmax(mask_ascending(row, p.top_k, p.top_p), -1)

@@ -24,7 +24,7 @@ def right_parts() -> dict:
         "free_queue_remove": mine["ex03"].remove,
         "slot_mapping": mine["ex04"].slot_mapping,
         "would_allocate": mine["ex04"].would_allocate,
-        "reshape_and_cache": mine["ex05"].reshape_and_cache,
+        "reshape_and_cache": mine["ex05b"].reshape_and_cache,
         "admit_waiting": mine["ex06"].admit_waiting,
         "schedule_running": mine["ex07"].schedule_running,
         "preempt_recompute": mine["ex07"].preempt_recompute,
@@ -32,7 +32,7 @@ def right_parts() -> dict:
         "find_prefix_hits": mine["ex08"].find_prefix_hits,
         "get_new_blocks": mine["ex08"].get_new_blocks,
         "free_blocks": mine["ex08"].free_blocks,
-        "paged_decode_attention": mine["ex05a"].paged_decode_attention,
+        "paged_decode_attention": mine["ex05"].paged_decode_attention,
     }
 
 

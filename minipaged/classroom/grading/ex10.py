@@ -17,7 +17,7 @@ is computed on the engine's device in the engine's dtype. A run that differs is 
 (``parts.use(check=True)``), which names the first wrong call::
 
     ex04  slot_mapping, would_allocate      calls 48, 310   token-exact
-    ex05a paged_decode_attention            calls 330       request 2 differs from its token 1 (engine step 9);
+    ex05  paged_decode_attention            calls 330       request 2 differs from its token 1 (engine step 9);
                                                             first wrong call: part 'paged_decode_attention' ...
 """
 
@@ -39,11 +39,11 @@ from .. import parts
 from .core import Check, CheckOutcome, report
 from .runner import run_code_cells
 
-EXERCISES = ("ex03", "ex04", "ex05", "ex05a", "ex06", "ex07", "ex08")
+EXERCISES = ("ex03", "ex04", "ex05", "ex05b", "ex06", "ex07", "ex08")
 
 
 def capstone_parts() -> dict[str, parts.Part]:
-    """The parts of exercises 03-09, which the capstone assembles (exercise 05b's puzzles plug in on their own)."""
+    """The parts of exercises 03-09, which the capstone assembles (exercise 05d's puzzles plug in on their own)."""
     return {n: p for n, p in parts.PARTS.items() if p.exercise in EXERCISES}
 
 

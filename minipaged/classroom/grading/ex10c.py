@@ -44,17 +44,17 @@ from ...kernels import reference
 from ...sampling_params import SamplingParams
 from . import ex10
 from .core import Check, CheckOutcome, report
-from .ex09c import LayerConfig, StepMeta, smollm2_config
+from .ex09b import LayerConfig, StepMeta, smollm2_config
 from .runner import run_code_cells
 
 EngineClass = Callable[..., Any]
-BUILD_TRACK = {"ex03b": "BlockPool", "ex04b": "KVCacheManager", "ex06b": "Scheduler", "ex09c": "decoder_layer"}
+BUILD_TRACK = {"ex03b": "BlockPool", "ex04b": "KVCacheManager", "ex06b": "Scheduler", "ex09b": "decoder_layer"}
 
 
 # ---- the model, as the engine sees it -----------------------------------------------------------------------------
 @dataclass
 class Model:
-    """A Llama's weights by role: ``embed`` [vocab, hidden], one weight dict per layer (exercise 09c's names),
+    """A Llama's weights by role: ``embed`` [vocab, hidden], one weight dict per layer (exercise 09b's names),
     the final ``norm`` [hidden], ``lm_head`` [vocab, hidden]; its ``cfg`` and its ``eos_token_id`` (None: none)."""
 
     cfg: LayerConfig
@@ -118,7 +118,7 @@ def make_request(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The final norm, as in exercise 09c (given: it is not this exercise's)."""
+    """The final norm, as in exercise 09b (given: it is not this exercise's)."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
@@ -170,7 +170,7 @@ def package_decoder_layer(
     meta: StepMeta,
     cfg: LayerConfig,
 ) -> torch.Tensor:
-    """A decoder layer of the package's own pieces (the kernels' PyTorch references) with exercise 09c's
+    """A decoder layer of the package's own pieces (the kernels' PyTorch references) with exercise 09b's
     signature."""
     w, rows, d = weights, x.shape[0], cfg.head_dim
     h = rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps)

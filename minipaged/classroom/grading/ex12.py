@@ -122,9 +122,9 @@ def check_ring(all_reduce: AllReduce) -> list[CheckOutcome]:
     want = ["the sum on every rank", "each rank sends only to the next", "2(N - 1) messages each",
             "2(N - 1)/N of the tensor per rank"]  # fmt: skip
     hint = (
-        "reduce-scatter: in round s rank r sends chunk (r - s) mod N to rank r + 1, which adds it to its own; after "
-        "N - 1 rounds rank r holds the sum of chunk (r + 1) mod N. All-gather: N - 1 more rounds pass the finished "
-        "chunks on"
+        "the first entry that differs names the trouble: sums (the chunks a rank adds or keeps: replay the spec's "
+        "3-rank table round by round), links (only to the next rank), messages and volume (one chunk per round, "
+        "a reduce-scatter then an all-gather)"
     )
 
     def label(n: int, shape: tuple[int, ...]) -> str:
@@ -241,7 +241,10 @@ def check_shards(shard_mlp: Callable) -> list[CheckOutcome]:
 
 def check_partial(mlp_partial: Callable) -> list[CheckOutcome]:
     """The learner's partial output on the package's shards, summed: the whole MLP."""
-    hint = "down(silu(gate x) * up x) on this rank's slice only; no sum, no residual: the all-reduce adds them up"
+    hint = (
+        "the spec's MLP on this rank's units alone, the nonlinearity before the last projection; no residual, no sum "
+        "over ranks: the all-reduce adds the partials up, once"
+    )
     return report(
         "partial",
         [
@@ -256,8 +259,8 @@ def check_partial(mlp_partial: Callable) -> list[CheckOutcome]:
 def check_tp_mlp(shard_mlp: Callable, mlp_partial: Callable, all_reduce: AllReduce) -> list[CheckOutcome]:
     """The learner's shards and partial outputs, summed by the learner's all-reduce, against the whole MLP."""
     hint = (
-        "gate_proj and up_proj: rank r keeps output rows [r·I/N, (r+1)·I/N), the same rows for both; down_proj: the "
-        "same range of its input columns. Each partial is down_r(silu(gate_r x) * up_r x); the sum does the rest"
+        "your three functions together: the ring, shards and partial checks above name the one that is wrong (a "
+        "unit's gate row, up row and down column on one rank; a partial with no residual and no sum)"
     )
     return report(
         "tp_mlp",

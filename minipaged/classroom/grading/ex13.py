@@ -80,8 +80,8 @@ PROPOSE_CASES: list[tuple[str, list[int], int, int, int]] = [
 def check_propose(propose: Propose) -> list[CheckOutcome]:
     """Prompt lookup, case by case; each expected list is the package's ``NgramProposer.propose``."""
     hint = (
-        "among n from max_n down to min_n, the first whose last-n tokens occur earlier (ending before the last "
-        "position); of those occurrences, the earliest; then up to k tokens that followed it"
+        "the case's label names its trap: which n wins, which occurrence, where an occurrence may end, how many "
+        "tokens follow it; replay the spec's rule and its example by hand on that case"
     )
     checks = [
         Check(
@@ -138,7 +138,10 @@ ACCEPT_CASES: list[tuple[str, list[int], list[int]]] = [
 
 def check_accept(accept: Accept) -> list[CheckOutcome]:
     """The greedy acceptance rule, case by case; each expected list is the package's ``verify``."""
-    hint = "emit the model's token row by row; stop after the first row whose token is not that row's draft"
+    hint = (
+        "every emitted token is the model's, right draft or wrong; the first wrong draft's row is the last one "
+        "emitted, and the bonus token comes only when every draft was right (the spec's two examples)"
+    )
     return report(
         "accept",
         [

@@ -30,20 +30,34 @@ class Group:
 
 @dataclass(frozen=True)
 class Exercise:
-    key: str  # "ex03", or "ex05b" for a chapter's second exercise
+    key: str  # "ex03", or "ex03b" for a chapter's second exercise (then "c", "d": no letter skipped)
     stem: str  # "ex03_free_queue": the starter's file name without .ipynb
     groups: tuple[Group, ...]
     triton: bool = False  # its code runs Triton kernels: without a GPU, the interpreter must be on first
+    minutes: int = 0  # what it takes a learner who has read its chapter, prose included
+    level: int = 0  # difficulty, 1 to 5 (LEVELS): the ladder rises within a chapter and to the last rung
 
     @property
     def total(self) -> int:
         return sum(g.total for g in self.groups)
 
+    @property
+    def label(self) -> str:
+        """Its time and difficulty as the notebook's first line and the course map show them: ``40 min · ★★☆☆☆ steady``."""
+        return f"{self.minutes} min · {'★' * self.level}{'☆' * (5 - self.level)} {LEVELS[self.level]}"
 
-def _ex(stem: str, *groups: tuple, triton: bool = False, own: tuple[str, ...] = ()) -> Exercise:
+
+# The difficulty scale. Judged from what an exercise asks (how much code, how many ideas at once, how far the
+# learner must go beyond its chapter), not from how long its checks take.
+LEVELS = {1: "warm-up", 2: "steady", 3: "demanding", 4: "hard", 5: "hardest"}
+
+
+def _ex(
+    stem: str, time_level: tuple[int, int], *groups: tuple, triton: bool = False, own: tuple[str, ...] = ()
+) -> Exercise:
     """An exercise; a group is (name, check, args, total) or (name, check, args, total, own of its own)."""
     made = tuple(Group(g[0], g[1], tuple(g[2].split()), g[3], g[4] if len(g) > 4 else own) for g in groups)
-    return Exercise(stem.split("_")[0], stem, made, triton)
+    return Exercise(stem.split("_")[0], stem, made, triton, *time_level)
 
 
 # What the build track's components are, in the package: an answer must not run them.
@@ -100,18 +114,21 @@ EXERCISES: dict[str, Exercise] = {
     for e in (
         _ex(
             "ex01_kv_bytes",
+            (20, 1),
             ("bytes_per_token", "check_bytes_per_token", "bytes_per_token", 6),
             ("block_capacity", "check_block_capacity", "block_capacity", 6),
             own=_KV_BYTES,
         ),
         _ex(
             "ex02_fragmentation",
+            (30, 1),
             ("free_extents", "check_free_extents", "free_extents", 7),
             ("fragmentation", "check_fragmentation", "fragmentation", 11),
             own=_ARENA,
         ),
         _ex(
             "ex03_free_queue",
+            (20, 2),
             ("remove_links", "check_remove_links", "remove", 8),
             ("remove_is_O1", "check_remove_is_O1", "remove", 5),
             ("remove_in_pool", "check_remove_in_pool", "remove", 4),
@@ -119,6 +136,7 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex(
             "ex03b_block_pool",
+            (60, 3),
             ("pool_spec", "check_pool_spec", "BlockPool", 12),
             ("pool_twin", "check_pool_twin", "BlockPool", 4),
             ("pool_O1", "check_pool_O1", "BlockPool", 5),
@@ -126,34 +144,45 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex(
             "ex04_slots_and_admission",
+            (30, 2),
             ("slot_mapping", "check_slot_mapping", "slot_mapping", 8, _SLOTS),
             ("would_allocate", "check_would_allocate", "would_allocate", 9, _WOULD),
         ),
         _ex(
             "ex04b_kv_cache_manager",
+            (75, 3),
             ("manager_spec", "check_manager_spec", "KVCacheManager", 13),
             ("manager_twin", "check_manager_twin", "KVCacheManager", 4),
             own=(_MANAGER,),
         ),
         _ex(
-            "ex05_scatter_write",
-            ("scatter_write", "check_scatter_write", "reshape_and_cache", 8),
-            ("scatter_edges", "check_scatter_edges", "reshape_and_cache", 6),
-            triton=True,
-            own=_CACHE_WRITE,
-        ),
-        _ex(
-            "ex05a_paged_decode",
+            "ex05_paged_decode",
+            (40, 2),
             ("paged_decode", "check_paged_decode", "paged_decode_attention", 8),
             ("paged_decode_edges", "check_paged_decode_edges", "paged_decode_attention", 8),
             triton=True,
             own=_DECODE,
         ),
         _ex(
-            "ex05b_triton_puzzles",
+            "ex05b_scatter_write",
+            (40, 3),
+            ("scatter_write", "check_scatter_write", "reshape_and_cache", 8),
+            ("scatter_edges", "check_scatter_edges", "reshape_and_cache", 6),
+            triton=True,
+            own=_CACHE_WRITE,
+        ),
+        _ex(
+            "ex05c_triton_puzzles",
+            (45, 3),
             ("scatter", "check_scatter", "scatter_kernel", 4),
             ("gather", "check_gather", "gather_kernel", 4),
             ("decode", "check_decode", "decode_kernel", 3),
+            triton=True,
+            own=_KERNELS,
+        ),
+        _ex(
+            "ex05d_triton_puzzles_hard",
+            (75, 4),
             ("split", "check_split", "split_kernel", 3),
             ("merge", "check_merge", "merge_kernel", 3),
             ("gqa", "check_gqa", "gqa_kernel", 3),
@@ -165,7 +194,8 @@ EXERCISES: dict[str, Exercise] = {
             own=_KERNELS,
         ),
         _ex(
-            "ex05c_decode_speed",
+            "ex05e_decode_speed",
+            (60, 4),
             ("paged_decode", "check_paged_decode", "batched_decode", 8),
             ("paged_decode_edges", "check_paged_decode_edges", "batched_decode", 8),
             ("launches", "check_launches", "batched_decode", 2),
@@ -174,37 +204,43 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex(
             "ex06_admission",
+            (30, 2),
             ("admit_waiting", "check_admit_waiting", "admit_waiting", 10),
             ("admission_state", "check_admission_state", "admit_waiting", 10),
             own=_ADMIT,
         ),
         _ex(
             "ex06b_scheduler",
+            (90, 4),
             ("scheduler_spec", "check_scheduler_spec", "Scheduler", 12),
             ("scheduler_twin", "check_scheduler_twin", "Scheduler", 3),
             own=(_SCHEDULER,),
         ),
         _ex(
             "ex07_preemption",
+            (40, 3),
             ("preempt_recompute", "check_preempt_recompute", "preempt_recompute", 5, _PREEMPT),
             ("schedule_running", "check_schedule_running", "schedule_running", 7, _RUNNING),
         ),
         _ex(
             "ex08_prefix_hashing",
+            (50, 3),
             ("chain_block_hashes", "check_chain_block_hashes", "chain_block_hashes", 7, _HASHES),
             ("find_prefix_hits", "check_find_prefix_hits", "find_prefix_hits", 8, _HITS),
             ("free_blocks", "check_free_blocks", "free_blocks", 5, _LRU),
             ("get_new_blocks", "check_get_new_blocks", "get_new_blocks", 6, _LRU),
         ),
-        _ex("ex09b_step_inputs", ("step_inputs", "check_step_inputs", "step_inputs", 8), own=_STEP_INPUTS),
+        _ex("ex09_step_inputs", (30, 3), ("step_inputs", "check_step_inputs", "step_inputs", 8), own=_STEP_INPUTS),
         _ex(
-            "ex09c_decoder_layer",
+            "ex09b_decoder_layer",
+            (60, 4),
             ("layer_spec", "check_layer_spec", "decoder_layer", 9),
             ("layer_smollm2", "check_layer_smollm2", "decoder_layer", 2),
             own=_LAYER,
         ),
         _ex(
-            "ex09d_sampler",
+            "ex09c_sampler",
+            (60, 4),
             ("mask", "check_mask", "apply_top_k_top_p", 16),
             ("streams", "check_streams", "Sampler", 13),
             ("distribution", "check_distribution", "Sampler", 8),
@@ -213,14 +249,16 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex(
             "ex10_capstone",
+            (30, 2),
             ("capstone_parts", "check_parts", "my_parts", 12),
             ("capstone_engine", "check_engine_settings", "engine_settings", 6),
             ("report_card", "check_report_card", "my_parts engine_settings", 11),
             triton=True,
         ),
-        _ex("ex10b_open_policy", ("policy", "check_policy", "my_policy", 5)),
+        _ex("ex10b_open_policy", (45, 3), ("policy", "check_policy", "my_policy", 5)),
         _ex(
             "ex10c_your_engine",
+            (120, 4),
             ("engine_inputs", "check_engine_inputs", "Engine", 4),
             ("engine_tiny", "check_engine_tiny", "Engine", 2),
             ("engine_rollback", "check_engine_rollback", "Engine", 3),
@@ -230,6 +268,7 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex(
             "ex11_streaming",
+            (75, 4),
             ("merged", "check_merged", "merged", 9),
             ("events", "check_events", "completion_events", 10),
             ("disconnect", "check_disconnect", "unless_disconnected", 7),
@@ -238,6 +277,7 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex(
             "ex12_tensor_parallel_mlp",
+            (45, 3),
             ("ring", "check_ring", "all_reduce", 6),
             ("shards", "check_shards", "shard_mlp", 3),
             ("partial", "check_partial", "mlp_partial", 2),
@@ -246,6 +286,7 @@ EXERCISES: dict[str, Exercise] = {
         ),
         _ex(
             "ex13_speculation",
+            (45, 3),
             ("propose", "check_propose", "propose", 8),
             ("draft_twin", "check_draft_twin", "propose", 3),
             ("accept", "check_accept", "accept", 5),
@@ -256,10 +297,28 @@ EXERCISES: dict[str, Exercise] = {
     )
 }
 
-_NAME = re.compile(r"^(ex\d\d[a-z]?)(?:_|\.ipynb$)")  # ex05b: a chapter's second exercise
+_NAME = re.compile(r"^(ex\d\d[a-z]?)(?:_|\.ipynb$)")  # ex03b: a chapter's second exercise
+
+# The exercises that were renumbered when chapter 05's and 09's rungs were put in rising order, by their old file
+# names: a notebook saved under its old name is graded as the exercise it is, not as the one that now has its
+# number. Only a whole old name counts (``ex05_scatter_write.ipynb``, ``ex05_scatter_write-alice.ipynb``);
+# ``ex05_mine.ipynb`` is exercise 05 as numbered now. The old ``ex05b_triton_puzzles`` held all six puzzles: it is
+# graded as 05c, the first three; the other three are 05d's, graded from an ``ex05d_*`` notebook.
+RENAMED = {
+    "ex05_scatter_write": "ex05b",
+    "ex05a_paged_decode": "ex05",
+    "ex05b_triton_puzzles": "ex05c",
+    "ex05c_decode_speed": "ex05e",
+    "ex09b_step_inputs": "ex09",
+    "ex09c_decoder_layer": "ex09b",
+    "ex09d_sampler": "ex09c",
+}
 
 
 def exercise_for(filename: str) -> Exercise | None:
     """The exercise a notebook file belongs to, from its name (``ex03_free_queue.ipynb``, ``ex03_mine.ipynb``)."""
+    for old, key in RENAMED.items():
+        if filename.startswith(old) and not filename[len(old) : len(old) + 1].isalnum():
+            return EXERCISES[key]
     m = _NAME.match(filename)
     return EXERCISES.get(m[1]) if m else None

@@ -14,7 +14,7 @@ notebook, a name that matches no exercise), it gets its rows, named in the row, 
     --------------------  ---------------  -----  ---------------------------------
     ex01_kv_bytes.ipynb   bytes_per_token  6/6
     ex01_kv_bytes.ipynb   block_capacity   0/6    `block_capacity` not defined
-    ex05_scatter.ipynb    scatter_write    0/8    timed out after 300 s in cell 7
+    ex05b_scatter.ipynb   scatter_write    0/8    timed out after 300 s in cell 7
     --------------------  ---------------  -----  ---------------------------------
     TOTAL                                  6/20
 
