@@ -147,3 +147,41 @@ def test_the_figure_finder_finds_what_it_must():
     for want in [("01", "vLLM Deep Dive"), ("02", "Inference at scale"), ("07", "Wu"), ("06", "Orca")]:
         assert want in found, want
     assert set(NOT_QUOTED) <= found, "an exemption that no longer applies"
+
+
+# ---- a GPU's measured figure in a chapter names the committed run it comes from -------------------------------------
+# "an H100 ... 39 ms", "the recorded H100 run ... 81 %": a figure measured on a GPU names its result file in
+# assets/benchmarks/ (or says it is an estimate, or reads a datasheet peak from minipaged.gpus). A CPU-only machine
+# cannot check such a figure, so the file is what a reader can.
+_GPU_FIGURE = re.compile(r"\b(T4|L4|A100|H100|H200)\b[^.]{0,120}?\b\d+(?:\.\d+)?\s?(?:ms|µs|%|tok/s)")
+_BACKED = re.compile(r"assets/benchmarks/|\bestimate|minipaged\.gpus|\bdatasheet")
+
+
+def _unbacked_gpu_figures(text: str) -> list[str]:
+    """Each GPU figure whose sentence (and the one before it) names neither a result file nor an estimate."""
+    found = []
+    for m in _GPU_FIGURE.finditer(text):
+        start = text.rfind(".", 0, text.rfind(".", 0, m.start()) - 1) + 1  # from the start of the sentence before
+        end = text.find(".", m.end())
+        if not _BACKED.search(text[start : len(text) if end < 0 else end]):
+            found.append(" ".join(m[0].split()))
+    return found
+
+
+def test_the_gpu_figure_check_finds_an_unbacked_figure():
+    assert _unbacked_gpu_figures("Our record on an H200 is about 36 ms a step, 90 % in Python.") == [
+        "H200 is about 36 ms"
+    ]
+    assert not _unbacked_gpu_figures("The committed run on an H100 (`assets/benchmarks/gpu/x.json`) took 39 ms.")
+    assert not _unbacked_gpu_figures("On an H100 we estimate about 3 ms a step.")
+
+
+CHAPTERS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_every_gpu_figure_in_a_chapter_points_to_a_committed_result(chapter):
+    import nbformat
+
+    text = "\n".join(c.source for c in nbformat.read(chapter, as_version=4).cells if c.cell_type == "markdown")
+    assert not _unbacked_gpu_figures(text), f"{chapter.name}: GPU figures with no result file or estimate"
