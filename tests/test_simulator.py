@@ -65,7 +65,8 @@ def test_cost_model_is_a_roofline_plus_swaps():
         H100.step_times(np.array([100, 2048]), np.array([1, 2048])),
         [H100.step_time(100, 1), H100.step_time(2048, 2048)],
     )
-    assert kv_pool_blocks("llama-3-8b", "h100", 16) == int((80e9 * 0.9 - weights) // spec.bytes_per_block(16))
+    # the memory an "80 GB" H100 reports (81,559 MiB), not 80e9 B
+    assert kv_pool_blocks("llama-3-8b", "h100", 16) == int((81559 * 2**20 * 0.9 - weights) // spec.bytes_per_block(16))
     with pytest.raises(ValueError, match="num_params"):
         CostModel.for_model(KVSpec(2, 2, 8, 2))
     with pytest.raises(ValueError, match="copies_per_block"):

@@ -165,13 +165,13 @@ TERMS: tuple[Term, ...] = (
     ),
     Term(
         "recompute",
-        "preemption that frees the victim's blocks and prefills its tokens again when it returns",
+        "preemption that frees the victim's blocks and prefills its tokens again when it returns (vLLM v1's only kind)",
         "07",
         "minipaged.core.scheduler.preempt_recompute",
     ),
     Term(
         "swap",
-        "preemption that copies the victim's blocks to CPU memory and back",
+        "preemption that copies the victim's blocks to CPU memory and back (the paper's and vLLM v0's; v1 dropped it)",
         "07",
         "minipaged.worker.cache_engine.CacheEngine",
     ),
@@ -189,7 +189,8 @@ TERMS: tuple[Term, ...] = (
     ),
     Term(
         "copy-on-write",
-        "a block shared by forked sequences is copied before one of them writes into it",
+        "a block shared by forked sequences is copied before one of them writes into it (the paper's and vLLM "
+        "v0's fork; v1 shares only full blocks, through the prefix cache)",
         "08",
         "minipaged.core.kv_cache_manager.KVCacheManager.fork",
     ),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 # ---- the sources, as a reader finds them ---------------------------------------------------------------------
 PAGED_ATTENTION = (
@@ -1056,6 +1056,8 @@ def _chapter_07() -> list[Claim]:
         from ..core.kv_cache_manager import KVCacheManager
         from ..core.request import Request
         from ..core.scheduler import Scheduler, SchedulerConfig
+        from ..engine.step import run_step
+        from ..lab.fake_device import FakeDeviceExecutor
         from ..sampling_params import SamplingParams
 
         kv = KVCacheManager(block_size=4, num_blocks=12, enable_caching=False, watermark=0.0)
@@ -1066,8 +1068,9 @@ def _chapter_07() -> list[Claim]:
         }
         for r in reqs.values():
             sched.add_request(r)
+        device = FakeDeviceExecutor(4, 4, 64, 12)  # the step driver's executor, a virtual device
         for step in range(1, 10):
-            out = sched.schedule()
+            out = run_step(sched, device, partial(float, step)).output
             if out.preempted:
                 victim = reqs[out.preempted[0]]
                 return (
@@ -1077,7 +1080,6 @@ def _chapter_07() -> list[Claim]:
                     f"blocks held, position {[r.request_id for r in sched.waiting].index(victim.request_id)} of the "
                     f"waiting queue, nothing swapped out ({out.swap_out})"
                 )
-            sched.update_from_output(out, {q.request_id: [7] for q in out.scheduled if q.samples}, now=step)
         return "no preemption in 9 steps"
 
     def a100_entry() -> str:
@@ -1196,6 +1198,8 @@ def _chapter_08() -> list[Claim]:
         from ..core.kv_cache_manager import KVCacheManager
         from ..core.request import Request
         from ..core.scheduler import Scheduler, SchedulerConfig
+        from ..engine.step import run_step
+        from ..lab.fake_device import FakeDeviceExecutor
         from ..sampling_params import SamplingParams
 
         kv = KVCacheManager(block_size=4, num_blocks=32, enable_caching=True, watermark=0.0)
@@ -1203,11 +1207,9 @@ def _chapter_08() -> list[Claim]:
         params = SamplingParams(n=3, max_tokens=4, ignore_eos=True)
         sched.add_request(Request("p", [1, 2, 3, 4, 5, 6], sampling_params=params))
         copies = []
+        device = FakeDeviceExecutor(4, 8, 64, 32)  # the step driver's executor, a virtual device
         for step in (1, 2, 3):
-            out = sched.schedule()
-            copies += out.copy_blocks
-            sampled = {q.request_id: [40 + step] * q.num_samples for q in out.scheduled if q.num_samples}
-            sched.update_from_output(out, sampled, now=step)
+            copies += run_step(sched, device, partial(float, step)).output.copy_blocks
         shared = {b.block_id: b.ref_cnt for b in kv.block_pool.blocks if b.ref_cnt > 1}
         return (
             f"minipaged, chapter 08's fork (n=3, a 6-token prompt, blocks of 4): {len(copies)} block copies "
