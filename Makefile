@@ -7,7 +7,7 @@
 #                   or servers or inject faults (tensor-parallel ranks, disaggregated prefill, the server, engine faults)
 #   make lint   ruff (lint and format check) and mypy (configured in pyproject.toml)
 #   make test-hosted  a hosted notebook rehearsed on the CPU: a fresh venv with only torch and Jupyter, the course
-#                     fetched by chapter 00's set-up cell into another folder, then chapters 00, 01, 03, 09 there
+#                     fetched by chapter 00's set-up cell into another folder, then chapters 00, 01, 03, 09b there
 #   make test-browser  every widget in a real JupyterLab, driven in Debian's chromium (Playwright);
 #                      saves screenshots to assets/screenshots/
 #   make site   build the static site of the whole course into _build/site/ (chapters executed, about four minutes)

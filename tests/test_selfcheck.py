@@ -157,3 +157,11 @@ def test_the_hybrid_question_explains_the_number_the_manager_holds():
         assert terms is not None, q.explain
         a, b, c, d, total = map(int, terms.groups())
         assert a * b + c * d == total == q.answer
+
+
+def test_the_layer_weights_question_counts_smollm2s_own_matrices() -> None:
+    from minipaged.model_loader import ensure_converted, load_hf_model
+
+    hf = load_hf_model(ensure_converted())
+    layers = sum(p.numel() for p in hf.parameters()) - hf.config.vocab_size * hf.config.hidden_size  # tied head
+    assert abs(layers - selfcheck.SMOLLM2_LAYER_WEIGHTS) < 0.005 * layers, layers

@@ -110,7 +110,7 @@ def quoted_figures() -> list[tuple[str, str, str]]:
     import nbformat
 
     found = []
-    for path in sorted(Path(__file__).resolve().parents[1].glob("notebooks/[01][0-9]_*.ipynb")):
+    for path in sorted(Path(__file__).resolve().parents[1].glob("notebooks/[01][0-9]*_*.ipynb")):
         chapter = path.name[:2]
         for cell in nbformat.read(path, as_version=4).cells:
             if cell.cell_type != "markdown":

@@ -338,7 +338,7 @@ SPECS = [
         ],
     ),
     NotebookSpec(
-        "notebooks/09_mini_engine.ipynb",
+        "notebooks/09b_mini_engine_serving.ipynb",
         [
             WidgetSpec(
                 "monitor = EngineMonitor(llm_small)",

@@ -10,7 +10,7 @@ installed, no ``make``, and a working folder that is not the course (Colab's ``/
    repository and a fresh model cache: its set-up cell must fetch the course, install the rest, keep torch as it
    was, convert the model and report the device; then the whole chapter runs;
 4. the set-up run a second time: it must install nothing;
-5. chapters 00, 01, 03 and 09 of the fetched copy under nbval (installed by step 3) in that venv.
+5. chapters 00, 01, 03 and 09b (the engine on the runtime's device) of the fetched copy under nbval (installed by step 3) in that venv.
 
 Every step is bounded in time; the scratch folder is removed at the end (``--keep`` keeps it). Exits 1 on the
 first failure, naming the step. About 10 minutes on 2 cores, most of it pip and the model's conversion.
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CHAPTERS = ["00_welcome", "01_kv_cache_math", "03_block_pool", "09_mini_engine"]
+CHAPTERS = ["00_welcome", "01_kv_cache_math", "03_block_pool", "09b_mini_engine_serving"]
 RUNTIME = ["ipykernel>=6.29", "nbclient>=0.10", "nbformat>=5.10"]  # what a hosted runtime has besides torch
 
 

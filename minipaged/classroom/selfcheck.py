@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from ..core.request import RequestMetrics
 from ..kv_math import KVSpec
 
-CHAPTERS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13")
+CHAPTERS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "09b", "10", "11", "12", "13")
 GiB, MiB = 2**30, 2**20
 
 
@@ -990,6 +990,70 @@ def _pass_speedup(rng: random.Random) -> Asked:
     )
 
 
+# SmolLM2-135M's layer matrices, rounded: its parameters less the (tied) embedding (tests/test_selfcheck.py counts them)
+SMOLLM2_LAYER_WEIGHTS = 106_000_000
+
+
+# ---- chapter 09, part 2: the engine serving a batch ----------------------------------------------------------------
+def _pool_blocks(rng: random.Random) -> Asked:
+    s = KVSpec.from_preset("smollm2-135m", dtype=rng.choice(["bf16", "fp32"]))
+    mib, bs = rng.choice([64, 128, 256, 512]), rng.choice([16, 32])
+    blocks = mib * MiB // s.bytes_per_block(bs)
+    return Asked(
+        f"LLM(kv_cache_memory='{mib}MiB', block_size={bs}) serves {_heads(s)}. How many blocks does its pool have, "
+        "the null block included?",
+        blocks,
+        f"A block holds {bs} tokens of K and V in every layer: {bs} · {s.bytes_per_token:,} = "
+        f"{s.bytes_per_block(bs):,} bytes; {mib} MiB holds {blocks:,} of them.",
+        "Section 7: the pool is a byte budget divided by the bytes of one block.",
+        unit="blocks",
+        mistakes=_mistakes(
+            blocks,
+            [
+                (mib * MiB // (s.bytes_per_block(bs) // 2), "A block holds K and V."),
+                (mib * MiB // (s.bytes_per_block(bs) // s.num_layers), "A block holds its tokens in every layer."),
+            ],
+        ),
+    )
+
+
+def _static_idle(rng: random.Random) -> Asked:
+    outs = [rng.randrange(4, 60) for _ in range(rng.choice([3, 4, 5]))]
+    idle = len(outs) * max(outs) - sum(outs)
+    return Asked(
+        f"A static batch of {len(outs)} requests wants {', '.join(map(str, outs))} output tokens. It runs until its "
+        "longest output is done. How many token slots (a row in one step) does it compute that nobody asked for?",
+        idle,
+        f"Every row runs {max(outs)} steps; the requests asked for {sum(outs)} tokens of the "
+        f"{len(outs)} · {max(outs)} = {len(outs) * max(outs)} computed.",
+        "Section 9: finished rows keep computing until the batch's longest output is done.",
+        unit="slots",
+        mistakes=_mistakes(
+            idle,
+            [
+                (max(outs) - min(outs), "Every request shorter than the longest idles, not only the shortest."),
+                (0, "A finished request keeps its row in a static batch: that is the waste."),
+            ],
+        ),
+    )
+
+
+def _layer_flops(rng: random.Random) -> Asked:
+    weights = SMOLLM2_LAYER_WEIGHTS
+    tokens = rng.randrange(8, 400)
+    gflop = 2 * weights * tokens / 1e9
+    return Asked(
+        f"SmolLM2's 30 layers hold about {weights / 1e6:.0f} million weights in their matrices. A step computes "
+        f"{tokens} tokens. About how many GFLOP do those matrices cost (attention's own products aside)?",
+        gflop,
+        f"Each weight is one multiply and one add for each computed token: 2 · {weights / 1e6:.0f}e6 · {tokens}.",
+        "Section 10: what every computed token costs in the layers' matrices.",
+        unit="GFLOP",
+        rel_tol=0.005,  # the arithmetic, to its rounding: v ± 1 and 1.05 v are wrong for every drawn step
+        mistakes=_mistakes(gflop, [(gflop / 2, "A multiply-add is two floating-point operations.")]),
+    )
+
+
 QUESTIONS: dict[str, tuple[Callable[[random.Random], Asked], ...]] = {
     "01": (_bytes_per_token, _tokens_in_budget, _gqa_saving),
     "02": (_max_waste, _pow2_reservation, _paged_waste),
@@ -1000,6 +1064,7 @@ QUESTIONS: dict[str, tuple[Callable[[random.Random], Asked], ...]] = {
     "07": (_victim, _recompute_tokens, _swap_bytes),
     "08": (_prefix_hit, _chained, _salted),
     "09": (_written, _samples, _positions),
+    "09b": (_pool_blocks, _static_idle, _layer_flops),
     "10": (_seam, _part_count, _checked),
     "11": (_ttft, _itl, _p99),
     "12": (_heads_per_rank, _bytes_per_rank, _copies),
