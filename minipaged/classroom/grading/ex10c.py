@@ -2,7 +2,7 @@
 
 The learner writes ``Engine(model, parts, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
 max_model_len)``: the step loop that joins their components from exercises 03b (``BlockPool``), 04b
-(``KVCacheManager``), 06b (``Scheduler``) and 09c (``decoder_layer``), with the two runner pieces in between —
+(``KVCacheManager``), 06b (``Scheduler``) and 09b (``decoder_layer``), with the two runner pieces in between —
 ``prepare_inputs`` (a step's flat rows and ``StepMeta``) and ``sample`` (greedy) — and a ``step`` that happens
 whole or not at all. None of the package's engine pieces run in it.
 
@@ -560,7 +560,7 @@ def check_engine_smollm2(Engine: EngineClass) -> list[CheckOutcome]:
         [
             Check(
                 "parts: your BlockPool, KVCacheManager, Scheduler and decoder_layer, from your notebooks 03b, 04b, "
-                "06b and 09c beside this one, each defined there (none of the package's)",
+                "06b and 09b beside this one, each defined there (none of the package's)",
                 lambda: _provenance(parts()),
                 "yours",
                 hint="keep this notebook in the folder of your build-track notebooks; each must define its class "
