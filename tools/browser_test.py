@@ -423,7 +423,7 @@ def _quiz(chapter: str) -> WidgetSpec:
 
 
 for _spec in SPECS:
-    _spec.widgets.append(_quiz(Path(_spec.path).name[:2]))
+    _spec.widgets.append(_quiz(Path(_spec.path).name.split("_")[0]))  # "09b" for chapter 09's part 2
 
 
 # ---- set-up: chromium and playwright --------------------------------------------------------------
