@@ -122,7 +122,7 @@ def test_every_starter_fails_every_check():
 def test_the_course_map_says_what_each_exercise_has_you_write():
     """00's table: every function in "you write" is a stub of that exercise, every part in "it runs in the
     engine as" is a part of that exercise (minipaged.parts), and every part is there; every chapter has an
-    exercise. A chapter may have several (05: ex05 to ex05e; the build track's 03b, 04b, 06b, 09b, 09c, 10c), all of its
+    exercise. A chapter may have several (05: ex05 to ex05e; the build track's 03b, 04b, 06b, 09b, 09c), all of its
     own number, each tagged with its time and difficulty."""
     from minipaged.classroom.grading.exercises import EXERCISES as EXERCISE_TABLE
     from minipaged.classroom.parts import PARTS

@@ -221,14 +221,14 @@ def test_the_command_line(tmp_path):
 def test_the_capstone_engine_serves_float32_on_any_device(monkeypatch):
     """On a GPU dtype="auto" is bfloat16, which a right engine and transformers do not round alike: the capstone
     serves float32 there too (on a CPU "auto" is float32 already: nothing changes)."""
-    from minipaged.classroom.grading import ex10
+    from minipaged.classroom.grading import capstone
     from minipaged.engine import llm as engine_module
 
     built: list[dict] = []
     monkeypatch.setattr(engine_module, "LLM", lambda **kw: built.append(kw))
-    monkeypatch.setattr(ex10, "prompt_ids", lambda: [[1] * 40])
+    monkeypatch.setattr(capstone, "prompt_ids", lambda: [[1] * 40])
     for settings in ({}, {"dtype": "auto", "block_size": 32}, {"dtype": "float32"}, {"dtype": "bfloat16"}):
-        ex10.engine(settings)
+        capstone.engine(settings)
     assert [b["dtype"] for b in built] == ["float32", "float32", "float32", "bfloat16"]  # the check cell refuses bf16
     assert [b["max_model_len"] for b in built] == [64, 64, 64, 64]
 
@@ -240,7 +240,7 @@ def test_the_capstone_reference_runs_on_the_engines_device_in_its_dtype(monkeypa
     import torch
 
     from minipaged import model_loader
-    from minipaged.classroom.grading import ex10
+    from minipaged.classroom.grading import capstone
 
     loads: list[tuple] = []
     monkeypatch.setattr(model_loader, "ensure_converted", lambda progress=True: tmp_path)
@@ -249,12 +249,12 @@ def test_the_capstone_reference_runs_on_the_engines_device_in_its_dtype(monkeypa
         model_loader, "hf_greedy_token_ids", lambda model, prompts, n: [[len(loads)] * n] * len(prompts)
     )
     prompts = [[1, 2, 3]]
-    cpu = ex10.reference_outputs(prompts, 2)
-    assert ex10.reference_outputs(prompts, 2, device=torch.device("cpu"), dtype=torch.float32) == cpu  # read back
+    cpu = capstone.reference_outputs(prompts, 2)
+    assert capstone.reference_outputs(prompts, 2, device=torch.device("cpu"), dtype=torch.float32) == cpu  # read back
     assert loads == [(torch.float32, "cpu")]
-    cuda = ex10.reference_outputs(prompts, 2, device=torch.device("cuda", 0))
+    cuda = capstone.reference_outputs(prompts, 2, device=torch.device("cuda", 0))
     assert loads[-1] == (torch.float32, "cuda:0") and cuda != cpu
-    ex10.reference_outputs(prompts, 2, device="cuda", dtype=torch.bfloat16)
+    capstone.reference_outputs(prompts, 2, device="cuda", dtype=torch.bfloat16)
     assert loads[-1] == (torch.bfloat16, "cuda") and len(loads) == 3
     # A CPU reference keeps the key it had before devices entered it: references already computed stay valid.
     key = hashlib.sha256(json.dumps([prompts, 2]).encode()).hexdigest()[:16]
@@ -263,13 +263,13 @@ def test_the_capstone_reference_runs_on_the_engines_device_in_its_dtype(monkeypa
     class Stop(Exception):
         pass
 
-    def reference(prompts, max_tokens=ex10.MAX_TOKENS, device="cpu", dtype=None):
+    def reference(prompts, max_tokens=capstone.MAX_TOKENS, device="cpu", dtype=None):
         loads.append((dtype, device))
         raise Stop
 
-    monkeypatch.setattr(ex10, "reference_outputs", reference)
-    monkeypatch.setattr(ex10, "prompt_ids", lambda: prompts)
+    monkeypatch.setattr(capstone, "reference_outputs", reference)
+    monkeypatch.setattr(capstone, "prompt_ids", lambda: prompts)
     llm = type("GPUEngine", (), dict(device=torch.device("cuda", 0), dtype=torch.float32))()
     with pytest.raises(Stop):
-        ex10.report_card({}, llm=llm)
+        capstone.report_card({}, llm=llm)
     assert loads[-1] == (torch.float32, torch.device("cuda", 0))

@@ -130,6 +130,29 @@ def test_a_dataclass_of_the_notebook_is_its_own_and_the_tracer_sees_only_noteboo
     assert t.found is None
 
 
+def test_only_the_grader_may_exempt_components_from_the_tracer():
+    """Exercise 10's guided track hands the learner's loop the package's components on purpose: the grader exempts
+    them for that group. Code of the notebook (a frame of its cells below the call) cannot."""
+    from minipaged.classroom.grading import ownership
+    from minipaged.core.block_pool import BlockPool
+
+    ns: dict = {}
+    exec(compile("def look_away(exempt):\n    exempt(['minipaged.core.block_pool:BlockPool'])\n\n"
+                 "def use():\n    BlockPool(4).get_new_blocks(1)", "<ex10_your_engine.ipynb cell 3>", "exec"),
+         {**ns, "BlockPool": BlockPool}, ns)  # fmt: skip
+    with Tracer(targets(["minipaged.core.block_pool:BlockPool"]), "ex10_your_engine.ipynb") as t:
+        assert ownership.Tracer.active is t
+        with pytest.raises(PermissionError, match="look away"):
+            ns["look_away"](ownership.exempt)
+        ns["use"]()
+    assert t.found and "BlockPool" in t.found and ownership.Tracer.active is None
+    with Tracer(targets(["minipaged.core.block_pool:BlockPool"]), "ex10_your_engine.ipynb") as t:
+        ownership.exempt(["minipaged.core.block_pool:BlockPool"])  # the grader's own call
+        ns["use"]()
+    assert t.found is None
+    ownership.exempt(["minipaged.core.block_pool:BlockPool"])  # no tracer watching (a check cell in Jupyter): nothing
+
+
 # ---- every build-track exercise: its graded functions as thin wrappers around the package's own ----------------------
 # Each wrapper is a function of the notebook's cells (foreign_code passes it) that calls the package's
 # implementation of what the exercise asks for, or the grading module's reference: only the Tracer can find it. The

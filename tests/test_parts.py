@@ -15,7 +15,7 @@ import pytest
 
 from minipaged import LLM, SamplingParams
 from minipaged.classroom import parts
-from minipaged.classroom.grading import ex10
+from minipaged.classroom.grading import capstone
 from minipaged.classroom.parts import PARTS, PartError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,7 +38,7 @@ PROMPTS = [
     SHARED + [36] * 9,
 ]
 GREEDY = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
-FUNCTION_TO_PART = {"remove": "free_queue_remove"}
+FUNCTION_TO_PART = {fn: part for part, fn in capstone.FUNCTION_NAMES.items()}
 
 # Mutants whose mistake never shows in how the engine calls the part; their exercise's checks catch them.
 INVISIBLE = {
@@ -115,12 +115,9 @@ def expected(llm):
 
 @pytest.fixture(scope="module")
 def solution_parts():
-    mine = ex10.load_exercises(SOLUTIONS)
+    mine = capstone.load_exercises(SOLUTIONS)
     assert not any(ns.errors for ns in mine.values())
-    return {
-        name: getattr(mine[spec.exercise], {v: k for k, v in FUNCTION_TO_PART.items()}.get(name, name))
-        for name, spec in ex10.capstone_parts().items()
-    }
+    return capstone.guided_parts(mine)
 
 
 def run(llm, plugged, check=True):
@@ -137,7 +134,7 @@ def test_all_solution_parts_together_give_the_package_output_and_all_are_called(
     assert not parts._plugged, "use() must restore the package's pieces"
 
 
-@pytest.mark.parametrize("exercise", ex10.EXERCISES)
+@pytest.mark.parametrize("exercise", capstone.EXERCISES)
 def test_each_exercise_alone_gives_the_package_output(llm, expected, solution_parts, exercise):
     alone = {n: fn for n, fn in solution_parts.items() if PARTS[n].exercise == exercise}
     got, calls = run(llm, alone, check=False)
@@ -145,7 +142,7 @@ def test_each_exercise_alone_gives_the_package_output(llm, expected, solution_pa
     assert all(n > 0 for n in calls.values()), calls
 
 
-ENGINE_MUTANTS = [m for m in mutants.all_mutants() if m.exercise in ex10.EXERCISES]
+ENGINE_MUTANTS = [m for m in mutants.all_mutants() if m.exercise in capstone.EXERCISES]
 
 
 @pytest.mark.parametrize("m", ENGINE_MUTANTS, ids=lambda m: f"{m.exercise}-{m.name}")

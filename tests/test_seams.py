@@ -74,8 +74,8 @@ def test_the_simulators_scheduler_is_built_like_the_engines() -> None:
 def test_one_step_driver() -> None:
     # The scheduler's two calls of a step are made in one place in the package: the step driver.
     # The build track's graders put the package's scheduler behind the learner's interface, whose step loop is the
-    # learner's own: exercise 06b drives it beside the learner's scheduler, exercise 10c under the learner's engine.
-    build_track = {"classroom/grading/ex06b.py", "classroom/grading/ex10c.py"}
+    # learner's own: exercise 06b drives it beside the learner's scheduler, exercise 10 under the learner's engine.
+    build_track = {"classroom/grading/ex06b.py", "classroom/grading/ex10.py"}
     calls = _calls("update_from_output")
     assert calls.pop("engine/step.py") == 1 and set(calls) <= build_track, calls
     assert set(_calls("schedule")) <= {

@@ -355,7 +355,7 @@ SPECS = [
     NotebookSpec(
         "notebooks/10_capstone.ipynb",
         [],
-        output_shots=[("print(ex10.report_card(package_parts, llm=llm))", "10_report_card.png")],
+        output_shots=[("print(capstone.report_card(package_parts, llm=llm))", "10_report_card.png")],
         timeout=600,
     ),
     NotebookSpec(

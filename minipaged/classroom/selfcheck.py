@@ -705,7 +705,7 @@ def _positions(rng: random.Random) -> Asked:
 
 # ---- chapter 10: the capstone's seams -----------------------------------------------------------------
 def _seam(rng: random.Random) -> Asked:
-    from .grading.ex10 import capstone_parts
+    from .grading.capstone import capstone_parts
 
     parts = capstone_parts()
     name = rng.choice(sorted(parts))
@@ -723,7 +723,7 @@ def _seam(rng: random.Random) -> Asked:
 
 
 def _part_count(rng: random.Random) -> Asked:
-    from .grading.ex10 import capstone_parts
+    from .grading.capstone import capstone_parts
 
     parts = capstone_parts()
     ex = rng.choice(sorted({p.exercise for p in parts.values()}))

@@ -50,3 +50,12 @@ def plain_fcfs() -> dict:
         return [r.request_id for r in waiting]  # MISTAKE: the open task asks for a policy of your own
 
     return {"admission_order": admission_order}
+
+
+@mutant("my_policy", "longest prompt first: a decision of its own that serves fewer requests within their SLO")
+def longest_first() -> dict:
+    def admission_order(waiting: list[Request]) -> list[str]:
+        by_length = sorted(waiting, key=lambda r: -r.num_prompt_tokens)  # MISTAKE: short ones wait behind long ones
+        return [r.request_id for r in by_length]
+
+    return {"admission_order": admission_order}

@@ -1,507 +1,704 @@
-"""Checks for exercise 10, the capstone: your parts from exercises 03–09 serve SmolLM2.
+"""Checks for exercise 10, the capstone: the learner's own engine, the step loop that joins the components.
 
-The learner hands in two functions:
+The learner writes ``Engine(model, parts, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+max_model_len)``: the loop that joins a ``BlockPool``, a ``KVCacheManager``, a ``Scheduler`` and a
+``decoder_layer``, with the two runner pieces in between — ``prepare_inputs`` (a step's flat rows and
+``StepMeta``) and ``sample`` (greedy) — and a ``step`` that happens whole or not at all. None of the package's
+engine pieces run in it.
 
-* ``my_parts()``: a dict from part name (``minipaged.classroom.parts.PARTS``) to their own
-  function, taken from their exercise notebooks (``load_exercises`` runs them);
-* ``engine_settings()``: the ``LLM`` keywords of an engine in which every part
-  has work to do: prefix caching on, preemption by recompute, and a pool too
-  small for the whole batch at once.
+The two tracks meet here. A learner of the build track hands their loop their own components (exercises 03b,
+04b, 06b and 09b); a learner of the guided track hands it the package's components behind the same interfaces,
+with their own parts of exercises 03–08 plugged into them (``parts.use``: the free queue's ``remove``, the
+admission rule and loop, preemption, the block hashes and the prefix lookup, the scatter-write and decode
+attention). Either way every token is checked against transformers.
 
-``report_card`` then serves one batch of chat prompts with each exercise's parts
-alone and with all of them together, and compares every output token with
-transformers' greedy ``generate`` (computed once, kept next to the converted
-model). The engine serves float32 on any device (on a GPU ``dtype="auto"`` would be
-bfloat16, whose rounding two right implementations do not share), and the reference
-is computed on the engine's device in the engine's dtype. A run that differs is run again with the parts checked call by call
-(``parts.use(check=True)``), which names the first wrong call::
+Four groups:
 
-    ex04  slot_mapping, would_allocate      calls 48, 310   token-exact
-    ex05  paged_decode_attention            calls 330       request 2 differs from its token 1 (engine step 9);
-                                                            first wrong call: part 'paged_decode_attention' ...
+* ``engine_inputs``: ``prepare_inputs`` on the steps of a scripted run (chunks, decodes, a prefix hit, a
+  preemption), against what the grader computes from the requests and their block tables.
+* ``engine_tiny``: ``generate`` on a tiny random Llama with the package's own pieces behind the learner's
+  interfaces, token for token against transformers' greedy ``generate`` on the same model.
+* ``engine_rollback``: a step whose layer fails halfway (an error, then Ctrl-C) raises, leaves every request,
+  block table and the pool as before it, and the run then finishes with the same tokens as a run without faults.
+* ``engine_smollm2``: the learner's engine *with the learner's own pieces* (the build track's four components
+  when their notebooks are beside this one, else the guided track's parts) serves SmolLM2 on a workload that
+  preempts, chunks and hits the prefix cache, token for token against transformers' greedy ``generate``.
+
+``report_card`` (not graded: speed is a machine's) times the same SmolLM2 workload on the learner's engine and on
+the package's ``LLM`` in the same process.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import random
-import shutil
+import inspect
+import sys
+import time
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...utils import cdiv
-from .. import parts
+import torch
+
+from ...config import SchedulerConfig
+from ...core.block_pool import BlockPool as PackagePool
+from ...core.block_pool import get_request_block_hasher
+from ...core.kv_cache_manager import KVCacheManager as PackageManager
+from ...core.request import Request
+from ...core.scheduler import Scheduler as PackageScheduler
+from ...kernels import reference
+from ...model.attention import SEAM
+from ...sampling_params import SamplingParams
+from .. import parts as plug
+from . import capstone, ownership
 from .core import Check, CheckOutcome, report
+from .ex09b import LayerConfig, StepMeta, smollm2_config
+from .exercises import COMPONENTS
 from .runner import run_code_cells
 
-EXERCISES = ("ex03", "ex04", "ex05", "ex05b", "ex06", "ex07", "ex08")
+EngineClass = Callable[..., Any]
+BUILD_TRACK = {"ex03b": "BlockPool", "ex04b": "KVCacheManager", "ex06b": "Scheduler", "ex09b": "decoder_layer"}
 
 
-def capstone_parts() -> dict[str, parts.Part]:
-    """The parts of exercises 03-09, which the capstone assembles (exercise 05d's puzzles plug in on their own)."""
-    return {n: p for n, p in parts.PARTS.items() if p.exercise in EXERCISES}
+# ---- the model, as the engine sees it -----------------------------------------------------------------------------
+@dataclass
+class Model:
+    """A Llama's weights by role: ``embed`` [vocab, hidden], one weight dict per layer (exercise 09b's names),
+    the final ``norm`` [hidden], ``lm_head`` [vocab, hidden]; its ``cfg`` and its ``eos_token_id`` (None: none)."""
+
+    cfg: LayerConfig
+    embed: torch.Tensor
+    layers: list[dict[str, torch.Tensor]]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    eos_token_id: int | None
 
 
-# Chat prompts of 37 to 41 tokens (the chat template's system prompt is most of them): with 12 output
-# tokens each crosses a 16-token block boundary while decoding, so a small pool makes the scheduler preempt.
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a KV cache is in one sentence.",
-    "What is 12 times 12?",
-]
-MAX_TOKENS = 12
+def model_from_hf(hf: Any) -> Model:
+    layers = [{k: v.detach() for k, v in layer.state_dict().items()} for layer in hf.model.layers]
+    eos = hf.config.eos_token_id
+    return Model(
+        smollm2_config(hf.config), hf.model.embed_tokens.weight.detach(), layers, hf.model.norm.weight.detach(),
+        hf.lm_head.weight.detach(), eos if isinstance(eos, int) else None,
+    )  # fmt: skip
 
 
-# The second model shape. SmolLM2 has 9 query heads over 3 KV heads (h // 3 is also h // num_kv_heads), its
-# engine runs 16-token blocks and tables without a spare column: a part can be right on it by accident. A tiny
-# random Llama with 8 query heads over 2 KV heads, 32-token blocks and ragged prompts that share one block tells
-# such parts apart; its reference is the package's own engine on the same model.
-SHAPE: dict[str, Any] = dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=128, intermediate_size=192)
-SHAPE_SETTINGS = dict(
-    block_size=32,
-    num_gpu_blocks_override=5,
-    max_num_batched_tokens=40,
-    max_num_seqs=4,
-    enable_prefix_caching=True,
-    dtype="float32",
-    max_model_len=96,
-)
-SHAPE_TAILS = (9, 14, 38, 1)  # prompt tokens after the shared 32: prompts of 41, 46, 70 and 33 tokens
-SHAPE_LABEL = "8 query heads over 2 KV heads, blocks of 32"
+_MODELS: dict[str, Any] = {}
 
 
-# ---- the learner's own code, from their exercise notebooks -------------------------------------------
-def load_exercises(folder: str | Path = ".") -> dict[str, types.SimpleNamespace]:
-    """Run the code cells of exercises 03–09 found in ``folder`` (not their check cells) and return each
-    one's functions: ``mine["ex04"].slot_mapping``. A cell that fails is skipped (its error is kept in
-    ``mine[ex].errors``): the functions defined before it are still there."""
-    import minipaged.kernels  # noqa: F401  (without a GPU: Triton's interpreter, before triton is imported)
+def smollm2() -> Model:
+    if "smollm2" not in _MODELS:
+        from ...model_loader import load_hf_model
 
-    found: dict[str, types.SimpleNamespace] = {}
-    for ex in EXERCISES:
+        _MODELS["smollm2"] = model_from_hf(load_hf_model())
+    return _MODELS["smollm2"]
+
+
+def tiny_hf() -> Any:
+    """Exercise 10's tiny random Llama (8 query heads over 2 KV heads, 2 layers), its norms' weights made uneven
+    (seeded): a norm of all ones only rescales each row, which no greedy token notices."""
+    if "tiny_hf" not in _MODELS:
+        from ...model_loader import load_hf_model
+
+        hf = load_hf_model(capstone.shape_model())
+        g = torch.Generator().manual_seed(10)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(0.5 + torch.rand(p.shape, generator=g))
+        _MODELS["tiny_hf"] = hf
+    return _MODELS["tiny_hf"]
+
+
+def tiny() -> Model:
+    if "tiny" not in _MODELS:
+        _MODELS["tiny"] = model_from_hf(tiny_hf())
+    return _MODELS["tiny"]
+
+
+def make_request(
+    request_id: str, prompt: list[int], max_tokens: int, eos_token_id: int | None, block_size: int
+) -> Request:
+    """A request as the build track's components read it: its block hashes kept for the prefix cache."""
+    return Request(
+        request_id, list(prompt), sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0),
+        eos_token_id=eos_token_id, block_hasher=get_request_block_hasher(block_size),
+    )  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The final norm, as in exercise 09b (given: it is not this exercise's)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+# ---- the package's pieces behind the learner's interfaces ----------------------------------------------------------
+def _package_manager(block_pool: Any, block_size: int, watermark_blocks: int = 0) -> PackageManager:
+    return PackageManager(block_size, len(block_pool.blocks), watermark_blocks=watermark_blocks)
+
+
+class _PackageScheduler:
+    """The package's ``Scheduler`` with exercise 06b's interface."""
+
+    def __init__(self, kv_cache_manager: Any, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+        )
+        self.kv_cache_manager = kv_cache_manager
+        self.sched = PackageScheduler(config, kv_cache_manager)
+        self.last: Any = None
+
+    @property
+    def waiting(self) -> Any:
+        return self.sched.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.sched.running
+
+    def add_request(self, request: Request) -> None:
+        self.sched.add_request(request)
+
+    def has_unfinished(self) -> bool:
+        return self.sched.has_unfinished()
+
+    def schedule(self) -> tuple[list[tuple[str, int]], list[str]]:
+        self.last = self.sched.schedule()
+        return [(s.request_id, s.num_new_tokens) for s in self.last.scheduled], list(self.last.preempted)
+
+    def update_from_output(self, scheduled: list[tuple[str, int]], sampled: dict[str, int]) -> list[Request]:
+        return self.sched.update_from_output(self.last, {rid: [t] for rid, t in sampled.items()})
+
+
+def package_decoder_layer(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: StepMeta,
+    cfg: LayerConfig,
+) -> torch.Tensor:
+    """A decoder layer of the package's own pieces (the kernels' PyTorch references) with exercise 09b's
+    signature; its attention goes through the package's attention seam (``model/attention.py``)."""
+    w, rows, d = weights, x.shape[0], cfg.head_dim
+    h = rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps)
+    q = (h @ w["self_attn.q_proj.weight"].T).view(rows, cfg.num_heads, d)
+    k = (h @ w["self_attn.k_proj.weight"].T).view(rows, cfg.num_kv_heads, d)
+    v = (h @ w["self_attn.v_proj.weight"].T).view(rows, cfg.num_kv_heads, d)
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = positions.float()[:, None] * inv
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        return t * cos + torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1) * sin
+
+    q, k = rotate(q), rotate(k)
+    i32 = torch.int32  # the kernels' index dtype
+    tables, seq_lens, cu = meta.block_tables.to(i32), meta.seq_lens.to(i32), meta.cu_seqlens_q.to(i32)
+    # Through the attention seam, as the package's layer goes: a guided-track learner's scatter-write and decode
+    # attention (exercises 05b and 05) run here when plugged in, the kernels' references otherwise.
+    SEAM.pick("reshape_and_cache", reference.reshape_and_cache)(k, v, k_cache, v_cache, meta.slot_mapping.long())
+    if rows == len(seq_lens):  # one new row per sequence: a decode-only step
+        a = SEAM.pick("paged_decode_attention", reference.paged_decode_attention)(
+            q, k_cache, v_cache, tables, seq_lens, d**-0.5
+        )
+    else:
+        a = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, d**-0.5)
+    x = x + a.reshape(rows, -1) @ w["self_attn.o_proj.weight"].T
+    h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    return (
+        x
+        + (torch.nn.functional.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T))
+        @ w["mlp.down_proj.weight"].T
+    )
+
+
+def package_parts() -> dict[str, Any]:
+    """The package's pieces behind the build track's interfaces: what ``engine_inputs``, ``engine_tiny`` and
+    ``engine_rollback`` run the learner's step loop on, so that those groups grade the loop alone."""
+    return dict(
+        BlockPool=PackagePool, KVCacheManager=_package_manager, Scheduler=_PackageScheduler,
+        decoder_layer=package_decoder_layer,
+    )  # fmt: skip
+
+
+def load_build_track(folder: str | Path = ".") -> dict[str, Any]:
+    """The learner's components, from their build-track notebooks in ``folder`` (their code cells, not their check
+    cells): ``{"BlockPool": ..., "KVCacheManager": ..., "Scheduler": ..., "decoder_layer": ...}``."""
+    parts: dict[str, Any] = {}
+    for ex, name in BUILD_TRACK.items():
         paths = sorted(Path(folder).glob(f"{ex}_*.ipynb"))
         if len(paths) != 1:
             raise FileNotFoundError(f"expected one {ex}_*.ipynb in {Path(folder).resolve()}, found {len(paths)}")
-        namespace, errors = run_code_cells(paths[0], f"learner_{ex}")
-        found[ex] = types.SimpleNamespace(**{k: v for k, v in namespace.items() if callable(v)}, errors=errors)
-    return found
+        namespace, _errors = run_code_cells(paths[0], f"learner_{ex}")
+        if name not in namespace:
+            raise NameError(f"{paths[0].name} defines no {name}")
+        parts[name] = namespace[name]
+    return parts
 
 
-# ---- the workload and its reference -----------------------------------------------------------------
-def prompt_ids() -> list[list[int]]:
-    from ...model_loader import chat_prompt_ids, load_tokenizer
-
-    tokenizer = load_tokenizer()
-    return [chat_prompt_ids(tokenizer, p) for p in PROMPTS]
-
-
-def reference_outputs(
-    prompts: list[list[int]], max_tokens: int = MAX_TOKENS, device: Any = "cpu", dtype: Any = None
-) -> list[list[int]]:
-    """transformers' greedy output for each prompt, one at a time, on ``device`` in ``dtype`` (float32 by default):
-    where and how the engine it is compared with runs. Computed once, then read from a file beside the converted
-    model (it depends only on the weights, the prompts, ``max_tokens``, the device type and the dtype)."""
-    import torch
-
-    from ...model_loader import ensure_converted
-
-    dev, dt = torch.device(device), dtype or torch.float32
-    model_dir = ensure_converted(progress=False)
-    how = [] if (dev.type, dt) == ("cpu", torch.float32) else [dev.type, str(dt)]  # the CPU's keys as they were
-    key = hashlib.sha256(json.dumps([prompts, max_tokens, *how]).encode()).hexdigest()[:16]
-    path = Path(model_dir) / "greedy_reference.json"
-    saved = _read_json(path)
-    if key not in saved:
-        from ...model_loader import hf_greedy_token_ids, load_hf_model
-
-        saved[key] = hf_greedy_token_ids(load_hf_model(dtype=dt, device=str(dev)), prompts, max_tokens)
-        # Another process (a second grading run, a test worker) may write it too: write whole, then rename.
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**_read_json(path), **saved}))
-        os.replace(tmp, path)
-    return saved[key]
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """The saved references, or none when the file is missing or unreadable (they are computed again)."""
-    try:
-        got = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return got if isinstance(got, dict) else {}
-
-
-def package_parts() -> dict[str, Callable[..., Any]]:
-    """The package's own piece for every part, with the parts' signatures: what a learner who solved every
-    exercise hands in."""
-    from ...core.block_pool import FreeKVCacheBlockQueue, chain_block_hashes, free_blocks, get_new_blocks
-    from ...core.kv_cache_manager import KVCacheManager, find_prefix_hits
-    from ...core.scheduler import admit_waiting, preempt_recompute, schedule_running
-    from ...kernels import reference
-    from ...worker.block_table import slot_mapping
-
+# ---- engine_inputs ---------------------------------------------------------------------------------------------
+def expected_inputs(engine: Any, scheduled: list[tuple[str, int]]) -> dict[str, list]:
+    """What a step's inputs must be, from the requests (before the step) and the manager's block tables."""
+    kv, bs = engine.kv_cache_manager, engine.block_size
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu, lens, tables, sample_rows = [0], [], [], []
+    for rid, n in scheduled:
+        req = engine.requests[rid]
+        start = req.num_computed_tokens
+        table = kv.get_block_ids(rid)
+        ids += req.all_token_ids[start : start + n]
+        positions += list(range(start, start + n))
+        slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        cu.append(cu[-1] + n)
+        lens.append(start + n)
+        tables.append(table)
+        if start + n == req.num_tokens:
+            sample_rows.append(cu[-1] - 1)
+    width = max(len(t) for t in tables)
     return dict(
-        free_queue_remove=FreeKVCacheBlockQueue.remove,
-        slot_mapping=slot_mapping,
-        would_allocate=KVCacheManager.can_allocate,
-        reshape_and_cache=reference.reshape_and_cache,
-        admit_waiting=admit_waiting,
-        schedule_running=schedule_running,
-        preempt_recompute=preempt_recompute,
-        chain_block_hashes=chain_block_hashes,
-        find_prefix_hits=find_prefix_hits,
-        get_new_blocks=get_new_blocks,
-        free_blocks=free_blocks,
-        paged_decode_attention=reference.paged_decode_attention,
-    )
+        input_ids=ids, positions=positions, slot_mapping=slots, cu_seqlens_q=cu, seq_lens=lens,
+        block_tables=[t + [0] * (width - len(t)) for t in tables], sample_rows=sample_rows,
+    )  # fmt: skip
 
 
-def shape_model() -> Path:
-    """The tiny Llama of the second shape, made once (seeded) beside the converted SmolLM2."""
-    from ...model_loader import cache_dir, save_tiny_llama
-
-    folder = cache_dir() / "tiny-llama-8q-2kv"
-    if not (folder / "config.json").exists():
-        tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
-        save_tiny_llama(tmp, seed=24, **SHAPE)
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process made it first: the same seeded weights
-            shutil.rmtree(tmp)
-    return folder
+def _as_lists(got: Any) -> dict[str, list]:
+    input_ids, positions, meta, sample_rows = got
+    return dict(
+        input_ids=torch.as_tensor(input_ids).tolist(), positions=torch.as_tensor(positions).tolist(),
+        slot_mapping=meta.slot_mapping.tolist(), cu_seqlens_q=meta.cu_seqlens_q.tolist(),
+        seq_lens=meta.seq_lens.tolist(), block_tables=meta.block_tables.tolist(),
+        sample_rows=torch.as_tensor(sample_rows).tolist(),
+    )  # fmt: skip
 
 
-def shape_prompts() -> list[list[int]]:
-    rng = random.Random(24)
-    shared = [rng.randrange(1, 96) for _ in range(32)]
-    return [shared + [rng.randrange(1, 96) for _ in range(n)] for n in SHAPE_TAILS]
+TINY_SETTINGS = dict(num_blocks=12, block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=96)
+TINY_MAX_TOKENS = 10
 
 
-# ---- one run, and the card ---------------------------------------------------------------------------
-@dataclass
-class Run:
-    outputs: list[list[int]] = field(default_factory=list)
-    steps: list[list[int]] = field(default_factory=list)  # the engine step that produced each token
-    calls: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
-    num_preemptions: int = 0
-    prefix_hit_tokens: int = 0
+def tiny_prompts() -> list[list[int]]:
+    """Four prompts, three sharing their first 12 tokens (three blocks of 4)."""
+    shared = [(7 * i + 3) % 90 + 1 for i in range(12)]
+    return [shared + [5, 9, 17], shared + [44, 2], [(3 * i) % 90 + 1 for i in range(9)], shared + [61]]
 
 
-def serve(
-    llm: Any,
-    prompts: list[list[int]],
-    plugged: dict[str, Callable[..., Any]],
-    check: bool,
-    max_tokens: int = MAX_TOKENS,
-) -> Run:
-    """One batch on a fresh engine (same weights) with ``plugged`` parts; errors are caught and kept."""
-    from ...sampling_params import SamplingParams
-
-    llm.reset()
-    run = Run(outputs=[[] for _ in prompts], steps=[[] for _ in prompts])
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    block = parts.use(check=check, **plugged)
-    try:
-        wrappers = block.__enter__()  # checked: the probes run here, before the engine does
-    except parts.PartError as exc:
-        run.error, run.calls = f"{exc}", {name: 0 for name in plugged}
-        return run
-    try:
-        for out in llm.stream(prompts, params):
-            i = int(out.request_id)
-            new = out.outputs[0].token_ids[len(run.outputs[i]) :]
-            run.outputs[i] += new
-            run.steps[i] += [llm.num_steps] * len(new)
-    except Exception as exc:
-        step = getattr(exc, "step", None) or llm.num_steps
-        run.error = (
-            f"{exc}" if isinstance(exc, parts.PartError) else f"{type(exc).__name__} at engine step {step}: {exc}"
-        )
-    finally:
-        block.__exit__(None, None, None)
-    run.calls = {name: w.calls for name, w in wrappers.items()}
-    run.num_preemptions = llm.scheduler.num_preemptions
-    run.prefix_hit_tokens = llm.kv_cache_manager.prefix_cache_hits
-    return run
-
-
-def first_difference(run: Run, reference: list[list[int]]) -> str | None:
-    """Where the outputs first part from the reference, or None if every token is the same."""
-    for i, (got, want) in enumerate(zip(run.outputs, reference)):
+def _inputs_run(cls: EngineClass) -> list[str]:
+    """Serve the tiny workload step by step, checking every step's inputs; one verdict per kind of step."""
+    model = tiny()
+    engine = cls(model, package_parts(), **TINY_SETTINGS)
+    for i, p in enumerate(tiny_prompts()):
+        engine.add_request(str(i), p, TINY_MAX_TOKENS)
+    seen = {"chunk": "not seen", "decode": "not seen", "hit": "not seen", "mixed": "not seen"}
+    sched = engine.scheduler
+    for step in range(200):
+        if not sched.has_unfinished():
+            break
+        scheduled, _preempted = sched.schedule()
+        if not scheduled:
+            continue
+        want = expected_inputs(engine, scheduled)
+        got = _as_lists(engine.prepare_inputs(scheduled))
+        starts = [engine.requests[rid].num_computed_tokens for rid, _ in scheduled]
+        kinds = {
+            "chunk": any(s + n < engine.requests[r].num_tokens for (r, n), s in zip(scheduled, starts)),
+            "decode": any(n == 1 and s > 0 for (_, n), s in zip(scheduled, starts)),
+            "hit": any(s > 0 and s + n > engine.requests[r].num_prompt_tokens - 1 and n > 1
+                       for (r, n), s in zip(scheduled, starts)),
+            "mixed": len({n == 1 for _, n in scheduled}) == 2,
+        }  # fmt: skip
+        for kind, present in kinds.items():
+            if present and seen[kind] == "not seen":
+                seen[kind] = "right"
+            if present and got != want:
+                diff = next(k for k in want if got.get(k) != want[k])
+                seen[kind] = f"step {step} ({scheduled}): {diff} {got.get(diff)}, expected {want[diff]}"
         if got != want:
-            k = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            step = f" (engine step {run.steps[i][k]})" if k < len(run.steps[i]) else ""
-            return (
-                f"request {i} differs from its token {k}{step}: {got[k : k + 3]}... where transformers has "
-                f"{want[k : k + 3]}..."
-            )
-    return None
+            break
+        rows = torch.as_tensor(got["sample_rows"], dtype=torch.long)
+        sampled = {rid: 1 + (7 * len(engine.requests[rid].all_token_ids)) % 90
+                   for (rid, n), s in zip(scheduled, starts) if s + n == engine.requests[rid].num_tokens}  # fmt: skip
+        assert len(sampled) == len(rows) or got != want
+        sched.update_from_output(scheduled, sampled)
+    return [seen["chunk"], seen["decode"], seen["hit"], seen["mixed"]]
 
 
-@dataclass
-class Row:
-    label: str
-    part_names: list[str]
-    calls: dict[str, int]
-    verdict: str  # "token-exact", or what went wrong
-    title: str = ""  # for a row of all parts: what it ran them on
+def check_engine_inputs(Engine: EngineClass) -> list[CheckOutcome]:
+    """``prepare_inputs`` on every step of a tiny run, beside what the grader computes for that step."""
+    cache: dict[str, list[str]] = {}
 
-    def line(self) -> str:
-        if len(self.part_names) > 2:  # all of them: the calls are the rows' above
-            title = self.title or f"all {len(self.part_names)} parts together"
-            return f"  {self.label:<5} {title:<58} {self.verdict}"
-        calls = ", ".join(str(self.calls.get(n, 0)) for n in self.part_names)
-        return f"  {self.label:<5} {', '.join(self.part_names):<40} calls {calls:<11} {self.verdict}"
+    def verdict(i: int) -> str:
+        if "v" not in cache:
+            cache["v"] = _inputs_run(Engine)
+        return cache["v"][i]
 
-
-@dataclass
-class ReportCard:
-    rows: list[Row]
-    num_preemptions: int
-    prefix_hit_tokens: int
-    num_blocks: int
-
-    def __str__(self) -> str:
-        head = (
-            f"report card: {len(PROMPTS)} SmolLM2 chat requests, {MAX_TOKENS} greedy tokens each, a pool of "
-            f"{self.num_blocks - 1} blocks\n  with all parts: preemptions {self.num_preemptions}, "
-            f"{self.prefix_hit_tokens} prompt tokens from the prefix cache"
-        )
-        return "\n".join([head, *(r.line() for r in self.rows)])
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
-
-
-def _verdict(
-    llm: Any, prompts: list[list[int]], reference: list[list[int]], plugged: dict[str, Callable[..., Any]]
-) -> tuple[str, Run]:
-    run = serve(llm, prompts, plugged, check=False)
-    problem = run.error or first_difference(run, reference)
-    idle = [name for name, n in run.calls.items() if n == 0]
-    if problem is None and not idle:
-        return "token-exact", run
-    if problem is None:
-        return f"never called: {', '.join(idle)} (does the engine give it work?)", run
-    checked = serve(llm, prompts, plugged, check=True)
-    if checked.error and checked.error != run.error:
-        problem += f"; first wrong call: {checked.error}"
-    return problem, run
-
-
-def engine(settings: dict[str, Any]) -> Any:
-    """An ``LLM`` with ``settings`` whose ``max_model_len`` is what the batch needs (so a small pool is no warning).
-    ``dtype="auto"`` serves float32 here on any device: what it means on a CPU, and on a GPU (where it would be
-    bfloat16) the precision in which a right engine and transformers pick the same greedy tokens."""
-    from ...engine.llm import LLM
-
-    block_size = settings.get("block_size", 16)
-    longest = cdiv(max(len(p) for p in prompt_ids()) + MAX_TOKENS, block_size) * block_size
-    dtype = settings.get("dtype", "auto")
-    return LLM(**{"max_model_len": longest, **settings, "dtype": "float32" if dtype == "auto" else dtype})
-
-
-def report_card(
-    my_parts: dict[str, Callable[..., Any]], settings: dict[str, Any] | None = None, llm: Any = None
-) -> ReportCard:
-    """Each exercise's parts alone, then all together, against transformers (see the module docstring).
-    The engine is built from ``settings``, or ``llm`` is used as it is (reset before every run)."""
-    prompts = prompt_ids()
-    llm = llm or engine(settings or {})
-    reference = reference_outputs(prompts, device=llm.device, dtype=llm.dtype)  # where and how the engine runs
-    rows = []
-    for ex in EXERCISES:
-        names = [n for n, p in capstone_parts().items() if p.exercise == ex]
-        verdict, run = _verdict(llm, prompts, reference, {n: my_parts[n] for n in names})
-        rows.append(Row(ex, names, run.calls, verdict))
-    verdict, together = _verdict(llm, prompts, reference, dict(my_parts))
-    rows.append(Row("all", list(capstone_parts()), together.calls, verdict))
-    rows.append(shape_row(my_parts))
-    return ReportCard(rows, together.num_preemptions, together.prefix_hit_tokens, llm.num_blocks)
-
-
-def shape_row(my_parts: dict[str, Callable[..., Any]]) -> Row:
-    """All parts together on the second model shape, against the package's own engine on it."""
-    from ...engine.llm import LLM
-    from ...sampling_params import SamplingParams
-
-    llm = LLM(shape_model(), **SHAPE_SETTINGS)
-    prompts = shape_prompts()
-    reference = [
-        o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    ]
-    verdict, run = _verdict(llm, prompts, reference, dict(my_parts))
-    return Row(
-        "shape",
-        list(capstone_parts()),
-        run.calls,
-        verdict.replace("transformers", "the package's engine"),
-        title=f"all {len(capstone_parts())} parts, {SHAPE_LABEL}",
+    hint = (
+        "one row per new token: its id, its position (start + i), its slot (table[pos // block_size] * block_size "
+        "+ pos % block_size); cu_seqlens_q and seq_lens (start + n) per sequence; tables padded with 0; a sample "
+        "row (the sequence's last row) only where every token is computed"
     )
-
-
-# ---- the checks ------------------------------------------------------------------------------------------
-def _assembled(my_parts: Callable[[], Any]) -> dict[str, Any]:
-    got = my_parts()
-    if not isinstance(got, dict):
-        raise TypeError(f"my_parts() returned {type(got).__name__}; expected a dict of part name -> function")
-    return got
-
-
-def check_parts(my_parts: Callable[[], dict[str, Callable[..., Any]]]) -> list[CheckOutcome]:
-    """Every part is there, is a function of the learner's, and takes the part's arguments."""
-    checks = []
-    for name, spec in capstone_parts().items():
-
-        def plug(name: str = name) -> str:
-            fn = _assembled(my_parts).get(name)
-            if fn is None:
-                return "missing"
-            if getattr(fn, "__module__", "").startswith("minipaged"):
-                return f"the package's own {fn.__module__}.{fn.__name__}: use the function you wrote"
-            with parts.use(**{name: fn}):
-                return "plugs in"
-
-        checks.append(
-            Check(
-                f"my_parts()[{name!r}]  # {spec.exercise}: {spec.signature}",
-                plug,
-                "plugs in",
-                hint=f"the function you wrote in {spec.exercise}; the table in the task names each one",
-            )
-        )
-    return report("capstone_parts", checks)
-
-
-def _pool_blocks(settings: dict[str, Any]) -> int | None:
-    return settings.get("num_gpu_blocks_override")
-
-
-def check_engine_settings(engine_settings: Callable[[], dict[str, Any]]) -> list[CheckOutcome]:
-    """Settings in which every part has work: prefix caching on, recompute, a pool smaller than the batch."""
-
-    def settings() -> dict[str, Any]:
-        got = engine_settings()
-        if not isinstance(got, dict):
-            raise TypeError(f"engine_settings() returned {type(got).__name__}; expected a dict of LLM keywords")
-        return got
-
-    def pool_verdict() -> str:
-        s = settings()
-        blocks, block_size = _pool_blocks(s), s.get("block_size", 16)
-        if blocks is None:
-            return "no num_gpu_blocks_override: the pool size is not set"
-        need = sum(cdiv(len(p) + MAX_TOKENS, block_size) for p in prompt_ids())
-        if blocks - 1 >= need:
-            return f"{blocks - 1} usable blocks hold the whole batch ({need} blocks): nobody is ever preempted"
-        longest = max(cdiv(len(p) + MAX_TOKENS, block_size) for p in prompt_ids())
-        if blocks - 1 < longest:
-            return f"{blocks - 1} usable blocks cannot hold the longest request ({longest} blocks)"
-        return "smaller than the batch, big enough for any one request"
-
-    trial: list[Run] = []
-
-    def in_the_engine() -> Run:
-        """One run of the batch with the package's own pieces plugged in (counting their calls)."""
-        if not trial:
-            trial.append(serve(engine(settings()), prompt_ids(), package_parts(), check=False))
-        return trial[0]
-
-    checks = [
-        Check(
-            "engine_settings()['enable_prefix_caching']",
-            lambda: settings().get("enable_prefix_caching"),
-            True,
-            hint="find_prefix_hits, chain_block_hashes and the free queue's remove only run with the prefix cache on",
-        ),
-        Check(
-            "engine_settings().get('preemption_mode', 'recompute')",
-            lambda: settings().get("preemption_mode", "recompute"),
-            "recompute",
-            hint="preempt_recompute runs only when a victim is recomputed, not swapped",
-        ),
-        Check(
-            "engine_settings()['num_gpu_blocks_override']  # the pool, against the batch",
-            pool_verdict,
-            "smaller than the batch, big enough for any one request",
-            hint="count the blocks each request needs for its prompt and its outputs (chapter 04)",
-        ),
-        Check(
-            "engine_settings().get('dtype', 'auto')  # served in float32, on a GPU too",
-            lambda: settings().get("dtype", "auto"),
-            "auto",
-            same=lambda got, want: got in ("auto", "float32"),
-            hint="transformers' reference runs in float32; so must the engine for token-exact outputs",
-        ),
-        Check(
-            "the batch on LLM(**engine_settings()) with the package's pieces: preemptions > 0",
-            lambda: in_the_engine().num_preemptions > 0,
-            True,
-            hint="with the prefix cache on the requests share blocks: they need fewer than the plain sum",
-        ),
-        Check(
-            "the same run: parts the engine never called",
-            lambda: sorted(n for n, k in in_the_engine().calls.items() if k == 0),
-            [],
-            hint="each part runs only in its situation: a prefix hit, a decode-only step, a preemption...",
-        ),
-    ]
-    return report("capstone_engine", checks)
-
-
-def check_report_card(
-    my_parts: Callable[[], dict[str, Callable[..., Any]]], engine_settings: Callable[[], dict[str, Any]]
-) -> list[CheckOutcome]:
-    """Serve the batch with your parts: each exercise alone and all together must be token-exact."""
-    card: list[ReportCard] = []
-
-    def the_card() -> ReportCard:
-        if not card:
-            card.append(report_card(_assembled(my_parts), engine_settings()))
-        return card[0]
-
-    def row(i: int) -> str:
-        return the_card().rows[i].verdict
-
     labels = [
-        *(f"{ex} alone, {len(PROMPTS)} requests against transformers" for ex in EXERCISES),
-        f"all parts together, {len(PROMPTS)} requests against transformers",
-        f"all parts, {SHAPE_LABEL}, {len(SHAPE_TAILS)} requests against the package's engine",
+        "a step with a prompt chunk that does not reach the prompt's end (it samples nothing)",
+        "a step with decode rows (one token each, positions past the prompt)",
+        "a step with a request admitted on prefix-cache hits (its rows start past them)",
+        "a mixed step: chunks and decodes in one batch",
     ]
-    checks = [
-        Check(
-            f"report card: {label}",
-            lambda i=i: row(i),
-            "token-exact",
-            hint="the verdict names the first request and token that differ, and the "
-            "first wrong call of your part; run that exercise's checks again",
-        )
-        for i, label in enumerate(labels)
+    return report(
+        "engine_inputs",
+        [
+            Check(f"tiny run, {label}: inputs", lambda i=i: verdict(i), "right", hint=hint)
+            for i, label in enumerate(labels)
+        ],
+    )
+
+
+# ---- engine_tiny -------------------------------------------------------------------------------------------------
+def _tiny_reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy ``generate`` on the tiny model, one prompt at a time: the reference for
+    ``engine_tiny`` and ``engine_rollback``."""
+    if "tiny_ref" not in _MODELS:
+        from ...model_loader import hf_greedy_token_ids
+
+        _MODELS["tiny_ref"] = hf_greedy_token_ids(tiny_hf(), prompts, max_tokens)
+    return _MODELS["tiny_ref"]
+
+
+@dataclass
+class Served:
+    outputs: list[list[int]]
+    preemptions: int
+    shared_blocks: int  # blocks seen in two tables at once, summed over steps: prefix-cache hits
+    chunks: int
+
+
+def serve_counting(engine: Any, prompts: list[list[int]], max_tokens: int) -> Served:
+    """Serve ``prompts`` step by step (``add_request``, then ``step`` until the scheduler is done), watching from
+    outside between steps: a request part-way through its prompt was chunked; a block in two tables at once came
+    from the prefix cache (nothing else shares blocks here); each request counts its own preemptions."""
+    ids = [f"p{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, max_tokens)
+    chunked: set[str] = set()
+    shared = 0
+    for _ in range(10_000):  # a bound: a scheduler that never finishes fails here instead of hanging
+        if not engine.scheduler.has_unfinished():
+            break
+        engine.step()
+        seen: set[int] = set()
+        for req in engine.scheduler.running:
+            if 0 < req.num_computed_tokens < req.num_prompt_tokens:
+                chunked.add(req.request_id)
+            table = set(engine.kv_cache_manager.get_block_ids(req.request_id))
+            shared += len(table & seen)
+            seen |= table
+    else:
+        raise RuntimeError("the run did not finish in 10,000 steps")
+    reqs = [engine.requests[rid] for rid in ids]
+    return Served([list(r.output_token_ids) for r in reqs], sum(r.num_preemptions for r in reqs), shared, len(chunked))
+
+
+def _compare_outputs(got: list[list[int]], want: list[list[int]]) -> str:
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            k = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+            return (
+                f"request {i} differs from its token {k}: {g[k : k + 3]}... where the reference has {w[k : k + 3]}..."
+            )
+    return "token-exact" if len(got) == len(want) else f"{len(got)} outputs for {len(want)} prompts"
+
+
+def check_engine_tiny(Engine: EngineClass) -> list[CheckOutcome]:
+    """The learner's step loop with the package's pieces on a tiny random Llama: the package engine's tokens."""
+    cache: dict[str, Any] = {}
+
+    def run() -> Served:
+        if "s" not in cache:
+            engine = Engine(tiny(), package_parts(), **TINY_SETTINGS)
+            cache["s"] = serve_counting(engine, tiny_prompts(), TINY_MAX_TOKENS)
+        return cache["s"]
+
+    def generated() -> str:
+        engine = Engine(tiny(), package_parts(), **TINY_SETTINGS)
+        return _compare_outputs([list(o) for o in engine.generate(tiny_prompts(), TINY_MAX_TOKENS)], want)
+
+    want = _tiny_reference(tiny_prompts(), TINY_MAX_TOKENS)
+    return report(
+        "engine_tiny",
+        [
+            Check(
+                f"tiny Llama (8 query heads over 2 KV heads), 4 prompts, {TINY_SETTINGS['num_blocks'] - 1} blocks of "
+                f"{TINY_SETTINGS['block_size']}, budget {TINY_SETTINGS['max_num_batched_tokens']}: generate()",
+                generated,
+                "token-exact",
+                hint="inputs right but tokens wrong: the forward (embed, layers, final norm on the sample rows, "
+                "lm_head) or the sampled token given to the right request",
+            ),
+            Check(
+                "the same run step by step (add_request, then step() until done): [tokens, preempted?, chunked "
+                "prompts?, prefix-cache hits?]",
+                lambda: [
+                    _compare_outputs(run().outputs, want),
+                    run().preemptions > 0,
+                    run().chunks > 0,
+                    run().shared_blocks > 0,
+                ],
+                ["token-exact", True, True, True],
+                hint="the engine's settings reach the scheduler and the manager as given",
+            ),
+        ],
+    )
+
+
+# ---- engine_rollback ---------------------------------------------------------------------------------------------
+class _Fault(RuntimeError):
+    pass
+
+
+def _observable(engine: Any) -> Any:
+    """Everything a step changes that can be seen from outside the engine."""
+    kv = engine.kv_cache_manager
+    pool = kv.block_pool
+    reqs = {
+        rid: (r.num_computed_tokens, list(r.all_token_ids), kv.get_block_ids(rid))
+        for rid, r in sorted(engine.requests.items())
+    }
+    return (
+        reqs, [r.request_id for r in engine.scheduler.running], [r.request_id for r in engine.scheduler.waiting],
+        pool.get_num_free_blocks(), [b.ref_cnt for b in pool.blocks],
+    )  # fmt: skip
+
+
+def _rollback_run(cls: EngineClass, exc_type: type[BaseException], fail_at_step: int, num_blocks: int = 0) -> str:
+    calls = {"n": 0, "armed": False}
+
+    def flaky(*args: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["armed"] and calls["n"] == 2:  # the second layer: the first wrote its K/V already
+            raise exc_type("injected: the layer failed mid-step")
+        return package_decoder_layer(*args)
+
+    parts = {**package_parts(), "decoder_layer": flaky}
+    engine = cls(tiny(), parts, **{**TINY_SETTINGS, "num_blocks": num_blocks or TINY_SETTINGS["num_blocks"]})
+    prompts = tiny_prompts()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, TINY_MAX_TOKENS)
+    for _ in range(fail_at_step):
+        engine.step()
+    before = _observable(engine)
+    calls.update(n=0, armed=True)
+    try:
+        engine.step()
+    except exc_type:
+        pass
+    else:
+        return f"step {fail_at_step} did not raise: the layer's {exc_type.__name__} was swallowed"
+    calls["armed"] = False
+    if _observable(engine) != before:
+        after = _observable(engine)
+        names = ("requests (computed, tokens, table)", "running", "waiting", "free blocks", "ref counts")
+        which = next(n for n, a, b in zip(names, after, before) if a != b)
+        return f"after the failed step {fail_at_step}, {which} changed"
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    outs = [list(engine.requests[str(i)].output_token_ids) for i in range(len(prompts))]
+    return _compare_outputs(outs, _tiny_reference(prompts, TINY_MAX_TOKENS))
+
+
+def check_engine_rollback(Engine: EngineClass) -> list[CheckOutcome]:
+    """A step whose second layer fails: it raises, changes nothing, and the run then ends with the right tokens."""
+    hint = (
+        "save what a step changes (the scheduler, which holds the manager, the pool, its blocks and the requests) "
+        "before schedule(); on any exception (BaseException: Ctrl-C too) put it back in place, then raise"
+    )
+    big = (
+        "save without recursion: copy.deepcopy follows the free list link by link and runs out of stack on a big "
+        "pool; walk the objects with a stack and save each one's attributes and each container's contents"
+    )
+    cases = [
+        (_Fault, 2, "a RuntimeError", 0, hint),
+        (KeyboardInterrupt, 4, "Ctrl-C (KeyboardInterrupt)", 0, hint),
+        (_Fault, 3, "a RuntimeError, in a pool of 10,000 blocks", 10_000, big),
     ]
-    checks.append(
-        Check(
-            "report card: preemptions with all parts",
-            lambda: the_card().num_preemptions > 0,
-            True,
-            hint="a pool smaller than the batch makes the scheduler preempt",
-        )
+    return report(
+        "engine_rollback",
+        [
+            Check(
+                f"tiny run, {label} in layer 2 of step {at}: it raises, every request, table and the pool are as "
+                "before the step, and the run finishes token-exact",
+                lambda exc=exc, at=at, n=n: _rollback_run(Engine, exc, at, n),
+                "token-exact",
+                hint=h,
+            )
+            for exc, at, label, n, h in cases
+        ],
     )
-    checks.append(
-        Check(
-            "report card: prompt tokens found in the prefix cache",
-            lambda: the_card().prefix_hit_tokens > 0,
-            True,
-            hint="the chat template's system prompt is the same for every request",
-        )
+
+
+# ---- engine_smollm2: the capstone ----------------------------------------------------------------------------------
+SMOLLM2_SETTINGS = dict(num_blocks=9, block_size=16, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=128)
+
+
+def notebook_folder() -> Path:
+    """Where the notebook being graded lives: the grader's worker is given its path (``sys.argv[1]``); a kernel
+    (Jupyter, nbval) runs in the notebook's folder."""
+    arg = sys.argv[1] if len(sys.argv) > 1 else ""
+    return Path(arg).resolve().parent if arg.endswith(".ipynb") else Path.cwd()
+
+
+def _tiny_passes(Engine: EngineClass) -> bool:
+    """Whether the learner's step loop, with the package's components, serves the tiny model token-exact."""
+    engine = Engine(tiny(), package_parts(), **TINY_SETTINGS)
+    got = [list(o) for o in engine.generate(tiny_prompts(), TINY_MAX_TOKENS)]
+    return _compare_outputs(got, _tiny_reference(tiny_prompts(), TINY_MAX_TOKENS)) == "token-exact"
+
+
+@dataclass
+class YourPieces:
+    """What the learner's engine runs on in ``engine_smollm2``: ``components`` are handed to ``Engine``; ``plugged``
+    parts (the guided track's) are plugged into them for the run."""
+
+    track: str  # "build" or "guided"
+    components: dict[str, Any]
+    plugged: dict[str, Callable[..., Any]]
+
+
+# The guided parts the learner's engine gives work to. Exercise 04's slot_mapping is not one of them: the loop's own
+# prepare_inputs computes the slots (exercise 09's step inputs, written again in the loop).
+GUIDED_PARTS = tuple(n for n in capstone.capstone_parts() if n != "slot_mapping")
+
+
+def your_pieces(folder: Path) -> YourPieces:
+    """The build track's four components when their four notebooks are in ``folder``; else the package's components
+    with the guided track's parts from exercises 03–08's notebooks in ``folder`` (all of them must be there)."""
+    found = {ex: len(list(folder.glob(f"{ex}_*.ipynb"))) == 1 for ex in BUILD_TRACK}
+    if all(found.values()):
+        return YourPieces("build", load_build_track(folder), {})
+    try:
+        mine = capstone.load_exercises(folder)
+    except FileNotFoundError as exc:
+        missing = ", ".join(ex for ex, ok in found.items() if not ok)
+        raise FileNotFoundError(
+            f"neither track is complete beside this notebook: the build track lacks {missing}; the guided track: {exc}"
+        ) from None
+    guided = capstone.guided_parts(mine)
+    return YourPieces("guided", package_parts(), {n: guided[n] for n in GUIDED_PARTS})
+
+
+def _provenance(parts: dict[str, Any]) -> str:
+    """'yours' when each build-track component was defined in its notebook (``load_build_track`` names the code it
+    runs after the notebook and cell), else which one came from elsewhere."""
+    for ex, name in BUILD_TRACK.items():
+        obj = parts[name]
+        fns = [obj] if inspect.isfunction(obj) else [v for v in vars(obj).values() if inspect.isfunction(v)]
+        files = {fn.__code__.co_filename for fn in fns} if isinstance(obj, type) or fns == [obj] else set()
+        if not files or not all(f.startswith(f"<{ex}_") for f in files):
+            return f"{name} was not defined in your {ex} notebook (found in {sorted(files) or type(obj).__name__})"
+    return "yours"
+
+
+def _yours(pieces: YourPieces) -> str:
+    """'yours' when every piece was defined in its own notebook, else which one came from elsewhere."""
+    if pieces.track == "build":
+        return _provenance(pieces.components)
+    exercise = {n: p.exercise for n, p in capstone.capstone_parts().items()}
+    for name, fn in pieces.plugged.items():
+        ex = exercise[name]
+        where = getattr(getattr(fn, "__code__", None), "co_filename", type(fn).__name__)
+        if not where.startswith(f"<{ex}_"):
+            return f"{name} was not defined in your {ex} notebook (found in {where})"
+    return "yours"
+
+
+def check_engine_smollm2(Engine: EngineClass) -> list[CheckOutcome]:
+    """The learner's engine with the learner's own pieces, which the grader loads itself from the notebooks beside
+    the one being graded (the build track's components, else the guided track's parts), serves SmolLM2:
+    transformers' greedy tokens."""
+    cache: dict[str, Any] = {}
+
+    def pieces() -> YourPieces:
+        if "pieces" not in cache:
+            cache["pieces"] = your_pieces(notebook_folder())
+        return cache["pieces"]
+
+    def run() -> Served:
+        if "s" not in cache:
+            if pieces().track == "guided":  # the package's components, handed over by the grader on purpose
+                ownership.exempt(COMPONENTS)
+            with plug.use(check=False, **pieces().plugged) as wrappers:
+                engine = Engine(smollm2(), pieces().components, **SMOLLM2_SETTINGS)
+                cache["s"] = serve_counting(engine, capstone.prompt_ids(), capstone.MAX_TOKENS)
+            cache["idle"] = sorted(n for n, w in wrappers.items() if w.calls == 0)
+        return cache["s"]
+
+    def worked() -> tuple[bool, bool, bool, str]:
+        s = run()
+        idle = cache["idle"]
+        return s.preemptions > 0, s.chunks > 0, s.shared_blocks > 0, f"never called: {', '.join(idle)}" if idle else ""
+
+    return report(
+        "engine_smollm2",
+        [
+            Check(
+                "pieces: yours, from the notebooks beside this one — the build track's BlockPool, KVCacheManager, "
+                "Scheduler and decoder_layer (03b, 04b, 06b, 09b), else the guided track's parts (03 to 08) in the "
+                "package's components — each defined in its notebook (none of the package's)",
+                lambda: _yours(pieces()),
+                "yours",
+                hint="keep this notebook in the folder of your exercise notebooks; each must define its class "
+                "or function itself",
+            ),
+            Check(
+                f"SmolLM2, {len(capstone.PROMPTS)} chat prompts, {SMOLLM2_SETTINGS['num_blocks'] - 1} blocks of "
+                f"{SMOLLM2_SETTINGS['block_size']}, budget {SMOLLM2_SETTINGS['max_num_batched_tokens']}: every "
+                "token, step by step",
+                lambda: _compare_outputs(run().outputs, capstone.reference_outputs(capstone.prompt_ids())),
+                "token-exact",
+                hint=lambda got: (
+                    "engine_tiny passes but this fails: a piece of yours (a component on SmolLM2's shape, under "
+                    "this pool, or a part) — its own exercise's checks say which"
+                    if _tiny_passes(Engine)
+                    else "engine_tiny fails too, with the package's components: fix your step loop first"
+                ),
+            ),
+            Check(
+                "and the run preempted, chunked prompts, admitted on prefix-cache hits, and gave every part work",
+                worked,
+                (True, True, True, ""),
+                hint="the engine's settings reach the scheduler and the manager as given",
+            ),
+        ],
     )
-    outcomes = report("report_card", checks)
-    if card:
-        print(card[0])
-    return outcomes
+
+
+# ---- the report card (not graded) --------------------------------------------------------------------------------
+def report_card(Engine: EngineClass, pieces: YourPieces) -> types.SimpleNamespace:
+    """Time the SmolLM2 workload on the learner's engine (on ``pieces``, from ``your_pieces``) and on the package's
+    ``LLM`` (same settings, this process); print both and their ratio. Speed depends on the machine: this is a
+    measurement, not a grade."""
+    from ...engine.llm import LLM
+
+    prompts = capstone.prompt_ids()
+    t0 = time.perf_counter()
+    with plug.use(check=False, **pieces.plugged):
+        engine = Engine(smollm2(), pieces.components, **SMOLLM2_SETTINGS)
+        mine = engine.generate(prompts, capstone.MAX_TOKENS)
+    t_mine = time.perf_counter() - t0
+    llm = LLM(dtype="float32", device="cpu", block_size=SMOLLM2_SETTINGS["block_size"],
+              num_gpu_blocks_override=SMOLLM2_SETTINGS["num_blocks"],
+              max_num_seqs=SMOLLM2_SETTINGS["max_num_seqs"],
+              max_num_batched_tokens=SMOLLM2_SETTINGS["max_num_batched_tokens"],
+              max_model_len=SMOLLM2_SETTINGS["max_model_len"], watermark=0.0)  # fmt: skip
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0))  # warm: its first step compiles
+    t0 = time.perf_counter()
+    theirs = llm.generate(prompts, SamplingParams(max_tokens=capstone.MAX_TOKENS, temperature=0))
+    t_pkg = time.perf_counter() - t0
+    llm.shutdown()
+    tokens = sum(len(o) for o in mine)
+    same = [list(o) for o in mine] == [list(o.outputs[0].token_ids) for o in theirs]
+    print(f"your engine:     {tokens} tokens in {t_mine:.2f} s  ({tokens / t_mine:.1f} tok/s)")
+    print(f"package's LLM:   {tokens} tokens in {t_pkg:.2f} s  ({tokens / t_pkg:.1f} tok/s)")
+    print(f"ratio: {t_mine / t_pkg:.1f}x the package's time; same tokens: {same}")
+    return types.SimpleNamespace(seconds=t_mine, package_seconds=t_pkg, tokens=tokens, same=same)

@@ -464,7 +464,8 @@ def leaderboard(
 # ---- the graded checks ------------------------------------------------------------------------------------
 def check_policy(my_policy: Callable[[], Policy]) -> list[CheckOutcome]:
     """``my_policy() -> {name: function}``: it plugs in, serves both workloads to the end, decides differently
-    from first come first served, and the engine's tokens stay the package's."""
+    from first come first served and scores above it on the simulator, and the engine's tokens stay the
+    package's."""
     hint = (
         "each function must answer as its signature says (a permutation of the waiting ids; a permutation of the "
         "running ids; a cap of at least 1 token), within a few seconds, reading the requests it is shown and "
@@ -512,6 +513,14 @@ def check_policy(my_policy: Callable[[], Policy]) -> list[CheckOutcome]:
             differs,
             True,
             hint="an open task: change an order, the victims or a cap, and see what it does to the numbers",
+        ),
+        Check(
+            "…and meets the SLO for more of its requests than first come, first served does, at no less than "
+            f"{THROUGHPUT_FLOOR:.0%} of its throughput (the report card's score)",
+            lambda: score(sim(), baseline_sim()) > score(baseline_sim(), baseline_sim()),
+            True,
+            hint="a different order is not yet a better one: the report card shows which requests miss their "
+            "objective under your policy, and why first come, first served misses them",
         ),
         Check(
             f"SmolLM2 serves {len(ENGINE_LENGTHS)} prompts with your policy; then (error, finished)",

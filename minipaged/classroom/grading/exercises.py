@@ -64,6 +64,8 @@ def _ex(
 _POOL = "minipaged.core.block_pool:BlockPool,FreeKVCacheBlockQueue,get_new_blocks,free_blocks"
 _MANAGER = "minipaged.core.kv_cache_manager"
 _SCHEDULER = "minipaged.core.scheduler"
+# The components a step loop joins (exercise 10): the build track's own, the guided track's the package's.
+COMPONENTS = (_POOL, _MANAGER, _SCHEDULER)
 _LAYER = ("minipaged.model.llama", "minipaged.model.layers", "minipaged.model.attention",
           "transformers.models.llama.modeling_llama")  # fmt: skip
 _DECODE = ("minipaged.kernels.reference", "minipaged.kernels.torch_backend", "minipaged.kernels.paged_decode",
@@ -248,24 +250,18 @@ EXERCISES: dict[str, Exercise] = {
             own=("minipaged.worker.sampler",),
         ),
         _ex(
-            "ex10_capstone",
-            (30, 2),
-            ("capstone_parts", "check_parts", "my_parts", 12),
-            ("capstone_engine", "check_engine_settings", "engine_settings", 6),
-            ("report_card", "check_report_card", "my_parts engine_settings", 11),
-            triton=True,
-        ),
-        _ex("ex10b_open_policy", (45, 3), ("policy", "check_policy", "my_policy", 5)),
-        _ex(
-            "ex10c_your_engine",
+            "ex10_your_engine",
             (120, 4),
             ("engine_inputs", "check_engine_inputs", "Engine", 4),
             ("engine_tiny", "check_engine_tiny", "Engine", 2),
             ("engine_rollback", "check_engine_rollback", "Engine", 3),
-            # With the learner's parts (engine_smollm2), the package's components are off limits too.
-            ("engine_smollm2", "check_engine_smollm2", "Engine", 3, (*_ENGINE, _POOL, _MANAGER, _SCHEDULER, *_LAYER)),
+            # With the learner's pieces (engine_smollm2), the package's components are off limits too, but on the
+            # guided track, where the grader hands them over with the learner's parts inside (it exempts them).
+            ("engine_smollm2", "check_engine_smollm2", "Engine", 3, (*_ENGINE, *COMPONENTS, *_LAYER)),
             own=_ENGINE,
+            triton=True,
         ),
+        _ex("ex10b_open_policy", (60, 4), ("policy", "check_policy", "my_policy", 6)),
         _ex(
             "ex11_streaming",
             (75, 4),
@@ -299,11 +295,13 @@ EXERCISES: dict[str, Exercise] = {
 
 _NAME = re.compile(r"^(ex\d\d[a-z]?)(?:_|\.ipynb$)")  # ex03b: a chapter's second exercise
 
-# The exercises that were renumbered when chapter 05's and 09's rungs were put in rising order, by their old file
+# The exercises that were renumbered when chapter 05's, 09's and 10's rungs were put in rising order, by their old file
 # names: a notebook saved under its old name is graded as the exercise it is, not as the one that now has its
 # number. Only a whole old name counts (``ex05_scatter_write.ipynb``, ``ex05_scatter_write-alice.ipynb``);
 # ``ex05_mine.ipynb`` is exercise 05 as numbered now. The old ``ex05b_triton_puzzles`` held all six puzzles: it is
-# graded as 05c, the first three; the other three are 05d's, graded from an ``ex05d_*`` notebook.
+# graded as 05c, the first three; the other three are 05d's, graded from an ``ex05d_*`` notebook. The old
+# ``ex10_capstone`` (a dict of parts and one of settings) is gone: exercise 10 is the step loop that was 10c, and a
+# notebook of the old name is graded as it (its checks name the missing ``Engine``).
 RENAMED = {
     "ex05_scatter_write": "ex05b",
     "ex05a_paged_decode": "ex05",
@@ -312,6 +310,7 @@ RENAMED = {
     "ex09b_step_inputs": "ex09",
     "ex09c_decoder_layer": "ex09b",
     "ex09d_sampler": "ex09c",
+    "ex10c_your_engine": "ex10",
 }
 
 

@@ -3,7 +3,7 @@
 The checks run in the same process as the learner's cells (they call the learner's functions), so a cell can
 reach them. Three ways in, and what closes each:
 
-* **Replacing the grader's code** (``ex10c.check_engine = lambda *a: [...]``, a method of ``core.Check``, the
+* **Replacing the grader's code** (``ex10.check_engine = lambda *a: [...]``, a method of ``core.Check``, the
   package's reference the checks compare with, ``torch.allclose``): ``Integrity`` compares, after the cells and
   again after the checks, every function of every ``minipaged`` module (a function's ``__code__`` and the module
   attribute both) with what it ran before the first cell, or, for a module first imported since, with its file

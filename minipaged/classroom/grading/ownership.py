@@ -95,6 +95,12 @@ def _named(qualname: str, names: set[str]) -> bool:
     return any(".".join(parts[:n]) in names for n in range(1, len(parts) + 1))
 
 
+def exempt(own: Iterable[str]) -> None:
+    """``Tracer.exempt`` on the tracer watching now; nothing when none is (a check cell run in Jupyter or nbval)."""
+    if Tracer.active is not None:
+        Tracer.active.exempt(own)
+
+
 def targets(own: Iterable[str]) -> dict[str, set[str] | None]:
     """``Group.own`` as {source file: names (None: the whole module)}, for the modules that exist here. A name is a
     top-level function or class, or one method of a class (``KVCacheManager.can_allocate``)."""
@@ -110,10 +116,25 @@ def targets(own: Iterable[str]) -> dict[str, set[str] | None]:
 class Tracer:
     """Records the first call into ``targets`` made with a frame of the notebook's code below it."""
 
+    active: Tracer | None = None  # the one watching now, for ``exempt``
+
     def __init__(self, targets: dict[str, set[str] | None], notebook: str) -> None:
         self.targets, self.prefix = targets, cell_prefix(notebook)
         self.found: str | None = None
         self._before: Any = None
+
+    def exempt(self, own: Iterable[str]) -> None:
+        """Stop watching ``own`` (``Group.own`` entries) for the rest of this group: for a check that hands the
+        learner's code the package's own components on purpose (exercise 10's guided track, where the learner's
+        step loop joins the package's scheduler with the learner's parts inside it). Only the grader may ask: a
+        call with a frame of the notebook's code below it is refused."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(self.prefix):
+                raise PermissionError("the notebook's code asked the grader's call tracer to look away")
+            frame = frame.f_back
+        for filename in targets(own):
+            self.targets.pop(filename, None)
 
     def _hook(self, frame: types.FrameType, event: str, arg: Any) -> None:
         if event != "call" or self.found is not None:
@@ -138,9 +159,11 @@ class Tracer:
         self._before = sys.getprofile()
         sys.setprofile(self._hook)
         threading.setprofile(self._hook)
+        Tracer.active = self
         return self
 
     def __exit__(self, *exc: object) -> None:
+        Tracer.active = None
         if sys.getprofile() != self._hook and self.found is None:  # a bound method: equal, not the same object
             self.found = "the grader's call tracer was switched off by the notebook's code"
         sys.setprofile(self._before)

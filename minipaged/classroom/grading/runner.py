@@ -71,7 +71,7 @@ CHECK_MARK = "NBVAL_CHECK_OUTPUT"
 # solution stores it as its output.
 METADATA_KEY = "minipaged"
 DEFAULT_TIMEOUT_S = 300  # per notebook; the slowest solution (ex10) takes about 40 s on 2 cores
-# Per notebook: private writable memory (sandbox.py). The hungriest solution (ex10c: SmolLM2 served, transformers'
+# Per notebook: private writable memory (sandbox.py). The hungriest solution (ex10: SmolLM2 served, transformers'
 # reference beside it) maps about 3 GiB.
 DEFAULT_MEMORY_BYTES = 6 * 2**30
 # A check cell calls one of the grading modules' check functions; such a cell is never run as the learner's code,
