@@ -153,7 +153,8 @@ def test_one_bad_notebook_never_sinks_the_folder(tmp_path):
     (tmp_path / "ex05b_scatter_write.ipynb").write_text(json.dumps({"hello": "world"}))
     _write(tmp_path / "ex99_mine.ipynb", ["x = 1"])
     _write(tmp_path / "zz_last.ipynb", ["x = 1"])
-    rows = grade_folder(tmp_path, timeout=10)
+    # 25 s: the loop in ex02 is cut there; a loaded machine (make test runs two workers) may take 10 s to start one
+    rows = grade_folder(tmp_path, timeout=25)
     by_nb: dict[str, list] = {}
     for r in rows:
         by_nb.setdefault(r.notebook, []).append(r)
@@ -162,7 +163,7 @@ def test_one_bad_notebook_never_sinks_the_folder(tmp_path):
     again = by_nb["ex01_again.ipynb"]
     assert [(r.passed, r.counted) for r in again] == [(6, False), (6, False)]
     assert "not in TOTAL" in again[0].note
-    assert {r.note for r in by_nb["ex02_fragmentation.ipynb"]} == {"timed out after 10 s in cell 1"}
+    assert {r.note for r in by_nb["ex02_fragmentation.ipynb"]} == {"timed out after 25 s in cell 1"}
     assert {r.note for r in by_nb["ex03_free_queue.ipynb"]} == {"the notebook's process died (exit code 1) in cell 1"}
     for name in ("ex04_slots_and_admission.ipynb", "ex05b_scatter_write.ipynb"):
         assert {r.note for r in by_nb[name]} == {"not a readable notebook"}

@@ -1111,11 +1111,16 @@ class NotebookRun:
         except ImportError:
             check_layout = None
         figs = self.page.evaluate(
-            "() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')].map(gd => window.__bt.figJSON(gd))"
+            "() => [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')].map(gd => ({...window.__bt.figJSON(gd),"
+            " diag: {connected: gd.isConnected, drawn: !!gd._fullLayout, layout_keys: Object.keys(gd.layout || {}).length,"
+            " in_output: gd.closest('.jp-OutputArea') ? gd.closest('.jp-OutputArea')"
+            ".querySelectorAll('.js-plotly-plot').length : 0}}))"
         )
         for i, fig in enumerate(figs):
+            diag = fig.pop("diag")
             if not fig["data"]:
-                self.problems.append(f"plotly figure {i} {when}: no data drawn")
+                # what the element still holds tells a view never given its data from one taken apart (purged)
+                self.problems.append(f"plotly figure {i} {when}: no data drawn ({diag})")
             if check_layout is None:
                 continue
             self.checked_figures += 1
@@ -1312,6 +1317,11 @@ def _check_interrupt() -> None:
 
 
 # ---- main ---------------------------------------------------------------------------------------------
+def _drawing_race(problem: str) -> bool:
+    """A figure drawn empty, or not redrawn, while its text and the kernel did their part: a browser's drawing race."""
+    return ": no data drawn" in problem or "no change on screen: its figure's data/layout stayed the same" in problem
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1377,6 +1387,14 @@ def main(argv: list[str] | None = None) -> int:
                     _check_interrupt()
                     res = NotebookRun(ctx, server, spec, args).run()
                     _check_interrupt()  # Ctrl-C reaches Playwright's driver too: "target closed" was the interrupt
+                    if res["problems"] and all(_drawing_race(p) for p in res["problems"]):
+                        # Once in many CI runs a figure's view stayed empty and deaf to its widget (chapter 03,
+                        # 2026-11-29, on a loaded machine; the same notebook passes on every other run). Such a
+                        # notebook is run once more from a fresh page; it passes only if that run passes, and the
+                        # first run's problems are printed with it. Any other problem fails at once.
+                        first = res["problems"]
+                        res = NotebookRun(ctx, server, spec, args).run()
+                        res["notes"].insert(0, "second run: the first drew a figure empty — " + "; ".join(first))
                     results.append(res)
                     ok = not res["problems"]
                     print(f"{'PASS' if ok else 'FAIL'} {spec.path} ({res['seconds']:.0f} s)", flush=True)
