@@ -549,7 +549,9 @@ def notebook_folder() -> Path:
 
 
 def _tiny_passes(Engine: EngineClass) -> bool:
-    """Whether the learner's step loop, with the package's components, serves the tiny model token-exact."""
+    """Whether the learner's step loop, with the package's components, serves the tiny model token-exact (a failing
+    group's hint: the grader hands the package's components over on purpose, so the call tracer looks away)."""
+    ownership.exempt(COMPONENTS)
     engine = Engine(tiny(), package_parts(), **TINY_SETTINGS)
     got = [list(o) for o in engine.generate(tiny_prompts(), TINY_MAX_TOKENS)]
     return _compare_outputs(got, _tiny_reference(tiny_prompts(), TINY_MAX_TOKENS)) == "token-exact"
