@@ -70,7 +70,7 @@ def _engine_tokens(step_inputs: Callable[..., Any]) -> Any:
     mixed with decodes), the learner's ``step_inputs`` inside the runner, checked call by call."""
     from ...sampling_params import SamplingParams
     from .. import parts
-    from .ex10 import MAX_TOKENS, engine, prompt_ids, reference_outputs
+    from .capstone import MAX_TOKENS, engine, prompt_ids, reference_outputs
 
     prompts = prompt_ids()
     llm = engine(dict(max_num_batched_tokens=24, dtype="float32"))

@@ -128,7 +128,7 @@ class Tracer:
         learner's code the package's own components on purpose (exercise 10's guided track, where the learner's
         step loop joins the package's scheduler with the learner's parts inside it). Only the grader may ask: a
         call with a frame of the notebook's code below it is refused."""
-        frame = sys._getframe(1)
+        frame: types.FrameType | None = sys._getframe(1)
         while frame is not None:
             if frame.f_code.co_filename.startswith(self.prefix):
                 raise PermissionError("the notebook's code asked the grader's call tracer to look away")
