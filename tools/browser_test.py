@@ -1317,9 +1317,18 @@ def _check_interrupt() -> None:
 
 
 # ---- main ---------------------------------------------------------------------------------------------
-def _drawing_race(problem: str) -> bool:
-    """A figure drawn empty, or not redrawn, while its text and the kernel did their part: a browser's drawing race."""
-    return ": no data drawn" in problem or "no change on screen: its figure's data/layout stayed the same" in problem
+def _drawing_race(problems: list[str]) -> bool:
+    """Every problem is a figure's view drawn empty (or not redrawn) while the text and the kernel did their part, and
+    at least one figure was drawn with no data: the view was drawn before its model's state and never again (seen in
+    chapter 03's grid and chapter 11's monitor on a loaded machine, its layout 3 keys where the model's has a title
+    and axes). A live widget whose figures never changed is that same view, watched during Run All."""
+    empty = any(": no data drawn" in p for p in problems)
+    return empty and all(
+        ": no data drawn" in p
+        or "no change on screen: its figure's data/layout stayed the same" in p
+        or "distinct pictures of its" in p
+        for p in problems
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1387,11 +1396,12 @@ def main(argv: list[str] | None = None) -> int:
                     _check_interrupt()
                     res = NotebookRun(ctx, server, spec, args).run()
                     _check_interrupt()  # Ctrl-C reaches Playwright's driver too: "target closed" was the interrupt
-                    if res["problems"] and all(_drawing_race(p) for p in res["problems"]):
-                        # Once in many CI runs a figure's view stayed empty and deaf to its widget (chapter 03,
-                        # 2026-11-29, on a loaded machine; the same notebook passes on every other run). Such a
+                    if _drawing_race(res["problems"]):
+                        # Now and then, on a loaded machine, a figure's view stays empty and deaf to its widget
+                        # (chapter 03 in CI, chapter 11 here, 2026-11-29; each passes on the other runs). Such a
                         # notebook is run once more from a fresh page; it passes only if that run passes, and the
-                        # first run's problems are printed with it. Any other problem fails at once.
+                        # first run's problems are printed with it. Any other problem fails at once. The cause is
+                        # not found yet (issue 57's note): this keeps CI honest about everything else meanwhile.
                         first = res["problems"]
                         res = NotebookRun(ctx, server, spec, args).run()
                         res["notes"].insert(0, "second run: the first drew a figure empty — " + "; ".join(first))
