@@ -294,8 +294,8 @@ def test_the_monitor_watches_a_cuda_small_engine(tiny_model) -> None:
 
 
 def test_a_browser_that_missed_edits_is_drawn_from_the_current_figures(tiny_model) -> None:
-    """plotly's JavaScript model drops edits sent before its module loaded (a monitor redrawn by the observer
-    thread right after the cell displayed it); what a late view is drawn from must be the figure as it is now."""
+    """A browser view draws the synced state whole (live_figure.py), so after the observer thread's redraws that
+    state must be the figures as they are now."""
     llm = small_engine(tiny_model)
     mon = EngineMonitor(llm, min_interval_s=0)
     llm.generate(PREEMPTING_PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
@@ -304,18 +304,3 @@ def test_a_browser_that_missed_edits_is_drawn_from_the_current_figures(tiny_mode
     for fig in (mon.grid, mon.waste_figure, mon.timeline):
         assert fig._widget_data == list(fig._data) and fig._widget_layout == fig._layout_obj._props
     mon.close()
-
-
-def test_display_syncs_edits_made_while_a_widget_was_built() -> None:
-    import ipywidgets as W
-    import plotly.graph_objects as go
-
-    from minipaged.classroom.viz.redraw import display_widget
-
-    fig = go.FigureWidget(layout=dict(title="before"))
-    fig.add_scatter(x=[1, 2], y=[3, 4], name="added after the constructor")
-    fig.update_layout(title="after")
-    assert fig._widget_data == []  # plotly synced only the constructor's state
-    display_widget(W.VBox([W.HBox([W.HTML("caption"), fig])]))
-    assert [t["name"] for t in fig._widget_data] == ["added after the constructor"]
-    assert fig._widget_layout["title"]["text"] == "after"

@@ -23,6 +23,7 @@ from typing import Any
 
 import ipywidgets as W
 import plotly.graph_objects as go
+from IPython.display import display
 from plotly.subplots import make_subplots
 
 from ...core.kv_cache_manager import KVCacheManager
@@ -31,7 +32,7 @@ from ...core.scheduler import Scheduler, SchedulerOutput
 from ...lab.simulator import CostModel, SimConfig, SimRequest, simulate_continuous, simulate_static
 from .block_viz import CACHED_FREE_COLOR, FREE_COLOR, SHARED_COLOR, UNUSED_COLOR, OwnerColors
 from .layout import aligned_ticks, label_style, legend_above, legend_right, padded, text_color
-from .redraw import display_widget, redraw
+from .live_figure import LiveFigure
 
 # One second per step: the player and small timelines count steps, not seconds.
 STEP_CLOCK = CostModel(
@@ -170,7 +171,7 @@ class BatchingPlayer:
         # Two y axes on one grid: requests on the left, blocks on the right, both in round steps. The title
         # takes the top row, the legend the row under it, above the plot: nothing covers a peak.
         ticks = _pool_ticks(max([*s["num_running"].tolist(), *s["num_waiting"].tolist(), 1]), usable)
-        self.figure = go.FigureWidget(
+        self.figure = LiveFigure(
             layout=dict(
                 height=300,
                 margin=dict(l=60, r=70, t=90, b=45),
@@ -365,7 +366,7 @@ class BatchingPlayer:
             + "".join(cells)
             + "</div>"
         )
-        with redraw(self.figure):
+        with self.figure.batch_update():
             self.figure.layout.shapes = [
                 dict(
                     type="line",
@@ -391,7 +392,7 @@ class BatchingPlayer:
         )
 
     def _ipython_display_(self) -> None:
-        display_widget(self.widget)
+        display(self.widget)
 
 
 # ---- (b) a request timeline, static vs continuous ----------------------------------------------
@@ -473,7 +474,7 @@ class BatchingTimeline:
             continuous_update=False,
         )
         self.caption = W.HTML()
-        self.figure = go.FigureWidget(
+        self.figure = LiveFigure(
             make_subplots(
                 rows=2,
                 cols=1,
@@ -525,7 +526,7 @@ class BatchingTimeline:
         k = self.time_scale
         order = [r.req_id for r in self.requests][::-1]
         shown: set[str] = set()
-        with redraw(self.figure):
+        with self.figure.batch_update():
             self.figure.data = []
             for row, policy in ((1, "static"), (2, "continuous")):
                 for kind, color in SEGMENT_COLORS.items():
@@ -588,7 +589,7 @@ class BatchingTimeline:
         return W.VBox([W.HBox([self.batch_size, self.num_blocks]), self.caption, self.figure])
 
     def _ipython_display_(self) -> None:
-        display_widget(self.widget)
+        display(self.widget)
 
 
 # ---- (c) shared prefix blocks and their ref counts -----------------------------------------------
@@ -726,7 +727,7 @@ class PrefixSharingView:
         return W.VBox([self.slider, self.html])
 
     def _ipython_display_(self) -> None:
-        display_widget(self.widget)
+        display(self.widget)
 
 
 # ---- (d) figures of whole runs ------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 
 import ipywidgets as W
 import numpy as np
-import plotly.graph_objects as go
+from IPython.display import display
 
 from ...core.block_pool import BlockPool, KVCacheBlock
 from ...core.kv_cache_manager import KVCacheManager
@@ -31,7 +31,7 @@ from ...utils import cdiv
 from ...worker.block_table import BlockTable
 from .kv_widgets import BLOCK_COLORS
 from .layout import label_style, legend_right, text_color
-from .redraw import display_widget, redraw
+from .live_figure import LiveFigure
 
 FREE_COLOR = "#e6e6e6"
 CACHED_FREE_COLOR = "#b9dcb4"  # free, but still holding a cached prefix block
@@ -113,7 +113,7 @@ class BlockPoolGrid:
         self.summary: dict[str, Any] = {}
         self.label = ""
         rows = cdiv(self.pool.num_blocks, columns)
-        self.figure = go.FigureWidget(
+        self.figure = LiveFigure(
             layout=dict(
                 title=title,
                 height=90 + 42 * rows,
@@ -254,7 +254,7 @@ class BlockPoolGrid:
         for c in self.cells:
             key = c["owners"][0] if c["status"] == "in use" and c["owners"] else c["status"]
             groups.setdefault(key, []).append(c)
-        with redraw(self.figure):
+        with self.figure.batch_update():
             self.figure.data = []
             for name, cs in groups.items():
                 self.figure.add_scatter(
@@ -283,7 +283,7 @@ class BlockPoolGrid:
         return W.VBox([self.step, self.caption, self.figure])
 
     def _ipython_display_(self) -> None:
-        display_widget(self.widget)
+        display(self.widget)
 
 
 # ---- (b) contiguous vs paged on the same trace -----------------------------------------------
@@ -335,7 +335,7 @@ class ContiguousVsPaged:
         self.caption = W.HTML()
         # Both figures keep their legend in the right margin, so their plots line up and nothing covers a bar
         # or a curve; plotly widens the margin to fit it.
-        self.memory = go.FigureWidget(
+        self.memory = LiveFigure(
             layout=dict(
                 height=230,
                 barmode="overlay",
@@ -346,7 +346,7 @@ class ContiguousVsPaged:
                 legend=legend_right(),
             )
         )
-        self.timeline = go.FigureWidget(
+        self.timeline = LiveFigure(
             layout=dict(
                 height=260,
                 margin=dict(l=130, r=20, t=30, b=50),
@@ -367,7 +367,7 @@ class ContiguousVsPaged:
         self.paged = simulate_trace(self.trace, self.num_slots, "paged", self.max_model_len, block_size=self.block_size)
         self.layouts = contiguous_layouts(self.trace, self.contiguous, self.max_model_len, policy)
         last = int(max(self.contiguous.step[-1], self.paged.step[-1]))
-        with redraw(self.timeline):
+        with self.timeline.batch_update():
             self.timeline.data = []
             for name, res, color in (
                 ("contiguous", self.contiguous, BLOCK_COLORS[1]),
@@ -512,7 +512,7 @@ class ContiguousVsPaged:
             "free hole (too small)": HOLE_COLOR,
             "free": FREE_COLOR,
         }
-        with redraw(self.memory):
+        with self.memory.batch_update():
             self.memory.data = []
             for kind, b in bars.items():
                 marker = dict(color=colors[kind], line=dict(color="white", width=1))
@@ -530,7 +530,7 @@ class ContiguousVsPaged:
                 )
             self.memory.layout.title = f"memory at step {t}"
             self.memory.layout.yaxis.update(categoryorder="array", categoryarray=[p_name, c_name])
-        with redraw(self.timeline):
+        with self.timeline.batch_update():
             self.timeline.layout.shapes = [
                 dict(type="line", x0=t, x1=t, y0=0, y1=1, yref="paper", line=dict(dash="dot", color="gray"))
             ]
@@ -552,7 +552,7 @@ class ContiguousVsPaged:
         return W.VBox([W.HBox([self.play, self.step, self.policy]), self.caption, self.memory, self.timeline])
 
     def _ipython_display_(self) -> None:
-        display_widget(self.widget)
+        display(self.widget)
 
 
 # ---- (c) a block table as logical -> physical arrows -----------------------------------------
@@ -603,7 +603,7 @@ class BlockTableView:
         self.position = W.IntSlider(value=0, min=0, max=0, description="position", continuous_update=True, style=style)
         self.caption = W.HTML()
         rows = max(self.num_blocks, sum(len(t) + 1 for t in self.tables.values()))
-        self.figure = go.FigureWidget(
+        self.figure = LiveFigure(
             layout=dict(
                 title=title,
                 height=70 + 26 * rows,
@@ -673,7 +673,7 @@ class BlockTableView:
             dict(request=rid, logical=i, physical=self.tables[rid].block_ids[i], highlighted=False)
             for (rid, i) in self._ly
         ]
-        with redraw(self.figure):
+        with self.figure.batch_update():
             self.figure.data = []
             self.figure.add_scatter(
                 x=lx,
@@ -753,7 +753,7 @@ class BlockTableView:
                     text="",
                 )
             )
-        with redraw(self.figure):
+        with self.figure.batch_update():
             self.figure.layout.annotations = annotations
 
     @property
@@ -761,7 +761,7 @@ class BlockTableView:
         return W.VBox([W.HBox([self.request, self.position]), self.caption, self.figure])
 
     def _ipython_display_(self) -> None:
-        display_widget(self.widget)
+        display(self.widget)
 
 
 # ---- (d) one request's memory as it generates (a static figure) ----------------------------------

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import ipywidgets as W
-import plotly.graph_objects as go
+from IPython.display import display
 
 from ...gpus import GPU, by_device_name
 from ...utils import cdiv
 from .block_viz import FREE_COLOR, OWNER_COLORS
 from .layout import label_style, widget_width
-from .redraw import display_widget, redraw
+from .live_figure import LiveFigure
 
 MIN_DOT_ROWS = 16  # tl.dot on an NVIDIA GPU wants every tile dimension >= 16
 # The pictures show the tiles the kernels pick for SmolLM2 as the GPU engine runs it (bfloat16, head_dim 64).
@@ -486,7 +486,7 @@ class PagedReadView:
         self.selected: ProgramRead | None = None
         self.cells: list[dict[str, Any]] = []
         self.segment_len = 0
-        self.figure = go.FigureWidget(
+        self.figure = LiveFigure(
             layout=dict(
                 title=title,
                 width=max(420, 60 + 24 * self.num_blocks),
@@ -535,7 +535,7 @@ class PagedReadView:
             for b in pool_x
         ]
         labels = [p.label for p in self.programs]
-        with redraw(self.figure):
+        with self.figure.batch_update():
             self.figure.data = []
             self.figure.add_scatter(
                 x=pool_x,
@@ -616,7 +616,7 @@ class PagedReadView:
                         fillcolor="rgba(0,0,0,0)",
                     )
                 )
-        with redraw(self.figure):
+        with self.figure.batch_update():
             self.figure.layout.shapes = shapes
 
     @property
@@ -624,7 +624,7 @@ class PagedReadView:
         return W.VBox([W.HBox([self.splits, self.program]), self.caption, self.figure])
 
     def _ipython_display_(self) -> None:
-        display_widget(self.widget)
+        display(self.widget)
 
 
 __all__ = [

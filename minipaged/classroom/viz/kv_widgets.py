@@ -12,11 +12,11 @@ import json
 from typing import Any
 
 import ipywidgets as W
-import plotly.graph_objects as go
+from IPython.display import display
 
 from ...kv_math import PRESETS, GiB, KVSpec, attention_variants, format_bytes
 from .layout import label_style, legend_right, text_color, widget_width
-from .redraw import display_widget, redraw
+from .live_figure import LiveFigure
 
 CUSTOM = "custom"
 # Categorical colours, pairwise distinct (CIELAB ΔE >= 30) and far from the pool's status colours (grey free,
@@ -105,7 +105,7 @@ class KVCalculator:
         )
         self.output = W.HTML()
         self.error = W.HTML()
-        self.figure = go.FigureWidget(
+        self.figure = LiveFigure(
             layout=dict(
                 height=340,
                 margin=dict(l=60, r=20, t=40, b=50),
@@ -207,7 +207,7 @@ class KVCalculator:
     def _plot(self, spec: KVSpec) -> None:
         tp, tokens = self.tp.value, self.tokens.value
         xs = [int(tokens * f / 20) for f in range(0, 41)]
-        with redraw(self.figure):
+        with self.figure.batch_update():
             self.figure.data = []
             for name, variant in attention_variants(spec).items():
                 rank = variant.per_rank(tp)
@@ -233,7 +233,7 @@ class KVCalculator:
         return W.VBox([controls, self.error, W.HBox([self.output, self.figure])])
 
     def _ipython_display_(self) -> None:
-        display_widget(self.widget)
+        display(self.widget)
 
 
 class KVGrowthView:
@@ -307,4 +307,4 @@ class KVGrowthView:
         return W.VBox([W.HBox([self.play, self.step]), self.grid, self.meter, self.label])
 
     def _ipython_display_(self) -> None:
-        display_widget(self.widget)
+        display(self.widget)

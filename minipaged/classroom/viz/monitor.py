@@ -27,12 +27,13 @@ from typing import Any
 
 import ipywidgets as W
 import plotly.graph_objects as go
+from IPython.display import display
 from plotly.subplots import make_subplots
 
 from ...engine.events import StepEvent
 from .block_viz import CACHED_FREE_COLOR, FREE_COLOR, NULL_COLOR, SHARED_COLOR, OwnerColors
 from .layout import legend_right, text_color
-from .redraw import display_widget, redraw
+from .live_figure import LiveFigure
 
 MAX_OWNER_TRACES = 24  # requests beyond these share one grid trace (per-point colours)
 MAX_WASTE_BARS = 32  # the bar chart shows the requests wasting most, at most this many
@@ -87,18 +88,18 @@ class EngineMonitor:
         llm.observers.attach(self._on_event)
 
     # -- the figures, empty ------------------------------------------------------------------------
-    def _grid_figure(self) -> go.FigureWidget:
+    def _grid_figure(self) -> LiveFigure:
         rows, px = math.ceil(self.num_blocks / self.columns), self.cell_px
         title = dict(text=f"KV pool: {self.num_blocks} blocks of {self.block_size} slots", x=0.0)
-        return go.FigureWidget(layout=dict(
+        return LiveFigure(layout=dict(
             title=title, width=self.columns * px + 160, height=rows * px + 60, margin=dict(l=10, r=140, t=45, b=5),
             plot_bgcolor="white", hovermode="closest", legend=legend_right(),
             xaxis=dict(visible=False, range=[-0.5, self.columns - 0.5], fixedrange=True),
             yaxis=dict(visible=False, range=[-rows + 0.5, 0.5], fixedrange=True),
         ))  # fmt: skip
 
-    def _waste_figure(self) -> go.FigureWidget:
-        fig = go.FigureWidget(layout=dict(
+    def _waste_figure(self) -> LiveFigure:
+        fig = LiveFigure(layout=dict(
             width=380, height=148, margin=dict(l=70, r=15, t=45, b=50), showlegend=False,  # height: as _draw_waste
             xaxis=dict(title="unused slots in its last block", range=[0, self.block_size],
                        dtick=max(1, self.block_size // 4)),
@@ -107,8 +108,8 @@ class EngineMonitor:
         fig.add_bar(x=[], y=[], orientation="h", name="unused slots", hoverinfo="text")
         return fig
 
-    def _timeline_figure(self) -> go.FigureWidget:
-        fig = go.FigureWidget(
+    def _timeline_figure(self) -> LiveFigure:
+        fig = LiveFigure(
             make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4])
         )
         for name, row, style in [
@@ -250,7 +251,7 @@ class EngineMonitor:
             for (name, color), cs in groups.items()
             if cs
         ]
-        with redraw(self.grid):
+        with self.grid.batch_update():
             self.grid.data = []
             self.grid.add_traces(traces)
 
@@ -261,7 +262,7 @@ class EngineMonitor:
         shown = f" ({len(rows)} of {len(self.waste)} shown)" if len(rows) < len(self.waste) else ""
         share = f"{total / slots:.0%} of the {slots:,} slots in use" if slots else "no block in use"
         hover = [f"request {html.escape(r)}: {w} of its last block's {e.block_size} slots unused" for r, w in rows]
-        with redraw(self.waste_figure):
+        with self.waste_figure.batch_update():
             self.waste_figure.data[0].update(x=[w for _, w in rows], y=[r for r, _ in rows], hovertext=hover,
                                              marker_color=[self.colors(r) for r, _ in rows])  # fmt: skip
             self.waste_figure.update_layout(
@@ -271,7 +272,7 @@ class EngineMonitor:
 
     def _draw_timeline(self) -> None:
         s, pre, hit = self.series, self.marks["preempted"], self.marks["prefix_hit"]
-        with redraw(self.timeline):
+        with self.timeline.batch_update():
             use, pmark, hmark, batch = self.timeline.data
             use.x, use.y, use.hovertext = list(s["time"]), list(s["kv_use"]), [f"step {n}" for n in s["step"]]
             batch.x, batch.y = list(s["time"]), list(s["batch"])
@@ -346,7 +347,7 @@ class EngineMonitor:
         return W.VBox([self.caption, figures, self.timeline])
 
     def _ipython_display_(self) -> None:
-        display_widget(self.widget)
+        display(self.widget)
 
 
 __all__ = ["EngineMonitor"]

@@ -17,9 +17,9 @@ from __future__ import annotations
 import html
 
 import ipywidgets as W
+from IPython.display import display
 
 from .. import selfcheck
-from .redraw import display_widget
 
 RIGHT, WRONG, NEUTRAL = "#1d6b35", "#9b1c1c", "#333333"  # >= 7:1 on white
 
@@ -81,4 +81,4 @@ class Quiz:
         self.feedback[i - 1].value = f"<span style='color:{color}'>{html.escape(text)}</span>"
 
     def _ipython_display_(self) -> None:
-        display_widget(self.widget)
+        display(self.widget)
