@@ -3,7 +3,8 @@ learner's parts of exercises 03-08 plugged in, found by the grader in the notebo
 
 The solution notebooks give full marks on SmolLM2 (about a minute on 2 cores); under the grader's call tracer, on the
 tiny model, the check exempts the components it hands over and nothing else; a wrong part (exercise 05's head
-mapping) is caught by the tokens; a part that is the package's own, imported, is refused as not the learner's.
+mapping) is caught by the tokens; a part that is the package's own, imported, is refused as not the learner's. The
+counts exercise 14 scores against are the solution's loop measured again.
 """
 
 from __future__ import annotations
@@ -133,3 +134,17 @@ def test_the_packages_part_imported_into_a_notebook_is_not_the_learners(tmp_path
     folder = _guided_folder(tmp_path, cell)
     got = ex10._yours(ex10.your_pieces(folder))
     assert got.startswith("paged_decode_attention was not defined in your ex05 notebook"), got
+
+
+@pytest.mark.slow
+def test_exercise_14s_reference_counts_are_exercise_10s_loop_measured_again():
+    """Exercise 14 scores against counts it keeps as numbers (its reference loop is exercise 10's answer): they must
+    be what that loop, over the package's decoder layer, does on exercise 14's workload today."""
+    from minipaged.classroom.grading import ex14
+
+    model, prompts, max_tokens, settings = ex14.workload()
+    m = ex14.measure(_engine(), model, ex10.package_parts(), settings, prompts, max_tokens)
+    assert m.outputs == capstone.reference_outputs(prompts)
+    assert m.tokens == ex14.BASELINE_TOKENS and ex14.shortfall(m, prompts) is None
+    assert m.ops == pytest.approx(ex14.BASELINE_OPS, rel=0.01), m.ops
+    assert m.bytes == pytest.approx(ex14.BASELINE_BYTES, rel=0.01), m.bytes

@@ -96,3 +96,9 @@ def test_a_notebook_saved_under_an_old_name_is_graded_as_the_exercise_it_is():
     # a name that only shares the old one's number is the exercise that has that number now
     assert exercise_for("ex05_mine.ipynb") is EXERCISES["ex05"]
     assert exercise_for("ex05_scatter_writes.ipynb") is EXERCISES["ex05"]
+
+
+def test_the_last_rung_is_the_hardest_and_the_only_one_that_hard():
+    top = max(LEVELS)
+    assert [k for k, ex in EXERCISES.items() if ex.level == top] == ["ex14"]
+    assert list(EXERCISES)[-1] == "ex14"

@@ -1,7 +1,7 @@
 """Wrong solutions to the exercises, written the way a learner gets them wrong (issue 16, item 3).
 
 One module per exercise (``ex01`` ... ``ex10``, ``ex03b``, ``ex04b``, ``ex05b``, ``ex05c`` and ``ex05d`` (the Triton puzzles), ``ex05e``, ``ex06b``, ``ex09b``, ``ex09c``, ``ex10b``;
-``ex11``, ``ex12``, ``ex13``). In each, a
+``ex11``, ``ex12``, ``ex13``, ``ex14``). In each, a
 function decorated with ``@mutant(target, mistake)`` is a wrong version of the exercise function
 ``target``; the line that differs from the reference solution is marked ``# MISTAKE``. ``CHECKS`` names the check
 functions of ``minipaged.grading.exNN`` that grade ``target`` (a mutant runs through all of them,
@@ -41,6 +41,7 @@ EXERCISES = [
     "ex11",
     "ex12",
     "ex13",
+    "ex14",
 ]
 
 

@@ -290,6 +290,14 @@ EXERCISES: dict[str, Exercise] = {
             ("speculate_smollm2", "check_speculate_smollm2", "propose accept", 2),
             own=("minipaged.core.spec_decode",),
         ),
+        _ex(
+            "ex14_faster_engine",
+            (180, 5),
+            ("fast_tokens", "check_fast_tokens", "FastEngine", 2),
+            ("fast_speed", "check_fast_speed", "FastEngine", 3),
+            # the forward is the learner's: the package's engine, layers and kernels are off limits
+            own=(*_ENGINE, *_LAYER, *_DECODE, *_KERNELS, f"{_GRADING}.ex10:package_decoder_layer"),
+        ),
     )
 }
 
