@@ -3,12 +3,18 @@ synced state, sent once per change; plotly.js goes out once per kernel, not with
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import comm
+import numpy as np
 import plotly.graph_objects as go
 import pytest
+from plotly.basedatatypes import Undefined
+from plotly.serializers import _py_to_js
 
 from minipaged.classroom.viz import live_figure
 from minipaged.classroom.viz.live_figure import LiveFigure, plotly_source
@@ -86,3 +92,24 @@ def test_a_course_widget_is_drawn_from_its_current_state() -> None:
     before = calc.figure._widget_data
     calc.tokens.value = calc.tokens.max  # a slider moved: the figure is redrawn, and its synced state with it
     assert isinstance(calc.figure, LiveFigure) and _synced(calc.figure) and calc.figure._widget_data != before
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js to run live_figure.js's decoder")
+def test_the_browser_decodes_numpy_arrays_and_unset_values_as_plotlys_serializer_sends_them() -> None:
+    """plotly's Python serializer sends a 1-D numeric NumPy array as {buffer, dtype, shape} over a binary buffer and
+    an unset value as "_undefined_"; the module must hand plotly.js the numbers and leave the unset key out."""
+    y = np.array([0.5, -2.0, 7.25], dtype=np.float32)
+    sent = _py_to_js([{"type": "scatter", "x": [1, 2, 3], "y": y, "name": Undefined}], None)
+    assert isinstance(sent[0]["y"]["buffer"], memoryview)  # what goes over the comm as a binary buffer
+    script = f"""
+        import {{ decode }} from {json.dumps((VIZ / "live_figure.js").as_uri())};
+        const bytes = Uint8Array.from(Buffer.from({json.dumps(y.tobytes().hex())}, "hex"));
+        const padded = new Uint8Array(bytes.length + 8); padded.set(bytes, 8);  // a view that does not start at 0
+        const y = {{ buffer: new DataView(padded.buffer, 8, bytes.length), dtype: "float32", shape: [3] }};
+        const [trace] = decode([{{ type: "scatter", x: [1, 2, 3], y, name: "_undefined_" }}]);
+        console.log(JSON.stringify({{ y: Array.from(trace.y), typed: trace.y instanceof Float32Array,
+                                      keys: Object.keys(trace), x: trace.x }}));
+    """
+    out = subprocess.run(["node", "--input-type=module", "-e", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"y": [0.5, -2.0, 7.25], "typed": True, "keys": ["type", "x", "y"], "x": [1, 2, 3]}

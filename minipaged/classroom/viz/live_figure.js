@@ -8,6 +8,28 @@
 // figure, plotly's own, missed it on a loaded machine: the model then dropped every later message).
 
 const LOADED = Symbol.for("minipaged.plotly");
+const TYPED = {
+  int8: Int8Array, int16: Int16Array, int32: Int32Array, uint8: Uint8Array, uint16: Uint16Array,
+  uint32: Uint32Array, float32: Float32Array, float64: Float64Array,
+};
+
+// The state as plotly's Python serializer sent it (plotly/serializers.py), as new objects plotly.js may keep:
+// a 1-D numeric NumPy array arrives as {buffer, dtype, shape} over a binary buffer, an unset value as "_undefined_".
+function decode(value) {
+  if (Array.isArray(value)) return value.map(decode);
+  if (value === "_undefined_") return undefined;
+  if (value === null || typeof value !== "object") return value;
+  const raw = value.buffer ?? value.value;
+  if (TYPED[value.dtype] && value.shape && ArrayBuffer.isView(raw)) {
+    return new TYPED[value.dtype](raw.buffer.slice(raw.byteOffset, raw.byteOffset + raw.byteLength));
+  }
+  const out = {};
+  for (const [key, item] of Object.entries(value)) {
+    const decoded = decode(item);
+    if (decoded !== undefined) out[key] = decoded;
+  }
+  return out;
+}
 
 function loadPlotly(model) {
   const id = model.get("_plotly_js");
@@ -44,10 +66,10 @@ async function render({ model, el }) {
   const draw = () => {
     frame = 0;
     if (!alive) return;
-    const layout = structuredClone(model.get("_widget_layout") ?? {});
+    const layout = decode(model.get("_widget_layout") ?? {});
     layout.height ??= 360; // as plotly's own FigureWidget
     const config = { ...(model.get("_config") ?? {}), editSelection: false };
-    Plotly.react(el, structuredClone(model.get("_widget_data") ?? []), layout, config);
+    Plotly.react(el, decode(model.get("_widget_data") ?? []), layout, config);
   };
   const later = () => {
     frame ||= requestAnimationFrame(draw); // one draw per frame, however many changes arrived
@@ -68,4 +90,5 @@ async function render({ model, el }) {
   };
 }
 
+export { decode }; // for tests/test_live_figure.py
 export default { render };
