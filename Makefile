@@ -83,10 +83,10 @@ lint: setup
 
 # Installs the `browser` extra (playwright, the Python package only) if missing, and Debian's chromium when run as
 # root (apt-get install chromium); never downloads a browser build (`playwright install` is not used).
-# Each widget model gets 500 ms, not anywidget's 2 s, to load its module: a browser four times slower than that
-# limit still shows every figure (minipaged/classroom/viz/live_figure.py says why that window matters).
+# `tools/browser_test.py --anywidget-window MS` gives each widget model MS ms, not anywidget's 2 s, to load its module:
+# a slower browser, on purpose (minipaged/classroom/viz/live_figure.py says why that window matters).
 test-browser: setup
-	$(BIN)/python tools/browser_test.py --anywidget-window 500
+	$(BIN)/python tools/browser_test.py
 
 # Installs the `site` extra (Sphinx, myst-nb, the Sphinx Book Theme, pinned) if missing; no network at build time.
 site: setup

@@ -35,7 +35,7 @@ nb_execution_raise_on_error = True  # a chapter that fails fails the build, neve
 nb_execution_show_tb = True
 nb_merge_streams = True
 # The widgets are shown as snapshots, so their live state is not kept: nbclient would store every widget model in
-# the notebook, and myst-nb would embed it in the page (a plotly FigureWidget's model carries its own 5 MB plotly.js).
+# the notebook, and myst-nb would embed it in the page (the figures' widgets name one model of 4.8 MB: plotly.js).
 NotebookClient.set_widgets_metadata = lambda self: None  # type: ignore[method-assign]
 # The kernel inherits this environment: its IPython startup file installs the site's renderers.
 os.environ["IPYTHONDIR"] = str(ROOT / "_build" / "site-ipython")
@@ -55,7 +55,8 @@ html_theme_options = {
 html_context = {"default_mode": "light"}  # without it the theme logs "invalid theme mode" on a reader's first visit
 html_favicon = "favicon.svg"  # four blocks of a pool; without an icon the browser asks for /favicon.ico
 html_static_path = [str(ROOT / "_build" / "site-static")]
-html_js_files = ["plotly.min.js"]  # before the figures' own scripts: loaded in <head>, not deferred
+html_js_files = ["plotly.min.js", "minipaged.js"]  # plotly before the figures' own scripts: in <head>, not deferred
+html_css_files = ["minipaged.css"]  # and minipaged.js: the pages at a reader's width (tools/site_test.py checks them)
 # The widgets are snapshots (no widget manager needed), so no page loads require.js or the widget manager from a CDN.
 nb_ipywidgets_js: dict[str, dict[str, str]] = {}
 html_show_sourcelink = False
@@ -75,6 +76,8 @@ def _prepare(app: object) -> None:
     static = ROOT / "_build" / "site-static"
     static.mkdir(parents=True, exist_ok=True)
     shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", static / "plotly.min.js")
+    for name in ("minipaged.css", "minipaged.js"):
+        shutil.copy(ROOT / "site" / name, static / name)
 
 
 def _copy_mathjax(app: object, exception: Exception | None) -> None:

@@ -3,7 +3,7 @@
     .venv/bin/python tools/browser_test.py                 # every notebook in SPECS, screenshots to assets/screenshots/
     .venv/bin/python tools/browser_test.py 03 06           # only chapters 03 and 06
     .venv/bin/python tools/browser_test.py --no-screenshots --timeout 400
-    .venv/bin/python tools/browser_test.py --anywidget-window 500   # as make test-browser: a slow browser
+    .venv/bin/python tools/browser_test.py 03 11 --anywidget-window 400   # a slower browser, on purpose
 
 What it does, and why each piece is there:
 

@@ -13,9 +13,11 @@ order and a search page. It needs no network: the
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,12 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         cmd[3:3] = ["-D", "include_patterns=" + ",".join(["site/index.md", *args.only])]
     else:
         cmd[3:3] = ["-W"]  # a broken link, a missing page, a notebook Sphinx cannot read: the build fails, naming it
+        shutil.rmtree(OUT, ignore_errors=True)  # no page of a renamed or removed chapter is left behind
     started = time.perf_counter()
     rc = subprocess.call(cmd, cwd=ROOT)
     # The home page is site/index.html (Sphinx reads the whole repository); _build/site/index.html sends readers there.
+    # Its icon is inline: a request for the icon file was cut short by the redirect (a failed request in the browser).
+    icon = "data:image/svg+xml," + urllib.parse.quote((ROOT / "site" / "favicon.svg").read_text().strip())
     (OUT / "index.html").write_text(
         '<!DOCTYPE html><html><head><meta charset="utf-8"><title>minipaged</title>'
-        '<meta http-equiv="refresh" content="0; url=site/index.html"><link rel="icon" href="_static/favicon.svg">'
+        f'<meta http-equiv="refresh" content="0; url=site/index.html"><link rel="icon" href="{icon}">'
         "</head>"
         '<body><a href="site/index.html">minipaged: the course</a></body></html>\n'
     )

@@ -4,7 +4,7 @@
 //
 // plotly.js itself (4.6 MB) is not in this module. It is sent once per kernel, as the `source` of one PlotlySource
 // widget whose model id every LiveFigure carries in `_plotly_js`, and loaded once per page. This module stays a few
-// kilobytes, so anywidget's short window for a model to load its module is never at risk (a 5 MB module per
+// kilobytes, so it loads well inside anywidget's 2 s window for a model to load its module (a 5 MB module per
 // figure, plotly's own, missed it on a loaded machine: the model then dropped every later message).
 
 const LOADED = Symbol.for("minipaged.plotly");

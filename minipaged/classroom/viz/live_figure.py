@@ -6,11 +6,12 @@ code) sent with *every* figure, and it keeps the picture in step by *edits* (``_
 model that misses that window drops every message it receives afterwards. On a loaded machine a 5 MB module per
 figure misses it: the figure is then drawn from the state its model was created with (no trace, a layout of three
 keys) and never changes again — what the browser test saw in chapters 03 and 11 (reproduced on purpose by closing
-the window after 1 ms: ``tools/browser_test.py --anywidget-window``).
+the window early: ``tools/browser_test.py --anywidget-window``).
 
 ``LiveFigure`` changes both halves:
 
-* its module (``live_figure.js``) is a few kilobytes. plotly.js is sent once per kernel, as the source of one
+* its module (``live_figure.js``) is 4 KB, so it loads well inside that window (a badly overloaded machine can still
+  miss it: once, with the window cut to 500 ms). plotly.js is sent once per kernel, as the source of one
   ``PlotlySource`` widget that every figure names, and loaded once per page;
 * the browser draws the figure from its whole synced state (``_widget_data``, ``_widget_layout``), again at every
   change (``Plotly.react``, at most once per animation frame). Python sends that state after each change, once per
