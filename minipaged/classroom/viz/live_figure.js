@@ -2,7 +2,7 @@
 // syncs (_widget_data, _widget_layout, _config), and draw it again whenever that state changes. No edit protocol:
 // a view that starts late, or misses a message, still ends up showing the figure Python holds.
 //
-// plotly.js itself (4.6 MB) is not in this module. It is sent once per kernel, as the `source` of one PlotlySource
+// plotly.js itself (4.8 MB) is not in this module. It is sent once per kernel, as the `source` of one PlotlySource
 // widget whose model id every LiveFigure carries in `_plotly_js`, and loaded once per page. This module stays a few
 // kilobytes, so it loads well inside anywidget's 2 s window for a model to load its module (a 5 MB module per
 // figure, plotly's own, missed it on a loaded machine: the model then dropped every later message).

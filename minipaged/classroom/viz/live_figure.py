@@ -55,7 +55,7 @@ _SOURCE: list[PlotlySource] = []  # the one PlotlySource of this kernel, made on
 
 
 def plotly_source() -> PlotlySource:
-    """The kernel's ``PlotlySource`` (made, and its 4.6 MB sent, the first time a figure needs it)."""
+    """The kernel's ``PlotlySource`` (made, and its 4.8 MB sent, the first time a figure needs it)."""
     if not _SOURCE or _SOURCE[0].comm is None:  # none yet, or closed (Widget.close_all())
         _SOURCE[:] = [PlotlySource(source=get_plotlyjs(), version=plotly.__version__)]
     return _SOURCE[0]
