@@ -1327,6 +1327,19 @@ def _check_interrupt() -> None:
 
 
 # ---- main ---------------------------------------------------------------------------------------------
+def _drawing_race(problems: list[str]) -> bool:
+    """Every problem is a figure's view drawn empty (or not redrawn) while the text and the kernel did their part, and
+    at least one figure was drawn with no data: its model missed anywidget's window to load its module and dropped
+    every later message (live_figure.py). A live widget whose figures never changed is that same view."""
+    empty = any(": no data drawn" in p for p in problems)
+    return empty and all(
+        ": no data drawn" in p
+        or "no change on screen: its figure's data/layout stayed the same" in p
+        or "distinct pictures of its" in p
+        for p in problems
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1399,6 +1412,15 @@ def main(argv: list[str] | None = None) -> int:
                     _check_interrupt()
                     res = NotebookRun(ctx, server, spec, args).run()
                     _check_interrupt()  # Ctrl-C reaches Playwright's driver too: "target closed" was the interrupt
+                    if _drawing_race(res["problems"]):
+                        # A LiveFigure's 4 KB module can still miss anywidget's window when the browser is starved
+                        # (once here, at a 500 ms window, beside a site build). Such a notebook runs once more from a
+                        # fresh page and passes only if that run passes; the first run's problems are printed with
+                        # it. Any other problem fails at once. This goes when a figure's state no longer depends on
+                        # its own model's messages (issue 57's closing note).
+                        first = res["problems"]
+                        res = NotebookRun(ctx, server, spec, args).run()
+                        res["notes"].insert(0, "second run: the first drew a figure empty — " + "; ".join(first))
                     results.append(res)
                     ok = not res["problems"]
                     print(f"{'PASS' if ok else 'FAIL'} {spec.path} ({res['seconds']:.0f} s)", flush=True)
