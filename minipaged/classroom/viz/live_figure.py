@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import ipywidgets as W
-import plotly
 import plotly.graph_objects as go
 import traitlets
 from plotly.offline import get_plotlyjs
@@ -48,7 +47,6 @@ class PlotlySource(W.Widget):
     """plotly.js, sent to the browser once per kernel (every ``LiveFigure`` names this widget's model)."""
 
     source = traitlets.Unicode().tag(sync=True)
-    version = traitlets.Unicode().tag(sync=True)
 
 
 _SOURCE: list[PlotlySource] = []  # the one PlotlySource of this kernel, made on first use
@@ -57,7 +55,7 @@ _SOURCE: list[PlotlySource] = []  # the one PlotlySource of this kernel, made on
 def plotly_source() -> PlotlySource:
     """The kernel's ``PlotlySource`` (made, and its 4.8 MB sent, the first time a figure needs it)."""
     if not _SOURCE or _SOURCE[0].comm is None:  # none yet, or closed (Widget.close_all())
-        _SOURCE[:] = [PlotlySource(source=get_plotlyjs(), version=plotly.__version__)]
+        _SOURCE[:] = [PlotlySource(source=get_plotlyjs())]
     return _SOURCE[0]
 
 
