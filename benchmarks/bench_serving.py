@@ -125,8 +125,8 @@ def minipaged_server(args: argparse.Namespace, port: int) -> Server:
     argv = [sys.executable, "-m", "minipaged", "serve", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--dtype", args.dtype, "--kv-cache-memory", f"{KV_CACHE_GIB}GiB", "--max-model-len", str(MAX_MODEL_LEN)]
     argv += ["--served-model-name", MODEL_NAME]
-    # The package's default OMP_WAIT_POLICY (PASSIVE, set on import), unlike bench_engine.py's ACTIVE: a server
-    # has Python threads (the event loop, the engine loop) that OpenMP threads spinning between ops would starve.
+    # `minipaged serve`'s own wait policy (PASSIVE: __main__.server_threads_sleep), unlike the engine's spin: a
+    # server has Python threads (the event loop, the engine loop) that OpenMP threads spinning between ops would starve.
     return Server("minipaged", argv, dict(os.environ), port)
 
 
@@ -274,7 +274,7 @@ def main() -> int:
         machine=machine(),
         args={k: v for k, v in vars(args).items() if k not in ("vllm_python",)},
         kv_cache_gib=KV_CACHE_GIB,
-        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "PASSIVE (minipaged's default)"),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "PASSIVE (minipaged serve's default)"),
         servers={},
     )
     print(f"{args.num_requests} requests per rate, rates {args.rates} req/s, {args.max_concurrency} clients at most")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -52,3 +56,38 @@ def write_result(out_dir: Path, name: str, record: dict) -> Path:
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}")
     return path
+
+
+@contextlib.contextmanager
+def busy_core(on: bool = True) -> Iterator[dict | None]:
+    """A busy loop at the lowest priority (``nice -n 19``) on this process's last CPU while the block runs, or
+    nothing when ``on`` is false: what a learner's laptop has beside the engine (a browser, an indexer, a sync
+    client), at its mildest. Yields what it ran: the CPU it holds and its nice value. The loop is one process of its
+    own, killed on the way out, whatever happens inside."""
+    if not on:
+        yield None
+        return
+    cpu = max(os.sched_getaffinity(0))
+
+    def lowest_priority_on_one_cpu() -> None:  # runs in the child, before the loop starts
+        os.nice(19)
+        os.sched_setaffinity(0, {cpu})
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "while True: pass"], preexec_fn=lowest_priority_on_one_cpu, stdin=subprocess.DEVNULL
+    )
+    try:
+        yield dict(cpu=cpu, nice=19, pid=proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def steal_s() -> float | None:
+    """Seconds of CPU time the hypervisor gave to other guests so far (``/proc/stat``'s steal column, all CPUs),
+    or None off Linux. A benchmark on a cloud VM records it per run: a run that lost many is a noisy one."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None

@@ -10,15 +10,19 @@ new home (``old_paths``).
 """
 
 import os
+import sys
 from typing import Any
 
-# OpenMP threads that spin while they wait make PyTorch 10-20x slower on a laptop whose cores are busy with
-# something else (measured: a 16-request engine run took 5.5 s alone and 50-105 s beside another job, 5.8 s
-# with passive waiting). It only takes effect if set before torch starts its OpenMP runtime; set it yourself
-# (e.g. OMP_WAIT_POLICY=ACTIVE for a benchmark on an idle machine) and this leaves it alone.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from . import old_paths
+
+# PyTorch's OpenMP threads spin about 6 ms between parallel regions instead of sleeping at once: a step runs 1.6x
+# faster on a VM, and an idle engine still sleeps (worker/cpu_threads.py, with the measurements). It only takes
+# effect before torch loads its OpenMP runtime; set OMP_WAIT_POLICY or GOMP_SPINCOUNT yourself and this leaves
+# both alone. The engine says once if torch came first; `python -m minipaged serve` keeps them sleeping.
+_SPIN_SET = _SPIN_AFTER_TORCH = False
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "1000000"
+    _SPIN_SET, _SPIN_AFTER_TORCH = True, "torch" in sys.modules
 
 old_paths.install()
 

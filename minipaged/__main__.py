@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -253,7 +254,14 @@ def _add_knob_flags(parser: argparse.ArgumentParser) -> None:
 
     from .config import Config
 
-    types = {"int": int, "int | None": int, "float": float}  # anything else reaches Config as a string
+    def auto_or_int(text: str) -> int | str:  # cpu_threads: "auto" or a count; Config's rule judges the count
+        try:
+            return text if text == "auto" else int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'"auto" or a positive integer, got {text!r}') from None
+
+    # anything else reaches Config as a string
+    types: dict[str, Any] = {"int": int, "int | None": int, "float": float, "int | str": auto_or_int}
     group = parser.add_argument_group("engine knobs (minipaged.config.Config; checked before the model loads)")
     for f in fields(Config):
         if not f.init:
@@ -414,7 +422,20 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     return 0 if all(r.error is None and r.spill_bytes == 0 for r in rows) else 1
 
 
+def server_threads_sleep(argv: list[str]) -> None:
+    """``serve``: the engine's OpenMP threads sleep between parallel regions (``OMP_WAIT_POLICY=PASSIVE``) instead
+    of spinning as ``import minipaged`` sets them (``worker/cpu_threads.py``). A server's event loop needs a core
+    between steps to stream tokens; threads spinning there would take it. Only where minipaged set the spin and
+    torch is not loaded yet (the parser loads it): a user's own setting stands."""
+    import minipaged
+
+    if argv[:1] == ["serve"] and minipaged._SPIN_SET and "torch" not in sys.modules:
+        os.environ.pop("GOMP_SPINCOUNT", None)
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def main(argv: list[str] | None = None) -> int:
+    server_threads_sleep(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     commands = {
         "prepare": cmd_prepare,

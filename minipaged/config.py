@@ -45,6 +45,11 @@ def _one_of(choices: Sequence[str]) -> Callable[[str, object], None]:
     return check
 
 
+def _auto_or_count(name: str, value: object) -> None:
+    if value != "auto" and not (type(value) is int and value >= 1):
+        raise ValueError(f'{name} must be "auto" or a positive integer, got {value!r}')
+
+
 def _boolean(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -72,6 +77,7 @@ _RULES: dict[str, Callable[[str, Any], Any]] = {
     "master_port": lambda n, v: check_int(n, v, 1, 65535),
     "distributed_timeout_s": lambda n, v: _positive_number(n, v),
     "enforce_eager": _boolean,
+    "cpu_threads": lambda n, v: _auto_or_count(n, v),
     "async_scheduling": _boolean,
     "speculative_config": lambda n, v: SpeculativeConfig.parse(v),
 }
@@ -193,6 +199,10 @@ class Config:
             before the engine calls it hung and ends every rank.
         enforce_eager: on a GPU, run every step eagerly instead of replaying decode steps from CUDA graphs
             (``model/cuda_graphs.py``); vLLM's name. Nothing changes on a CPU.
+        cpu_threads: on a CPU, "auto" (PyTorch's thread count, one core per thread, less one thread per core
+            that another program at the same priority holds, watched every half second:
+            ``worker/cpu_threads.py`` has the measurements) or a fixed count. Ignored on a GPU; a
+            tensor-parallel rank takes its share of the cores.
         async_scheduling: schedule each step while the device still runs the one before
             (``engine/overlap.py``; vLLM's name). None: on for a one-process engine on a GPU, off on a CPU (the
             forward runs on the host there: nothing to hide it under). Greedy outputs are the same either way.
@@ -227,6 +237,7 @@ class Config:
     master_port: int | None = None
     distributed_timeout_s: float = 60.0
     enforce_eager: bool = False
+    cpu_threads: int | str = "auto"
     async_scheduling: bool | None = None
     kv_offloading_size: int | float | str = 0
     speculative_config: SpeculativeConfig | dict | str | None = None

@@ -38,6 +38,7 @@ from ..profiling import span
 from ..sampling_params import SamplingParams
 from ..utils import cdiv
 from .cache_engine import CacheEngine
+from .cpu_threads import CpuThreads
 from .gpu_memory import caller_site, free_device_memory, track, untrack
 from .input_batch import InputBatch, InputBuffers
 from .kv_pool_plan import KVPoolPlan
@@ -157,6 +158,8 @@ class ModelRunner:
         self.inputs = InputPreparer(self.input_batch, self.buffers, len(self.kv_cache_groups))
         self.kv_sender: KVSendFn | None = None  # a KV producer's (``attach_kv_sender``)
         self.graph_runner: CUDAGraphRunner | None = None  # decode steps replayed from CUDA graphs (a GPU only)
+        # A one-process CPU engine: the threads its steps run on, fewer while another program holds a core
+        self.cpu_threads = CpuThreads(config.cpu_threads) if self.device.type == "cpu" and self.tp is None else None
         # CUDA graphs capture one block table per step: models of one KV cache group only.
         one_gpu = self.device.type == "cuda" and self.tp is None
         if one_gpu and not config.enforce_eager and len(self.kv_cache_groups) == 1:
@@ -203,6 +206,8 @@ class ModelRunner:
         untrack(self)
         self.graph_runner = None
         self.kv_sender = None
+        if self.cpu_threads is not None:  # the process's thread count as the engine found it
+            self.cpu_threads.release()
         self.sampler = Sampler()  # seeded streams may hold device generators
         del self.cache, self.buffers, self.model, self.inputs
         free_device_memory(self.device)
@@ -338,4 +343,6 @@ class ModelRunner:
             self.kv_sender(self.cache, kv_meta.sends)
         self.timers["prepare inputs"] += t1 - t0
         self.timers["model"] += time.perf_counter() - t1
+        if self.cpu_threads is not None:
+            self.cpu_threads.after_step()
         return logits
