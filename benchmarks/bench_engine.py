@@ -391,9 +391,10 @@ def step_kinds(llm: object, work: dict, floor: dict) -> dict:
 
     Floors, step by step: GEMMs, the longer of the step's FLOPs at the best rate this machine's GEMMs reached
     (``gemm_floor``'s best) and one read of every weight at the memory read rate (``read_bandwidth``: a small
-    decode batch is bound by that read); attention, its K/V bytes at that read rate. ``*_of_floor`` is floor ÷ measured: 1.0 is as fast as
-    the machine allows. What is left after the model is the host's: sampling, and the scheduler, the inputs and
-    the update (``host_s``); ``between_steps_s`` is ``generate``'s own time outside any step (outputs, polling).
+    decode batch is bound by that read); attention, its K/V bytes at that read rate. ``*_of_floor`` is floor ÷
+    measured: 1.0 is as fast as the machine allows. What is left after the model is the host's: sampling, and the
+    scheduler, the inputs and the update (``host_s``); ``between_steps_s`` is ``generate``'s own time outside any
+    step (outputs, polling).
     """
     import torch
     from torch.profiler import ProfilerActivity, profile

@@ -141,4 +141,5 @@ class CpuThreads:
             return f"{self.threads} threads (cpu_threads={self.setting})"
         if not self.watching:
             return f"{self.threads} threads (auto; nothing watched: no /proc/stat here)"
-        return f"{self.threads} of {self.most} threads (auto: one fewer per core another program holds; {self.drops} drops)"
+        why = "one fewer per core another program holds"
+        return f"{self.threads} of {self.most} threads (auto: {why}; {self.drops} drops)"
