@@ -92,7 +92,7 @@ class CpuThreads:
         self._since, self._busy = time.perf_counter(), busy or 0.0
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        # What ``minipaged/__init__`` found on import, read without importing the package (a layer above this one)
+        # What ``minipaged/__init__.py`` found on import, read without importing the package (a layer above this one)
         if getattr(sys.modules.get("minipaged"), "_SPIN_AFTER_TORCH", False) and not _SAID:
             log.info(
                 "minipaged: torch was imported before minipaged, so its threads sleep between parallel regions "
