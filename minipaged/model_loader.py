@@ -97,14 +97,28 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(folder: Path) -> None:
-    """Record the size and SHA-256 of every file in ``folder`` (the manifest itself aside)."""
+RANDOM_SOURCE = "random"  # how a manifest's source starts for SmolLM2-shaped random weights (tools/gpu_check.py)
+
+
+def write_manifest(folder: Path, source: str = GGUF_FILE) -> None:
+    """Record the size and SHA-256 of every file in ``folder`` (the manifest itself aside), and where the weights
+    came from: the GGUF file, or ``random ...`` for weights with the model's shapes and none of its knowledge."""
     files = {
         p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(folder.iterdir())
         if p.is_file() and p.name != MANIFEST
     }
-    (folder / MANIFEST).write_text(json.dumps({"source": GGUF_FILE, "files": files}, indent=1) + "\n")
+    (folder / MANIFEST).write_text(json.dumps({"source": source, "files": files}, indent=1) + "\n")
+
+
+def weights_are_random(folder: Path | None = None) -> bool:
+    """True when the cached model holds random SmolLM2-shaped weights (a GPU lease where the real weights cannot
+    travel): the engine's work and shapes are the real model's, its text is not ("Paris" is not to be expected)."""
+    try:
+        manifest = json.loads(((model_dir() if folder is None else folder) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return str(manifest.get("source", "")).startswith(RANDOM_SOURCE)
 
 
 def cache_problem(folder: Path | None = None, verify: str = "sizes") -> str | None:

@@ -52,6 +52,13 @@ _DURATIONS = __import__("pathlib").Path(__file__).with_name("durations.json")
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     import json
 
+    from minipaged.model_loader import weights_are_random
+
+    if weights_are_random():  # a GPU lease's stand-in model: the work is the real model's, the words are not
+        why = pytest.mark.skip(reason="the cached model holds random SmolLM2-shaped weights: no real text to check")
+        for item in items:
+            if item.get_closest_marker("real_weights"):
+                item.add_marker(why)
     known: dict[str, float] = json.loads(_DURATIONS.read_text()) if _DURATIONS.exists() else {}
     files = {}
     for item in items:

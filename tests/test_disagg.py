@@ -15,7 +15,7 @@ import torch
 
 from minipaged.engine.disagg import DisaggregatedLLM, engine_kwargs, process_state
 from minipaged.engine.llm import LLM
-from minipaged.model_loader import chat_prompt_ids, load_tokenizer
+from minipaged.model_loader import chat_prompt_ids, load_tokenizer, weights_are_random
 from minipaged.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # two engine processes, prefill and decode: make test-slow
@@ -67,7 +67,7 @@ def test_streaming_style_use_and_ids(disagg, prompt_ids):
     done: list[str] = []
     while disagg.has_unfinished():
         done += disagg.step()
-    assert done == [rid] and "Paris" in disagg.get_output(rid).outputs[0].text
+    assert done == [rid] and ("Paris" in disagg.get_output(rid).outputs[0].text or weights_are_random())
 
 
 def test_abort_reaches_both_engines_and_leaves_nothing(disagg, prompt_ids):

@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from minipaged.engine.llm import LLM
-from minipaged.model_loader import chat_prompt_ids, greedy_agreement, hf_greedy_token_ids, load_hf_model
+from minipaged.model_loader import (
+    chat_prompt_ids,
+    greedy_agreement,
+    hf_greedy_token_ids,
+    load_hf_model,
+    weights_are_random,
+)
 from minipaged.sampling_params import SamplingParams
 
 MAX_TOKENS = 20
@@ -32,6 +38,9 @@ PROMPTS = [
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 # `make gpu-check` runs these tests again on the Triton backend (MINIPAGED_TEST_BACKEND=triton), on the GPU.
 BACKEND = os.environ.get("MINIPAGED_TEST_BACKEND", "auto")
+# The real SmolLM2 knows that Paris is France's capital; random SmolLM2-shaped weights (a GPU lease, where the real
+# ones cannot travel) repeat one token for ever: every equality with transformers still holds, the text does not.
+REAL = not weights_are_random()
 
 
 def engine(**kw) -> LLM:
@@ -80,7 +89,7 @@ def check_all(llm: LLM, hf, prompt_ids, reference) -> list:
 def test_batch_of_eight_matches_transformers(hf, prompt_ids, reference, block_size):
     llm = engine(block_size=block_size)
     outs = check_all(llm, hf, prompt_ids, reference)
-    assert "Paris" in outs[0].outputs[0].text
+    assert "Paris" in outs[0].outputs[0].text or not REAL
     assert max(s["running"] for s in llm.step_stats) == 8  # all eight were served together
 
 
@@ -161,11 +170,11 @@ def test_inputs_rejections_and_streaming(prompt_ids):
     llm = engine(max_model_len=256)
     text = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0))[0]
     chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)[0]
-    assert "Paris" in chat.outputs[0].text and text.outputs[0].token_ids
+    assert ("Paris" in chat.outputs[0].text or not REAL) and text.outputs[0].token_ids
     too_long = list(range(1, 300))
     outs = llm.generate([too_long, prompt_ids[0]], GREEDY)
     assert outs[0].outputs[0].finish_reason == "rejected" and "max_model_len=256" in outs[0].error
-    assert outs[1].finished and "Paris" in outs[1].outputs[0].text
+    assert outs[1].finished and ("Paris" in outs[1].outputs[0].text or not REAL)
     snapshots = list(llm.stream([prompt_ids[0]], SamplingParams(max_tokens=6, temperature=0)))
     lengths = [len(s.outputs[0].token_ids) for s in snapshots]
     assert lengths == sorted(lengths) and snapshots[-1].finished and len(snapshots) >= 6
@@ -206,7 +215,12 @@ def test_speculative_decoding_matches_transformers(hf, prompt_ids, reference, kw
     llm = engine(speculative_config=SPEC, **kw)
     check_all(llm, hf, prompt_ids, reference)
     stats = llm.scheduler.spec_decoding_stats
-    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    # Some drafts rejected too (a text that repeats one token accepts them all: random weights)
+    assert (
+        stats.num_drafts > 0
+        and 0 < stats.num_accepted_tokens
+        and (stats.num_accepted_tokens < stats.num_draft_tokens or not REAL)
+    )
     assert sum(s["drafts"] for s in llm.step_stats) == stats.num_draft_tokens
     if "num_gpu_blocks_override" in kw:
         assert llm.scheduler.num_preemptions > 0
@@ -218,6 +232,7 @@ def test_speculative_decoding_matches_transformers(hf, prompt_ids, reference, kw
     assert llm.kv_cache_manager.get_num_free_blocks() == llm.num_blocks - 1
 
 
+@pytest.mark.real_weights
 def test_speculation_pays_on_a_text_to_repeat(hf):
     from minipaged.model_loader import load_tokenizer
 
@@ -254,7 +269,8 @@ def test_an_offloaded_prefix_is_loaded_back(hf, prompt_ids, reference):
     kv = llm.kv_cache_manager
     check_all(llm, hf, prompt_ids[-1:], reference[-1:])  # the longest prompt: its own blocks get cached
     check_all(llm, hf, prompt_ids[:-1], reference[:-1])  # seven others push them out of the 19-block pool
-    assert kv.connector.num_saved > 0 and kv.external_hits == 0
+    # No hits from the store yet, with the real model's answers (their lengths decide which blocks were evicted)
+    assert kv.connector.num_saved > 0 and (kv.external_hits == 0 or not REAL)
     check_all(llm, hf, prompt_ids[-1:], reference[-1:])  # back: its evicted blocks come from the CPU store
     assert kv.external_hits >= 16 and kv.connector.num_loaded >= 1
     assert kv.get_num_free_blocks() == llm.num_blocks - 1

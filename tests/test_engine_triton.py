@@ -45,7 +45,9 @@ def test_triton_backend_checks_and_plans_once_per_step(tiny_model, monkeypatch):
     and reads no q_len back from the device per layer (the plan carries max_query_len)."""
     from minipaged.kernels import validation
 
-    llm = LLM(model=tiny_model, attention_backend="triton", block_size=16, num_gpu_blocks_override=16, max_model_len=64)
+    # Eager: on a GPU the decode steps replay CUDA graphs, which run no Python at all (one call, the prefill's, there).
+    llm = LLM(model=tiny_model, attention_backend="triton", block_size=16, num_gpu_blocks_override=16, max_model_len=64,
+              enforce_eager=True)  # fmt: skip
     calls = []
     real = validation.check_paged_prefill
     monkeypatch.setattr(validation, "check_paged_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -83,13 +85,14 @@ def test_dtype_auto_follows_vllm(tiny_model, monkeypatch):
 
     assert LLM(model=tiny_model, num_gpu_blocks_override=16, device="cpu").dtype == torch.float32  # CPU: float32
     cuda = torch.device("cuda")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    # The capability decides (config.cuda_computes_bf16), on a machine with a GPU or without one: an H100 ...
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
     assert resolve_dtype("auto", "float32", cuda) == torch.bfloat16  # fp32 checkpoint (our SmolLM2 cache)
     assert resolve_dtype("auto", "bfloat16", cuda) == torch.bfloat16
     assert resolve_dtype("auto", "float16", cuda) == torch.float16
     assert resolve_dtype("auto", None, cuda) == torch.bfloat16
     assert resolve_dtype("float32", "bfloat16", cuda) == torch.float32  # asked for explicitly
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # e.g. a T4 / V100
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 5))  # ... and a T4 (sm_75)
     assert resolve_dtype("auto", "bfloat16", cuda) == torch.float16
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("int8", None, cuda)

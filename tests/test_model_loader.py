@@ -54,6 +54,7 @@ def smollm2():
     return ml.load_tokenizer(), ml.load_hf_model()
 
 
+@pytest.mark.real_weights
 def test_greedy_answer_names_paris(smollm2):
     tokenizer, model = smollm2
     (answer,) = ml.hf_greedy_generate(model, tokenizer, ["What is the capital of France?"], max_new_tokens=16)

@@ -7,6 +7,7 @@ outside every tensor (refused before the interpreter touches memory), a wrong nu
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -235,9 +236,46 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(**kwargs):
             self.devices += [v.device for v in kwargs.values() if isinstance(v, torch.Tensor)]
+            self.options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
+            self.f32 = os.environ.get("TRITON_F32_DEFAULT")
             raise ValueError(self.error)
 
         return launch
+
+
+def test_a_learners_fp32_dot_is_full_fp32_on_a_gpu_as_in_the_interpreter(monkeypatch) -> None:
+    """On an NVIDIA GPU a plain ``tl.dot`` of fp32 tiles rounds them to TF32 (errors near 1e-3, ten times a puzzle's
+    tolerance; seen on an H200: the GQA and prefill solutions failed). The harness launches inside
+    ``learner_dots``: TRITON_F32_DEFAULT=ieee while the kernel compiles, and a launch option that keeps a copy
+    compiled earlier in TF32 out of the way. Nothing changes on a CPU, and the variable is given back."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    from minipaged.kernels import launch
+
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    with launch.learner_dots(torch.device("cpu")) as options:
+        assert options == {} and "TRITON_F32_DEFAULT" not in os.environ
+    with launch.learner_dots(torch.device("cuda")) as options:
+        assert options == {"default_dot_input_precision": "ieee"} and os.environ["TRITON_F32_DEFAULT"] == "ieee"
+        assert get_cache_invalidating_env_vars().get("TRITON_F32_DEFAULT") == "ieee"  # part of the compile key
+        assert (
+            set(options) <= set(CUDAOptions.__dataclass_fields__) and "ieee" in CUDAOptions.allowed_dot_input_precisions
+        )
+    assert "TRITON_F32_DEFAULT" not in os.environ
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")  # a learner's own choice comes back afterwards
+    with launch.learner_dots(torch.device("cuda")):
+        pass
+    assert os.environ["TRITON_F32_DEFAULT"] == "tf32x3"
+    # The harness launches inside it: a "cuda" device here (the meta device carries the tensors)
+    monkeypatch.delenv("TRITON_F32_DEFAULT")
+    real = launch.learner_dots
+    monkeypatch.setattr(launch, "kernel_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(launch, "learner_dots", lambda device: real(torch.device("cuda")))
+    kernel = _Recorder("gqa")
+    assert puzzles.run("gqa", kernel).error == "ValueError: stop"
+    assert kernel.options == {"default_dot_input_precision": "ieee"} and kernel.f32 == "ieee"
+    assert "TRITON_F32_DEFAULT" not in os.environ
 
 
 @pytest.mark.parametrize("name", list(puzzles.PUZZLES))

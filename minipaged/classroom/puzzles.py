@@ -121,11 +121,12 @@ def run(puzzle: Puzzle | str, kernel: Any, case: Case | int = 0, trace: bool = T
     recorder = AccessTrace(**tensors) if trace and device.type == "cpu" else None
     before = {n: b.clone() for n, b in buffers.items()} if recorder is None else {}
     try:
-        if recorder is None:
-            kernel[c.grid](**{n: args[n] for n in p.params})
-        else:
-            with recorder:
-                kernel[c.grid](**{n: args[n] for n in p.params})
+        with launch.learner_dots(device) as options:  # fp32 tl.dot in fp32 on a GPU too, as in the interpreter
+            if recorder is None:
+                kernel[c.grid](**{n: args[n] for n in p.params}, **options)
+            else:
+                with recorder:
+                    kernel[c.grid](**{n: args[n] for n in p.params}, **options)
     except Exception as exc:  # a learner's kernel failing is a result to show, not a crash
         cause = exc.__cause__ or exc
         return Result(p.name, c, got, recorder, launch.device_problem(cause) or f"{type(cause).__name__}: {cause}")
@@ -563,8 +564,9 @@ def _launch(kernel: Any, grid: tuple[int, ...], tensors: list[torch.Tensor], sca
     q, kc, vc = (t.float().contiguous() for t in (query, key_cache, value_cache))
     tables, *indices = (t.to(torch.int32).contiguous() for t in (tables, *indices))
     out = torch.empty_like(q)
-    kernel[grid](q, kc, vc, tables, *indices, out, float(scale), tables.stride(0), NUM_Q_HEADS=num_q_heads,
-                 NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **constexprs)  # fmt: skip
+    with launch.learner_dots(q.device) as options:
+        kernel[grid](q, kc, vc, tables, *indices, out, float(scale), tables.stride(0), NUM_Q_HEADS=num_q_heads,
+                     NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **constexprs, **options)  # fmt: skip
     return out.to(query.dtype)
 
 

@@ -12,8 +12,10 @@ same argument specialisation.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,30 @@ def is_half(dtype: torch.dtype) -> bool:
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs are multiplied in full fp32 ("ieee"): no silent TF32 rounding of the engine's default dtype."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@contextlib.contextmanager
+def learner_dots(device: torch.device) -> Iterator[dict[str, str]]:
+    """Launch a learner's kernel on ``device`` inside this, with the options it yields: fp32 ``tl.dot`` in fp32.
+
+    On an NVIDIA GPU Triton multiplies fp32 tiles in TF32 unless told otherwise (10 bits of mantissa: errors near
+    1e-3, ten times a puzzle's tolerance); the interpreter on a CPU multiplies in fp32, and the package's kernels pass
+    ``input_precision`` (:func:`dot_precision`). A learner's plain ``tl.dot(q, k)`` reads ``TRITON_F32_DEFAULT`` when
+    it is compiled (Triton 3.x; the variable is in Triton's compile-cache key), and the launch option gives the
+    launch its own entry in the kernel's in-memory cache, so a copy compiled earlier in TF32 is not reused. One
+    answer is then graded the same on both machines."""
+    if device.type != "cuda" or torch.version.hip:
+        yield {}
+        return
+    before = os.environ.get("TRITON_F32_DEFAULT")
+    os.environ["TRITON_F32_DEFAULT"] = "ieee"
+    try:
+        yield {"default_dot_input_precision": "ieee"}
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_F32_DEFAULT", None)
+        else:
+            os.environ["TRITON_F32_DEFAULT"] = before
 
 
 def check_tile_n(tile_n: int, block_size: int) -> int:
