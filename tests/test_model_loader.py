@@ -87,6 +87,17 @@ def _fake_cache(root: Path) -> Path:
     return folder
 
 
+def test_a_cache_says_whether_its_weights_are_the_real_models(tmp_path):
+    """The manifest names the source: the GGUF file, or random SmolLM2-shaped weights (a GPU lease's stand-in, whose
+    text no test may expect); a cache without a manifest is not called random."""
+    folder = _fake_cache(tmp_path)
+    assert not ml.weights_are_random(folder) and not ml.cache_problem(folder)
+    ml.write_manifest(folder, source=f"{ml.RANDOM_SOURCE} SmolLM2-shaped weights (seed 7948)")
+    assert ml.weights_are_random(folder) and not ml.cache_problem(folder)  # still a cache the engine trusts
+    (folder / ml.MANIFEST).unlink()
+    assert not ml.weights_are_random(folder) and not ml.weights_are_random(tmp_path / "nothing")
+
+
 @pytest.fixture
 def fake_convert(monkeypatch, tmp_path):
     """The cache in tmp_path; a conversion that rewrites the fake files (and counts its calls) in seconds' stead."""

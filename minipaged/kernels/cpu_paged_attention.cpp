@@ -144,8 +144,8 @@ void attend_tile(const TQ* query_in, TQ* out, const T* key_cache, const T* value
       const T* k_row = k_block + t * slot_stride;
       if (next_k)
         for (int64_t i = 0; i < slot_stride; i += 64 / static_cast<int64_t>(sizeof(T))) {
-          __builtin_prefetch(next_k + t * slot_stride + i);
-          __builtin_prefetch(next_v + t * slot_stride + i);
+          __builtin_prefetch(next_k + t * slot_stride + i, 0, 1);  // into L2, as in the AVX-512 tile
+          __builtin_prefetch(next_v + t * slot_stride + i, 0, 1);
         }
       for (int64_t r = 0; r < rows; ++r) {
         if (t >= seen[r]) continue;
@@ -207,7 +207,8 @@ void attend_tile(const TQ* query_in, TQ* out, const T* key_cache, const T* value
 // on that vector:
 //
 //     for each block, each KV head, each chunk of 16 of the block's tokens:
-//       K, V rows of the chunk -> fp32 (once, shared by the rows x G query vectors of that KV head)
+//       K, V rows of the chunk: fp32 read where they lie; bf16 widened to fp32 once, for the rows x G
+//       query vectors of that KV head (copying fp32 rows too cost half the kernel's time: a store per load)
 //       for each query vector j of the tile that uses this KV head:
 //         s   = [q_j . k_0, ..., q_j . k_15] * scale     (lanes past the row's causal limit: -inf)
 //         online softmax on s;  acc_j (D/16 registers) = acc_j * alpha + sum_t p_t v_t
@@ -263,30 +264,32 @@ void attend_tile_avx512(const TQ* query_in, TQ* out, const T* key_cache, const T
   const int64_t slot_stride = hkv * D, nq = rows * hq;
   std::vector<float> query(nq * D), m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f), acc(nq * D, 0.f);
   for (int64_t i = 0; i < nq * D; ++i) query[i] = widen(query_in[row0 * hq * D + i]);
-  alignas(64) float kbuf[16 * D], vbuf[16 * D], p[16];
+  alignas(64) float p[16];
   const __m512 scale = _mm512_set1_ps(sh.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t last = first_pos + rows - 1;
   for (int64_t pos0 = 0; pos0 <= last; pos0 += bs) {
     const int64_t physical = table[pos0 / bs];
     const T* k_block = key_cache + physical * bs * slot_stride;
     const T* v_block = value_cache + physical * bs * slot_stride;
-    if (pos0 + bs <= last) {  // the next block is elsewhere in the pool: ask for it now (see attend_tile)
-      const int64_t next = table[pos0 / bs + 1] * bs * slot_stride;
-      for (int64_t i = 0; i < bs * slot_stride; i += 64 / static_cast<int64_t>(sizeof(T))) {
-        __builtin_prefetch(key_cache + next + i);
-        __builtin_prefetch(value_cache + next + i);
-      }
-    }
+    // The next block is elsewhere in the pool: ask for it while this one is computed (see attend_tile), a
+    // share of it per KV head, so that the requests trickle out beside the work instead of filling every miss
+    // buffer at once (all of it up front stalled the core on the prefetches themselves).
+    const int64_t next = pos0 + bs <= last ? table[pos0 / bs + 1] * bs * slot_stride : -1;
+    const int64_t share = (bs * slot_stride + hkv - 1) / hkv;
     const int64_t tokens = std::min(bs, last - pos0 + 1);  // the tile's last row sees them all
     for (int64_t kh = 0; kh < hkv; ++kh) {
+      if (next >= 0)
+        for (int64_t i = kh * share; i < std::min((kh + 1) * share, bs * slot_stride);
+             i += 64 / static_cast<int64_t>(sizeof(T))) {
+          __builtin_prefetch(key_cache + next + i, 0, 1);  // into L2: L1 holds this block's work
+          __builtin_prefetch(value_cache + next + i, 0, 1);
+        }
       for (int64_t c0 = 0; c0 < tokens; c0 += 16) {
         const int64_t nt = std::min<int64_t>(16, tokens - c0);
-        for (int64_t t = 0; t < nt; ++t)  // this chunk's K and V rows of head kh, in fp32
-          for (int64_t v = 0; v < V; ++v) {
-            const int64_t at = (c0 + t) * slot_stride + kh * D + v * 16;
-            _mm512_store_ps(kbuf + t * D + v * 16, load16(k_block + at));
-            _mm512_store_ps(vbuf + t * D + v * 16, load16(v_block + at));
-          }
+        // This chunk's K and V rows of head kh, read where they lie (a bf16 one widened in registers as it is
+        // read): copying them into a buffer first cost half the kernel's time, a store for every load.
+        const T* kr = k_block + c0 * slot_stride + kh * D;
+        const T* vr = v_block + c0 * slot_stride + kh * D;
         for (int64_t r = 0; r < rows; ++r) {
           // Tokens of this chunk row r may see: up to its own position (causal), and no further than the chunk.
           const int64_t used = std::min(nt, first_pos + r - (pos0 + c0) + 1);
@@ -301,8 +304,9 @@ void attend_tile_avx512(const TQ* query_in, TQ* out, const T* key_cache, const T
                 part[t] = _mm512_setzero_ps();
                 continue;
               }
-              __m512 sum = _mm512_mul_ps(q[0], _mm512_load_ps(kbuf + t * D));
-              for (int64_t v = 1; v < V; ++v) sum = _mm512_fmadd_ps(q[v], _mm512_load_ps(kbuf + t * D + v * 16), sum);
+              __m512 sum = _mm512_mul_ps(q[0], load16(kr + t * slot_stride));
+              for (int64_t v = 1; v < V; ++v)
+                sum = _mm512_fmadd_ps(q[v], load16(kr + t * slot_stride + v * 16), sum);
               part[t] = sum;
             }
             const __m512 s = _mm512_mask_mov_ps(minus_inf, valid, _mm512_mul_ps(reduce16(part), scale));
@@ -320,7 +324,7 @@ void attend_tile_avx512(const TQ* query_in, TQ* out, const T* key_cache, const T
             for (int64_t v = 0; v < V; ++v) a[v] = _mm512_mul_ps(_mm512_loadu_ps(aj + v * 16), _mm512_set1_ps(alpha));
             for (int64_t t = 0; t < used; ++t) {
               const __m512 pt = _mm512_set1_ps(p[t]);
-              for (int64_t v = 0; v < V; ++v) a[v] = _mm512_fmadd_ps(pt, _mm512_load_ps(vbuf + t * D + v * 16), a[v]);
+              for (int64_t v = 0; v < V; ++v) a[v] = _mm512_fmadd_ps(pt, load16(vr + t * slot_stride + v * 16), a[v]);
             }
             for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(aj + v * 16, a[v]);
           }
