@@ -118,7 +118,7 @@ def weights_are_random(folder: Path | None = None) -> bool:
         manifest = json.loads(((model_dir() if folder is None else folder) / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return str(manifest.get("source", "")).startswith(RANDOM_SOURCE)
+    return isinstance(manifest, dict) and str(manifest.get("source", "")).startswith(RANDOM_SOURCE)
 
 
 def cache_problem(folder: Path | None = None, verify: str = "sizes") -> str | None:
