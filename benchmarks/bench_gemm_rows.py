@@ -10,16 +10,19 @@ mean decode batch) the products are as many FLOPs per weight byte as at 2,048 ro
 kernels run well below the rate they reach on a prefill chunk. ``bench_engine.py`` charges the whole gap to
 "decode GEMMs, % of floor"; this benchmark shows where it comes from, row count by row count.
 
-Two paths over the same random weights, in one run:
+Three paths over the same random weights, in one run:
 
-- ``packed``: the engine's path, ``layers.Linear`` on oneDNN's pre-packed weights with its post-ops, called as
-  the step program calls them per layer (qkv; o + residual; silu(gate); up * that; down + residual), the rows
-  padded once per step to ``packed_rows`` (54 rows run as 56);
+- ``products``: the engine's path up to ``layers.DECODE_ROWS`` rows where the build has them (AVX-512, fp32): the
+  compiled decode products (``cpu_kernel.decode_product``, ``decode_glu``), called through ``layers.Linear`` as the
+  model calls them per layer (qkv; o + residual; silu(gate) * up in one pass; down + residual), then the head;
+- ``packed``: the same calls with ``MINIPAGED_DECODE_PRODUCTS=0``: oneDNN's pre-packed GEMMs with their post-ops,
+  the rows padded once per step to ``packed_rows`` as the step program pads them (54 rows run as 56); the
+  engine's path past ``DECODE_ROWS`` rows and on every other CPU;
 - ``plain``: PyTorch's default, ``nn.functional.linear`` followed by the same elementwise ops (``MINIPAGED_ONEDNN=0``
   in the engine).
 
-Each row count times 30 layers plus the output head (49,152 x 576) and reports GFLOP/s, the share of the packed
-path's best rate over the row counts measured (the 2,048-row one, in practice), and packed over plain.
+Each row count times 30 layers plus the output head (49,152 x 576) and reports each path's milliseconds and
+GFLOP/s, and the share of the packed path's best rate over the row counts measured (the 2,048-row one, in practice).
 
 ``decode_run`` prices the engine benchmark's decode steps with these timings: its default workload (128 requests,
 seed 0) runs a decode step per output position, with one row per request still generating. Interpolated between
@@ -33,6 +36,7 @@ import argparse
 import datetime as dt
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -74,14 +78,26 @@ def build(dtype: torch.dtype) -> tuple[list[list[layers.Linear]], layers.Linear]
     return stack, linear(HIDDEN, VOCAB)
 
 
-def packed_step(stack: list[list[layers.Linear]], head: layers.Linear, x: torch.Tensor) -> None:
-    x = layers.pad_rows(x)  # once per step, as the step program does: each call below then runs as it is
+def model_step(stack: list[list[layers.Linear]], head: layers.Linear, x: torch.Tensor) -> None:
+    """The products of a step as the model's modules call them (``LlamaAttention``, ``LlamaMLP``)."""
     for qkv, o, gate, up, down in stack:
         qkv(x)
         o.add(x, x)
-        h = up.mul(x, gate.silu(x))
-        down.add(h, x)
+        h = layers.Linear.glu(gate, up, x)
+        down.add(up.mul(x, gate.silu(x)) if h is None else h, x)
     head(x)
+
+
+def products_step(stack: list[list[layers.Linear]], head: layers.Linear, x: torch.Tensor) -> None:
+    model_step(stack, head, x)  # no padding: the decode products take any row count
+
+
+def packed_step(stack: list[list[layers.Linear]], head: layers.Linear, x: torch.Tensor) -> None:
+    os.environ["MINIPAGED_DECODE_PRODUCTS"] = "0"
+    try:
+        model_step(stack, head, layers.pad_rows(x))  # padded once per step, as the step program does
+    finally:
+        del os.environ["MINIPAGED_DECODE_PRODUCTS"]
 
 
 def plain_step(stack: list[list[layers.Linear]], head: layers.Linear, x: torch.Tensor) -> None:
@@ -113,7 +129,7 @@ def seconds(
     return best
 
 
-def _interp(results: list[dict], rows: int, key: str) -> float:
+def interp(results: list[dict], rows: int, key: str) -> float:
     """``key`` at ``rows``, linear between the two measured row counts around it (clamped at the ends)."""
     if rows <= results[0]["rows"]:
         return float(results[0][key])
@@ -148,48 +164,45 @@ def main() -> int:
     results = []
     stolen = steal_s()
     row_counts = sorted(set(args.rows))
-    best = {(rows, path): float("inf") for rows in row_counts for path in ("packed", "plain")}
+    paths: dict[str, Step] = {"products": products_step, "packed": packed_step, "plain": plain_step}
+    if dtype != torch.float32 or not layers.decode_products_on():
+        del paths["products"]  # none here: the engine runs oneDNN at every size
+        print("no decode products here (fp32 on an AVX-512 build only): timing packed and plain", file=sys.stderr)
+    best = {(rows, path): float("inf") for rows in row_counts for path in paths}
     with torch.inference_mode():
         for round_ in range(args.rounds):
             for rows in row_counts:
-                for path, step in (("packed", packed_step), ("plain", plain_step)):
+                for path, step in paths.items():
+                    if path == "products" and rows > layers.DECODE_ROWS:
+                        continue  # the engine runs oneDNN there: the packed path's time
                     t = seconds(step, stack, head, rows, dtype, args.budget_s)
                     best[rows, path] = min(best[rows, path], t)
             print(f"round {round_ + 1} of {args.rounds} done", flush=True)
-        for rows in row_counts:
-            packed, plain = best[rows, "packed"], best[rows, "plain"]
-            results.append(
-                dict(
-                    rows=rows,
-                    packed_ms=round(packed * 1e3, 2),
-                    plain_ms=round(plain * 1e3, 2),
-                    packed_gflops=round(flops_per_row * rows / packed / 1e9, 1),
-                    plain_gflops=round(flops_per_row * rows / plain / 1e9, 1),
-                    packed_over_plain=round(plain / packed, 2),
-                )
-            )
-            r = results[-1]
-            print(
-                f"{rows:5d} rows: packed {r['packed_ms']:8.2f} ms {r['packed_gflops']:6.1f} GFLOP/s, "
-                f"plain {r['plain_ms']:8.2f} ms {r['plain_gflops']:6.1f} GFLOP/s",
-                flush=True,
-            )
+    for rows in row_counts:
+        row: dict = dict(rows=rows)
+        for path in paths:
+            t = best[rows, path]
+            if t == float("inf"):
+                continue
+            row[f"{path}_ms"] = round(t * 1e3, 2)
+            row[f"{path}_gflops"] = round(flops_per_row * rows / t / 1e9, 1)
+        results.append(row)
+        print(f"{rows:5d} rows: " + ", ".join(f"{p} {row[p + '_ms']:8.2f} ms" for p in paths if p + "_ms" in row))
     if stolen is not None and (now := steal_s()) is not None:
         stolen = round(now - stolen, 2)  # CPU time the hypervisor gave to other guests meanwhile: a noisy run
     top = max(r["packed_gflops"] for r in results)
+    for r in results:
+        r["packed_of_best"] = round(r["packed_gflops"] / top, 3)
     decode_run = None
     if len(results) > 1:
         _, outputs = generation_workload(128, VOCAB, 0, prompt_median=96, output_median=96)  # bench_engine's
         running = [sum(n > step for n in outputs) for step in range(1, max(outputs))]  # rows per decode step
-        decode_run = dict(
-            steps=len(running),
-            rows_mean=round(sum(running) / len(running), 1),
-            packed_s=round(sum(_interp(results, m, "packed_ms") for m in running) / 1e3, 2),
-            plain_s=round(sum(_interp(results, m, "plain_ms") for m in running) / 1e3, 2),
-        )
-        print(f"the engine benchmark's decode steps, GEMMs alone: {decode_run}")
-    for r in results:
-        r["packed_of_best"] = round(r["packed_gflops"] / top, 3)
+        decode_run = dict(steps=len(running), rows_mean=round(sum(running) / len(running), 1))
+        for path in paths:
+            timed = [r for r in results if f"{path}_ms" in r]
+            if len(timed) > 1 and max(running) <= timed[-1]["rows"]:
+                decode_run[f"{path}_s"] = round(sum(interp(timed, m, f"{path}_ms") for m in running) / 1e3, 2)
+        print(f"the engine benchmark's decode steps, products alone: {decode_run}")
     result = dict(
         benchmark="gemm_rows",
         date=dt.date.today().isoformat(),

@@ -136,11 +136,12 @@ def test_each_build_is_its_own_library_and_runs_the_path_it_names(target, monkey
     assert native is not None
     lib = use_build(target, monkeypatch)
     features, flags = lib.minipaged_features(), cpu_kernel._cpu_flags()
-    expected = {"x86-64": 0, "x86-64-v3": 2, "x86-64-v4": 3, "armv8-a": 4}
+    expected = {"x86-64": 0, "x86-64-v3": 2, "x86-64-v4": 3 | 8, "armv8-a": 4}  # 8: the decode products
     if target == "native":
         assert lib._name == native._name
         if flags and cpu_kernel._machine() == "x86_64":
             assert bool(features & 1) == ("avx512f" in flags) and bool(features & 2) == ("avx2" in flags)
+            assert bool(features & 8) == bool(features & 1)  # the decode products come with the AVX-512 tiles
         if cpu_kernel._machine() == "aarch64":
             assert features == 4
     else:
@@ -151,6 +152,54 @@ def test_each_build_is_its_own_library_and_runs_the_path_it_names(target, monkey
         built, reason = cpu_kernel._build()
         assert built is not None and built._name == lib._name, reason
     assert cpu_kernel.describe().endswith(f"{cpu_kernel.tiles(lib)})")
+
+
+def _products_build(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``target``'s build in use, skipped where it has no decode products (they are AVX-512 only)."""
+    lib = use_build(target, monkeypatch)
+    if not cpu_kernel.decode_products(lib):
+        pytest.skip(f"the {target} build has no decode products ({cpu_kernel.tiles(lib)}): oneDNN runs instead")
+
+
+@needs_kernel
+@pytest.mark.parametrize("target", ["native", "x86-64-v4"])
+@pytest.mark.parametrize("residual", ["none", "other", "in place"])
+def test_decode_product_is_the_matmul_for_every_row_count(target, residual, monkeypatch):
+    """Every row count from 1 to 27 (two full tiles of 12 and each remainder), two panels' widths, an odd K and a
+    row stride wider than K: PyTorch's product to fp32 rounding, plus the residual, even when it is the output."""
+    _products_build(target, monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 37, generator=g)
+    panels = cpu_kernel.pack_panels(w)
+    assert panels.shape == w.shape and not torch.equal(panels, w)  # the same numbers, laid out in panels
+    for m in range(1, 28):
+        a = torch.randn(m, 45, generator=g)[:, 3:40]  # rows 45 apart
+        r = torch.randn(m, 64, generator=g)
+        want = a @ w.T + (r if residual != "none" else 0)
+        out = r.clone() if residual == "in place" else torch.full((m, 64), float("nan"))
+        res = {"none": None, "other": r, "in place": out}[residual]
+        got = cpu_kernel.decode_product(a, panels, out, res)
+        assert got is out
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("target", ["native", "x86-64-v4"])
+def test_decode_glu_is_silu_of_gate_times_up_and_leaves_rows_past_its_count(target, monkeypatch):
+    """silu(a Wg^T) * (a Wu^T) for every row count to 13 (two tiles of 6 and each remainder), with logits large
+    and small enough to reach both halves of silu; rows past ``rows`` are not written."""
+    _products_build(target, monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    wg, wu = torch.randn(96, 40, generator=g), torch.randn(96, 40, generator=g)
+    gate, up = cpu_kernel.pack_panels(wg), cpu_kernel.pack_panels(wu)
+    for m in range(1, 14):
+        a = torch.randn(m + 2, 40, generator=g) * 3
+        out = torch.full((m + 2, 96), 7.0)
+        cpu_kernel.decode_glu(a, gate, up, out, rows=m)
+        want = torch.nn.functional.silu(a[:m].double() @ wg.T.double()) * (a[:m].double() @ wu.T.double())
+        # fp32 sums of 40 terms near 10 each, in another order than PyTorch's: errors on the scale of the terms
+        torch.testing.assert_close(out[:m].double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        assert (out[m:] == 7.0).all()
 
 
 def _mixed_batch(case: Case, seed: int):

@@ -218,6 +218,9 @@ def _build(target: str | None = None) -> tuple[ctypes.CDLL | None, str]:
         "minipaged_rms_norm": [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int],
         "minipaged_rope_and_cache": [ptr, i64] + [ptr] * 6 + [i64] * 4 + [ctypes.c_int],
         "minipaged_features": [],
+        "minipaged_pack_panels": [ptr, ptr, i64, i64],
+        "minipaged_decode_product": [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64],
+        "minipaged_decode_glu": [ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -309,6 +312,64 @@ def tiles(lib: ctypes.CDLL) -> str:
         return "AVX-512 tiles"
     simd = "AVX2" if features & 2 else "NEON" if features & 4 else "the baseline ISA (SSE2 on x86-64)"
     return f"portable C++ tiles, compiled for {simd}"
+
+
+PANEL = 32  # output columns per packed panel of the decode products (kPanel in the source)
+
+
+def decode_products(lib: ctypes.CDLL | None) -> bool:
+    """True when this build has the decode-sized fp32 products (its AVX-512 tiles; ``minipaged_features`` bit 8)."""
+    return lib is not None and bool(lib.minipaged_features() & 8)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] (fp32, N a multiple of ``PANEL``) re-laid-out for the decode products: N / 32 panels, each
+    [K, 32] contiguous (the source's diagram), in a tensor of the weight's shape. The caller has checked
+    ``decode_products``."""
+    lib = library()
+    w = weight.detach().contiguous()
+    assert lib is not None and w.dtype == torch.float32 and w.dim() == 2 and w.shape[0] % PANEL == 0
+    out = torch.empty_like(w)
+    lib.minipaged_pack_panels(w.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1])
+    return out
+
+
+def decode_product(
+    a: torch.Tensor,
+    panels: torch.Tensor,
+    out: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    rows: int | None = None,
+) -> torch.Tensor:
+    """``out = a @ W^T`` (``+ residual``, which may be ``out`` itself) over the first ``rows`` rows (all of
+    ``a``'s by default), W packed into ``panels`` by ``pack_panels``. Every tensor fp32 on the CPU, 2-D, its rows
+    contiguous; the caller has checked ``decode_products``. Returns ``out``."""
+    lib = library()
+    n, k = panels.shape
+    m = a.shape[0] if rows is None else rows
+    assert lib is not None and a.shape[1] == k and a.stride(1) == 1 and out.shape[1] == n and out.stride(1) == 1
+    assert out.shape[0] >= m and (residual is None or (residual.shape[0] >= m and residual.shape[1] == n))
+    add, add_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+    lib.minipaged_decode_product(
+        a.data_ptr(), a.stride(0), panels.data_ptr(), n, k, out.data_ptr(), out.stride(0), add, add_stride, m
+    )
+    return out
+
+
+def decode_glu(
+    a: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, rows: int | None = None
+) -> torch.Tensor:
+    """``out = silu(a @ Wgate^T) * (a @ Wup^T)`` over the first ``rows`` rows, both weights packed by
+    ``pack_panels``; as ``decode_product`` otherwise. Returns ``out``."""
+    lib = library()
+    n, k = gate.shape
+    m = a.shape[0] if rows is None else rows
+    assert lib is not None and up.shape == gate.shape and a.shape[1] == k and a.stride(1) == 1
+    assert out.shape[0] >= m and out.shape[1] == n and out.stride(1) == 1
+    lib.minipaged_decode_glu(
+        a.data_ptr(), a.stride(0), gate.data_ptr(), up.data_ptr(), n, k, out.data_ptr(), out.stride(0), m
+    )
+    return out
 
 
 def usable(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

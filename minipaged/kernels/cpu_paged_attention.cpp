@@ -31,6 +31,7 @@
 #if defined(__AVX512F__) && (defined(__x86_64__) || defined(_M_X64))
 #define MINIPAGED_AVX512 1
 #include <immintrin.h>
+#include <omp.h>
 #endif
 #include <cmath>
 #include <cstdint>
@@ -436,6 +437,132 @@ void rope_and_cache(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin
   }
 }
 
+
+// ---- decode-sized matrix products (fp32, AVX-512) ------------------------------------------------------------
+// A decode step multiplies a few dozen rows through every weight. oneDNN's packed GEMMs, called through PyTorch,
+// lose a fifth of their rate there and pay a dispatch, a primitive lookup and a fork and join per call
+// (benchmarks/bench_gemm_rows.py, bench_fused_step.py). These tiles do the step program's products at those
+// sizes, with what follows each product applied while the tile is still in registers.
+//
+// A weight W [N, K] is packed once into panels of 32 output columns, each K rows of 32 floats:
+//
+//     panel p = W[32p : 32p + 32, :]^T        [K][32], contiguous; panels one after another
+//
+// A tile multiplies up to 12 rows of the input by one panel (12 x 32 outputs: 24 zmm accumulators), so each panel
+// streams from memory once per 12 rows, in order. The threads split the panels.
+#if defined(MINIPAGED_AVX512)
+constexpr int64_t kPanel = 32;
+constexpr int kTileRows = 12;  // product tiles; the gate-and-up tile holds two panels, so half as many rows
+
+// silu(x) = x / (1 + e^-x), from e^-|x| so the exponent is never positive
+inline __m512 silu16(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+  const __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));                 // sigmoid(|x|)
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_mul_ps(x, _mm512_mask_mul_ps(r, negative, e, r));              // sigmoid(x) = e * r where x < 0
+}
+
+// c[R, 32] = a[R, K] . panel (+ residual[R, 32] when there is one)
+template <int R>
+void product_tile(const float* a, int64_t lda, const float* panel, int64_t k_dim, float* c, int64_t ldc,
+                  const float* residual, int64_t ldr) {
+  __m512 lo[R], hi[R];
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(panel + k * kPanel), b1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i) {
+      const __m512 x = _mm512_set1_ps(a[i * lda + k]);
+      lo[i] = _mm512_fmadd_ps(x, b0, lo[i]);
+      hi[i] = _mm512_fmadd_ps(x, b1, hi[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    if (residual != nullptr) {
+      lo[i] = _mm512_add_ps(lo[i], _mm512_loadu_ps(residual + i * ldr));
+      hi[i] = _mm512_add_ps(hi[i], _mm512_loadu_ps(residual + i * ldr + 16));
+    }
+    _mm512_storeu_ps(c + i * ldc, lo[i]);
+    _mm512_storeu_ps(c + i * ldc + 16, hi[i]);
+  }
+}
+
+// c[R, 32] = silu(a . gate_panel) * (a . up_panel)
+template <int R>
+void glu_tile(const float* a, int64_t lda, const float* gate, const float* up, int64_t k_dim, float* c, int64_t ldc) {
+  __m512 g0[R], g1[R], u0[R], u1[R];
+  for (int i = 0; i < R; ++i) g0[i] = g1[i] = u0[i] = u1[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(gate + k * kPanel), w1 = _mm512_loadu_ps(gate + k * kPanel + 16);
+    const __m512 v0 = _mm512_loadu_ps(up + k * kPanel), v1 = _mm512_loadu_ps(up + k * kPanel + 16);
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
+      const __m512 x = _mm512_set1_ps(a[i * lda + k]);
+      g0[i] = _mm512_fmadd_ps(x, w0, g0[i]);
+      g1[i] = _mm512_fmadd_ps(x, w1, g1[i]);
+      u0[i] = _mm512_fmadd_ps(x, v0, u0[i]);
+      u1[i] = _mm512_fmadd_ps(x, v1, u1[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(c + i * ldc, _mm512_mul_ps(silu16(g0[i]), u0[i]));
+    _mm512_storeu_ps(c + i * ldc + 16, _mm512_mul_ps(silu16(g1[i]), u1[i]));
+  }
+}
+
+// One panel's tiles, for over_rows: the product (with its residual, if any) and the gate-and-up pair.
+struct ProductTiles {
+  const float* a;
+  int64_t lda;
+  const float* panel;
+  int64_t k;
+  float* c;
+  int64_t ldc;
+  const float* residual;
+  int64_t ldr;
+  template <int R>
+  void operator()(int64_t row) const {
+    product_tile<R>(a + row * lda, lda, panel, k, c + row * ldc, ldc, residual ? residual + row * ldr : nullptr, ldr);
+  }
+};
+struct GluTiles {
+  const float* a;
+  int64_t lda;
+  const float* gate;
+  const float* up;
+  int64_t k;
+  float* c;
+  int64_t ldc;
+  template <int R>
+  void operator()(int64_t row) const {
+    glu_tile<R>(a + row * lda, lda, gate, up, k, c + row * ldc, ldc);
+  }
+};
+
+// fn.operator()<R>(row) over the rows [0, m): full tiles of MaxRows, then one tile of what is left
+template <int MaxRows, int R = MaxRows, typename Fn>
+inline void remainder_tile(int64_t rest, int64_t row, const Fn& fn) {
+  if constexpr (R > 0) {
+    if (rest == R) return fn.template operator()<R>(row);
+    remainder_tile<MaxRows, R - 1>(rest, row, fn);
+  }
+}
+template <int MaxRows, typename Fn>
+inline void over_rows(int64_t m, const Fn& fn) {
+  int64_t row = 0;
+  for (; row + MaxRows <= m; row += MaxRows) fn.template operator()<MaxRows>(row);
+  remainder_tile<MaxRows>(m - row, row, fn);
+}
+
+// The calling thread's share [lo, hi) of n_panels panels, split evenly.
+inline void my_panels(int64_t n_panels, int64_t& lo, int64_t& hi) {
+  const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+  lo = n_panels * t / nt;
+  hi = n_panels * (t + 1) / nt;
+}
+#endif  // MINIPAGED_AVX512
+
 }  // namespace
 
 extern "C" {
@@ -468,11 +595,11 @@ void minipaged_paged_attention(const void* query, void* out, const void* key_cac
 }
 
 // What this build has: bit 0 the AVX-512 tiles; bits 1 and 2 the vectors its portable loops were compiled
-// for, AVX2 or NEON (neither: the target's baseline, SSE2 on x86-64).
+// for, AVX2 or NEON (neither: the target's baseline, SSE2 on x86-64); bit 3 the decode products (AVX-512).
 int minipaged_features() {
   int features = 0;
 #if defined(MINIPAGED_AVX512)
-  features |= 1;
+  features |= 1 | 8;  // 8: the decode-sized products
 #endif
 #if defined(__AVX2__)
   features |= 2;
@@ -507,6 +634,46 @@ void minipaged_rope_and_cache(const void* qkv, int64_t qkv_stride, const void* c
                    static_cast<T*>(q_out), static_cast<T*>(key_cache), static_cast<T*>(value_cache), slots,
                    num_tokens, num_q_heads, num_kv_heads, head_dim);
   }
+}
+
+// ---- decode-sized products: see above. Callers check minipaged_features() & 8 first: without AVX-512 these do
+// nothing. Shapes: n a multiple of 32; a [m, k] with rows lda apart; c [m, n] with rows ldc apart.
+void minipaged_pack_panels(const float* w, float* out, int64_t n, int64_t k) {
+#if defined(MINIPAGED_AVX512)
+#pragma omp parallel for
+  for (int64_t p = 0; p < n / kPanel; ++p)
+    for (int64_t kk = 0; kk < k; ++kk)
+      for (int64_t j = 0; j < kPanel; ++j) out[(p * k + kk) * kPanel + j] = w[(p * kPanel + j) * k + kk];
+#endif
+}
+
+// c = a . W^T (+ residual, rows ldr apart, when it is not null; it may be c itself)
+void minipaged_decode_product(const float* a, int64_t lda, const float* packed, int64_t n, int64_t k, float* c,
+                              int64_t ldc, const float* residual, int64_t ldr, int64_t m) {
+#if defined(MINIPAGED_AVX512)
+#pragma omp parallel
+  {
+    int64_t lo, hi;
+    my_panels(n / kPanel, lo, hi);
+    for (int64_t p = lo; p < hi; ++p)
+      over_rows<kTileRows>(m, ProductTiles{a, lda, packed + p * k * kPanel, k, c + p * kPanel, ldc,
+                                           residual ? residual + p * kPanel : nullptr, ldr});
+  }
+#endif
+}
+
+// c = silu(a . Wgate^T) * (a . Wup^T)
+void minipaged_decode_glu(const float* a, int64_t lda, const float* gate, const float* up, int64_t n, int64_t k,
+                          float* c, int64_t ldc, int64_t m) {
+#if defined(MINIPAGED_AVX512)
+#pragma omp parallel
+  {
+    int64_t lo, hi;
+    my_panels(n / kPanel, lo, hi);
+    for (int64_t p = lo; p < hi; ++p)
+      over_rows<kTileRows / 2>(m, GluTiles{a, lda, gate + p * k * kPanel, up + p * k * kPanel, k, c + p * kPanel, ldc});
+  }
+#endif
 }
 
 }  // extern "C"

@@ -17,7 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels import cpu_kernel
+
 log = logging.getLogger("minipaged")
+
+# Products of up to this many rows (a decode step's, a small prefill's) run on the compiled decode products where
+# the build has them (``decode_products_on``); beyond it, on oneDNN. ``benchmarks/bench_fused_step.py`` measures
+# both.
+DECODE_ROWS = 256
+
+
+def decode_products_on() -> bool:
+    """True where fp32 products of up to ``DECODE_ROWS`` rows run on the compiled decode products
+    (``kernels/cpu_paged_attention.cpp``, AVX-512 builds): the library has them and ``MINIPAGED_DECODE_PRODUCTS``
+    is not ``0`` (``0``: oneDNN for every size, the path every other CPU runs)."""
+    return os.environ.get("MINIPAGED_DECODE_PRODUCTS", "1") != "0" and cpu_kernel.decode_products(cpu_kernel.library())
 
 
 class Linear(nn.Linear):
@@ -37,6 +51,11 @@ class Linear(nn.Linear):
     pass over a [tokens, features] tensor: on a 2048-token prefill the MLP took 8 % less
     time here. The plain path computes the same with separate PyTorch ops.
 
+    At up to ``DECODE_ROWS`` rows (a decode step) an fp32 weight without bias multiplies on the compiled decode
+    products instead, where the build has them (AVX-512): its own panels (``decode_panels``), the residual of
+    ``add`` in the product's tile, and ``glu`` for silu(gate) * up in one pass. oneDNN's kernels lose rate at a
+    few dozen rows, and each of its calls through PyTorch costs more than the product of a small one.
+
     The packed path rests on private ``torch.ops.mkldnn`` operators, so it is only ever an
     optimisation: :func:`onednn_ops` checks them once against the plain path, and a packed
     call that raises falls back to the plain path and turns the packed path off for that
@@ -44,6 +63,38 @@ class Linear(nn.Linear):
     """
 
     _packed: tuple[int, int, torch.Tensor] | None = None  # (weight version, data pointer, packed weight)
+    _panels: tuple[int, int, torch.Tensor] | None = None  # the same for the decode products' panels
+
+    def decode_panels(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This weight packed for the decode products, where ``x``'s product runs on them: an fp32 weight
+        without bias on the CPU, whole panels of output columns, ``x`` 2-D fp32 with 1 to ``DECODE_ROWS`` rows,
+        no gradients, ``decode_products_on()``. Else None: oneDNN or PyTorch multiplies. Packed on first use,
+        again when the weight changes."""
+        w = self.weight
+        if not (
+            x.dim() == 2
+            and 1 <= x.shape[0] <= DECODE_ROWS
+            and x.dtype == w.dtype == torch.float32
+            and x.device.type == w.device.type == "cpu"
+            and self.bias is None
+            and self.out_features % cpu_kernel.PANEL == 0
+            and not torch.is_grad_enabled()
+            and decode_products_on()
+        ):
+            return None
+        key = (w._version, w.data_ptr())
+        if self._panels is None or self._panels[:2] != key:
+            self._panels = (*key, cpu_kernel.pack_panels(w))
+        return self._panels[2]
+
+    @staticmethod
+    def glu(gate: Linear, up: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate(x)) * up(x)`` in one pass of the decode products, or None where they do not run (the
+        caller then uses ``up.mul(x, gate.silu(x))``)."""
+        g, u = gate.decode_panels(x), up.decode_panels(x)
+        if g is None or u is None or g.shape != u.shape:
+            return None
+        return cpu_kernel.decode_glu(x.contiguous(), g, u, torch.empty(x.shape[0], g.shape[0]))
 
     def _packed_weight(self, x: torch.Tensor) -> tuple[OneDNNOps, torch.Tensor] | None:
         """The oneDNN operators and this weight packed for them, or None where the plain path must run.
@@ -74,6 +125,9 @@ class Linear(nn.Linear):
         return ops, self._packed[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        panels = self.decode_panels(x)
+        if panels is not None:
+            return cpu_kernel.decode_product(x.contiguous(), panels, torch.empty(x.shape[0], self.out_features))
         found = self._packed_weight(x)
         if found is not None:
             ops, packed = found
@@ -100,6 +154,10 @@ class Linear(nn.Linear):
         return self._binary(x, other, "add")
 
     def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        panels = self.decode_panels(x) if op == "add" and other.shape == (x.shape[0], self.out_features) else None
+        if panels is not None and other.dtype == torch.float32 and other.device.type == "cpu":
+            out = torch.empty(x.shape[0], self.out_features)
+            return cpu_kernel.decode_product(x.contiguous(), panels, out, residual=other.contiguous())
         found = self._packed_weight(x)
         if found is not None and other.dtype == x.dtype and other.shape == (*x.shape[:-1], self.out_features):
             ops, packed = found

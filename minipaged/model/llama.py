@@ -18,6 +18,7 @@ The module names mirror transformers' ``LlamaForCausalLM``, so its state dict
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -139,7 +140,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's output, plus ``residual`` when given. silu, the product and the addition ride on the
         GEMMs (``Linear.silu/mul/add``): no separate pass over the [tokens, 1536] activations."""
-        h = self.up_proj.mul(x, self.gate_proj.silu(x))
+        h = Linear.glu(self.gate_proj, self.up_proj, x)  # at decode sizes, both in one pass
+        if h is None:
+            h = self.up_proj.mul(x, self.gate_proj.silu(x))
         return row_parallel(self.down_proj, h, residual, self.tp)
 
 
@@ -241,14 +244,18 @@ class LlamaModel(nn.Module):
         if not step_program.onednn_runs(dtype):  # on the module: the tests play a CPU without bf16 GEMMs
             return None
         probe = torch.zeros(1, self.embed_tokens.embedding_dim, dtype=dtype)
-        layers = []
+
+        def probe_of(lin: Linear) -> torch.Tensor:  # one row of the projection's input
+            return torch.zeros(1, lin.in_features, dtype=dtype)
+
+        layers: list[LayerProgram] = []
         for layer in decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj(probe)  # makes the merged weight
             linears: list[Linear] = [attn.qkv_proj.merged, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
             packed = []
             for lin in linears:
-                found = lin._packed_weight(torch.zeros(1, lin.in_features, dtype=dtype))
+                found = lin._packed_weight(probe_of(lin))
                 if found is None:
                     return None
                 packed.append(found[1])
@@ -257,11 +264,16 @@ class LlamaModel(nn.Module):
                 return None
             qkv, o, gate, up, down = packed
             biases = tuple(lin.bias for lin in linears)
+            # The modules' own panels (Linear.decode_panels): the same numbers, no second copy.
+            panels = [p for lin in linears if (p := lin.decode_panels(probe_of(lin))) is not None]
             layers.append(
                 LayerProgram(
-                    norm1.weight.contiguous(), norm2.weight.contiguous(), norm1.eps, qkv, o, gate, up, down, biases
+                    norm1.weight.contiguous(), norm2.weight.contiguous(), norm1.eps, qkv, o, gate, up, down, biases,
+                    tuple(panels) if len(panels) == len(linears) else None,
                 )
-            )
+            )  # fmt: skip
+        if any(layer.panels is None for layer in layers):  # all layers or none: a decode step runs one way
+            layers = [dataclasses.replace(layer, panels=None) for layer in layers]
         return StepProgram(ops, pad_rows, layers, first.num_heads, first.scale, list(self.layers.parameters()))
 
 

@@ -17,6 +17,16 @@ made by hand: every decision is taken once, when the program is built, and a ste
       g   = silu(h @ Wgate^T)                         oneDNN, silu in the GEMM
       x   = (h @ Wup^T) * g @ Wdown^T + x             oneDNN, two GEMMs with their multiply and add
 
+A step of at most ``DECODE_ROWS`` rows (a decode step, a small prefill) runs its products on the compiled decode
+products instead, where the build has them (fp32, AVX-512: ``layers.decode_products_on``), with no padding: at a
+few dozen rows oneDNN's kernels lose a fifth of their rate and each call through PyTorch costs a dispatch and a
+fork and join (``benchmarks/bench_gemm_rows.py``)::
+
+      qkv = h @ [Wq | Wk | Wv]^T                      decode product (the modules' own panels: Linear.decode_panels)
+      x   = a @ Wo^T + x                              decode product, the residual added in its tile
+      g   = silu(h @ Wgate^T) * (h @ Wup^T)           one pass over both weights' panels
+      x   = g @ Wdown^T + x                           decode product, the residual added in its tile
+
 Same kernels, same weights, same padding as the modules' own path: the same numbers, bit for bit
 (``tests/test_step_program.py``). The row buckets are the bounded set of shapes a step can have (about 70 up to
 2048 rows); they are what a CUDA-graph runner would capture once each. The program is rebuilt when a weight
@@ -29,7 +39,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +47,7 @@ import torch
 from ..kernels import cpu_kernel, torch_backend
 from ..profiling import profiling as profiler_on
 from ..profiling import span
+from .layers import DECODE_ROWS
 
 if TYPE_CHECKING:
     from .attention import TorchAttentionMetadata
@@ -46,7 +56,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LayerProgram:
-    """One decoder layer's weights, resolved: norms as they are, projections packed for oneDNN."""
+    """One decoder layer's weights, resolved: norms as they are, projections packed for oneDNN (and for the
+    decode products, where they run)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -57,6 +68,7 @@ class LayerProgram:
     up: torch.Tensor
     down: torch.Tensor
     biases: tuple[torch.Tensor | None, ...]  # qkv, o, gate, up, down
+    panels: tuple[torch.Tensor, ...] | None = None  # qkv, o, gate, up, down for the decode products, or None
 
 
 class StepProgram:
@@ -109,25 +121,57 @@ class StepProgram:
                 kc0.shape[3], kc0.shape[1], self.scale,
             )  # fmt: skip
         norm = bound.rms_norm if bound is not None else cpu_kernel.rms_norm
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+        if bound is not None:
+            attend = bound.rope_write_attend
+        else:
+
+            def attend(qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+                q = cpu_kernel.rope_and_cache(qkv, cos, sin, kc, vc, slots, self.num_heads)
+                return torch_backend.attend(plan, q, kc, vc, self.scale).view(q.shape[0], -1)
+
         # Named spans cost µs each: only under a profiler, which then tells the compiled calls from the glue.
         profiling = profiler_on()
         if profiling:
             norm = _spanned("rms_norm", norm)
+            attend = _spanned("paged_attention", attend)
+        if n <= DECODE_ROWS and self.layers[0].panels is not None:  # where the modules' Linear takes them too
+            return self._on_decode_products(x if x.shape[0] > n else x.clone(), n, norm, attend, kv_caches)[:n]
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
             b_qkv, b_o, b_gate, b_up, b_down = layer.biases
             h = norm(x, layer.input_norm, layer.eps)
-            qkv = pointwise(h, layer.qkv, b_qkv, "none", [], "")
-            with span("paged_attention") if profiling else nullcontext():
-                if bound is not None:
-                    a = bound.rope_write_attend(qkv, kc, vc)
-                else:
-                    q = cpu_kernel.rope_and_cache(qkv, cos, sin, kc, vc, slots, self.num_heads)
-                    a = torch_backend.attend(plan, q, kc, vc, self.scale).view(q.shape[0], -1)
+            a = attend(pointwise(h, layer.qkv, b_qkv, "none", [], ""), kc, vc)
             x = binary(a, x, layer.o, b_o, "add")
             h = norm(x, layer.post_norm, layer.eps)
             g = pointwise(h, layer.gate, b_gate, "swish", [], "")
             x = binary(binary(h, g, layer.up, b_up, "mul"), x, layer.down, b_down, "add")
         return x[:n]
+
+    def _on_decode_products(
+        self,
+        x: torch.Tensor,
+        n: int,
+        norm: Callable[..., torch.Tensor],
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """``run``'s layers for a step of at most ``DECODE_ROWS`` rows, on the decode products
+        (``cpu_kernel.decode_product``/``decode_glu``): the residual adds and silu(gate) * up are done in the
+        products' tiles. ``x`` is the step's own, padded; it is updated in place, its first ``n`` rows only."""
+        first = self.layers[0]
+        assert first.panels is not None
+        qkv_out = torch.zeros(x.shape[0], first.panels[0].shape[0], dtype=x.dtype)  # padding rows stay zero
+        glu_out = torch.zeros(x.shape[0], first.panels[2].shape[0], dtype=x.dtype)
+        product, glu = cpu_kernel.decode_product, cpu_kernel.decode_glu
+        if profiler_on():
+            product, glu = _spanned("decode_linear", product), _spanned("decode_linear", glu)
+        for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
+            assert layer.panels is not None
+            w_qkv, w_o, w_gate, w_up, w_down = layer.panels
+            a = attend(product(norm(x, layer.input_norm, layer.eps), w_qkv, qkv_out, None, n), kc, vc)
+            product(a, w_o, x, x, n)
+            product(glu(norm(x, layer.post_norm, layer.eps), w_gate, w_up, glu_out, n), w_down, x, x, n)
+        return x
 
 
 def onednn_runs(dtype: torch.dtype) -> bool:
