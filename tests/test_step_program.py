@@ -360,6 +360,9 @@ def test_a_profile_names_the_model_its_attention_and_its_norms(model_dir, fast, 
         found = [e for e in events if e.name == name]
         assert len(found) == 3 * 3 * per_layer and all(inside_model(e) for e in found), name
     assert any("linear" in e.name and inside_model(e) for e in events)
+    if layers.decode_products_on():  # compiled products name themselves: qkv, o, gate-and-up, down; the head
+        products = [e for e in events if e.name == "decode_linear"]
+        assert len(products) == 3 * (3 * 4 + 1) and all(inside_model(e) for e in products)
 
 
 @needs_kernel

@@ -1,4 +1,6 @@
 """The engine's CPU attention: ``cpu_paged_attention.cpp``, compiled on first use, read the cache in place.
+(The same library holds the layer ops around it and, in AVX-512 builds, the decode products: ``decode_product``,
+``decode_glu``.)
 
 Why a kernel of our own. On a CPU, attention over a paged cache is a memory problem, not
 an arithmetic one: a decode step reads every context token's K and V row once and does a
@@ -39,9 +41,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
+
+from ..profiling import profiling, span
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 # No -ffast-math: in a shared library GCC 12 links crtfastmath, which flushes denormals for the whole process.
@@ -350,10 +355,17 @@ def decode_product(
     assert lib is not None and a.shape[1] == k and a.stride(1) == 1 and out.shape[1] == n and out.stride(1) == 1
     assert out.shape[0] >= m and (residual is None or (residual.shape[0] >= m and residual.shape[1] == n))
     add, add_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
-    lib.minipaged_decode_product(
-        a.data_ptr(), a.stride(0), panels.data_ptr(), n, k, out.data_ptr(), out.stride(0), add, add_stride, m
-    )
+    with _product_span():
+        lib.minipaged_decode_product(
+            a.data_ptr(), a.stride(0), panels.data_ptr(), n, k, out.data_ptr(), out.stride(0), add, add_stride, m
+        )
     return out
+
+
+def _product_span() -> AbstractContextManager:
+    """Under a profiler, a span named as a product (``decode_linear``: a ctypes call is invisible to the profiler,
+    and ``bench_engine.py`` counts names with "linear" as matrix products); else nothing."""
+    return span("decode_linear") if profiling() else nullcontext()
 
 
 def decode_glu(
@@ -366,9 +378,10 @@ def decode_glu(
     m = a.shape[0] if rows is None else rows
     assert lib is not None and up.shape == gate.shape and a.shape[1] == k and a.stride(1) == 1
     assert out.shape[0] >= m and out.shape[1] == n and out.stride(1) == 1
-    lib.minipaged_decode_glu(
-        a.data_ptr(), a.stride(0), gate.data_ptr(), up.data_ptr(), n, k, out.data_ptr(), out.stride(0), m
-    )
+    with _product_span():
+        lib.minipaged_decode_glu(
+            a.data_ptr(), a.stride(0), gate.data_ptr(), up.data_ptr(), n, k, out.data_ptr(), out.stride(0), m
+        )
     return out
 
 

@@ -23,6 +23,9 @@
 // tokens, so a decode is a sequence with one row. kernels/reference.py is the specification;
 // tests/test_cpu_kernel.py compares the two.
 //
+// The file also holds what runs around attention in a CPU step: RMSNorm, RoPE with the cache write, and the
+// decode-sized matrix products (AVX-512, fp32), each described where it starts.
+//
 // Which code runs is fixed when the file is compiled (cpu_kernel.py picks -march / -mcpu): the AVX-512 tiles where
 // the target has AVX-512F (an x86 macro: never defined on Arm), else the portable C++ tiles, which the compiler
 // vectorises for whatever the target has (AVX2, SSE2, NEON). minipaged_features() says which; the tests build
@@ -441,8 +444,8 @@ void rope_and_cache(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin
 // ---- decode-sized matrix products (fp32, AVX-512) ------------------------------------------------------------
 // A decode step multiplies a few dozen rows through every weight. oneDNN's packed GEMMs, called through PyTorch,
 // lose a fifth of their rate there and pay a dispatch, a primitive lookup and a fork and join per call
-// (benchmarks/bench_gemm_rows.py, bench_fused_step.py). These tiles do the step program's products at those
-// sizes, with what follows each product applied while the tile is still in registers.
+// (benchmarks/bench_gemm_rows.py). These tiles do the model's products at those sizes (layers.Linear and the
+// step program call them alike), with what follows each product applied while the tile is still in registers.
 //
 // A weight W [N, K] is packed once into panels of 32 output columns, each K rows of 32 floats:
 //

@@ -22,7 +22,7 @@ from ..kernels import cpu_kernel
 log = logging.getLogger("minipaged")
 
 # Products of up to this many rows (a decode step's, a small prefill's) run on the compiled decode products where
-# the build has them (``decode_products_on``); beyond it, on oneDNN. ``benchmarks/bench_fused_step.py`` measures
+# the build has them (``decode_products_on``); beyond it, on oneDNN. ``benchmarks/bench_gemm_rows.py`` measures
 # both.
 DECODE_ROWS = 256
 

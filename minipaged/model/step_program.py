@@ -47,7 +47,7 @@ import torch
 from ..kernels import cpu_kernel, torch_backend
 from ..profiling import profiling as profiler_on
 from ..profiling import span
-from .layers import DECODE_ROWS
+from .layers import DECODE_ROWS, decode_products_on
 
 if TYPE_CHECKING:
     from .attention import TorchAttentionMetadata
@@ -135,7 +135,8 @@ class StepProgram:
         if profiling:
             norm = _spanned("rms_norm", norm)
             attend = _spanned("paged_attention", attend)
-        if n <= DECODE_ROWS and self.layers[0].panels is not None:  # where the modules' Linear takes them too
+        # where the modules' Linear takes them too (decode_panels: the same rows, switch and build)
+        if n <= DECODE_ROWS and self.layers[0].panels is not None and decode_products_on():
             return self._on_decode_products(x if x.shape[0] > n else x.clone(), n, norm, attend, kv_caches)[:n]
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
             b_qkv, b_o, b_gate, b_up, b_down = layer.biases
@@ -162,9 +163,7 @@ class StepProgram:
         assert first.panels is not None
         qkv_out = torch.zeros(x.shape[0], first.panels[0].shape[0], dtype=x.dtype)  # padding rows stay zero
         glu_out = torch.zeros(x.shape[0], first.panels[2].shape[0], dtype=x.dtype)
-        product, glu = cpu_kernel.decode_product, cpu_kernel.decode_glu
-        if profiler_on():
-            product, glu = _spanned("decode_linear", product), _spanned("decode_linear", glu)
+        product, glu = cpu_kernel.decode_product, cpu_kernel.decode_glu  # each names itself to a profiler
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
             assert layer.panels is not None
             w_qkv, w_o, w_gate, w_up, w_down = layer.panels
