@@ -88,10 +88,6 @@ def model_step(stack: list[list[layers.Linear]], head: layers.Linear, x: torch.T
     head(x)
 
 
-def products_step(stack: list[list[layers.Linear]], head: layers.Linear, x: torch.Tensor) -> None:
-    model_step(stack, head, x)  # no padding: the decode products take any row count
-
-
 def packed_step(stack: list[list[layers.Linear]], head: layers.Linear, x: torch.Tensor) -> None:
     os.environ["MINIPAGED_DECODE_PRODUCTS"] = "0"
     try:
@@ -164,7 +160,8 @@ def main() -> int:
     results = []
     stolen = steal_s()
     row_counts = sorted(set(args.rows))
-    paths: dict[str, Step] = {"products": products_step, "packed": packed_step, "plain": plain_step}
+    # products: no padding, the decode products take any row count
+    paths: dict[str, Step] = {"products": model_step, "packed": packed_step, "plain": plain_step}
     if dtype != torch.float32 or not layers.decode_products_on():
         del paths["products"]  # none here: the engine runs oneDNN at every size
         print("no decode products here (fp32 on an AVX-512 build only): timing packed and plain", file=sys.stderr)

@@ -154,8 +154,9 @@ class Linear(nn.Linear):
         return self._binary(x, other, "add")
 
     def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
-        panels = self.decode_panels(x) if op == "add" and other.shape == (x.shape[0], self.out_features) else None
-        if panels is not None and other.dtype == torch.float32 and other.device.type == "cpu":
+        residual_fits = other.shape == (x.shape[0], self.out_features) and other.dtype == x.dtype == torch.float32
+        panels = self.decode_panels(x) if op == "add" and residual_fits and other.device.type == "cpu" else None
+        if panels is not None:
             out = torch.empty(x.shape[0], self.out_features)
             return cpu_kernel.decode_product(x.contiguous(), panels, out, residual=other.contiguous())
         found = self._packed_weight(x)
