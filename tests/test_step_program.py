@@ -235,6 +235,7 @@ def test_without_onednn_bf16_gemms_a_bf16_model_runs_on_the_modules(
         monkeypatch.setattr(layers, "_ONEDNN", True)
         monkeypatch.setattr(layers, "_ONEDNN_OPS", OneDNNOps(reorder, real.pointwise, real.binary))
         monkeypatch.setattr(layers, "_ONEDNN_FAILED_DTYPES", set())
+        monkeypatch.delitem(cpu_kernel._PRODUCT_BITS, bf16)  # nor has a Zen 3 the bf16 decode products
     ran = []
     real_run = StepProgram.run
     monkeypatch.setattr(StepProgram, "run", lambda self, *a: ran.append(1) or real_run(self, *a))
@@ -381,60 +382,77 @@ def test_minipaged_step_program_0_runs_the_modules(model_dir, monkeypatch):
     assert not ran and torch.equal(with_program, without)
 
 
-def _products_here() -> None:
-    if not layers.decode_products_on():
-        pytest.skip(f"no decode products in this build ({cpu_kernel.describe()}): oneDNN runs every product")
+def _products_here(dtype: torch.dtype = torch.float32) -> None:
+    if not layers.decode_products_on(dtype):
+        pytest.skip(f"no {dtype} decode products in this build ({cpu_kernel.describe()}): oneDNN runs every product")
+
+
+# on against off: fp32 sums in another order; in bf16 also each product's one rounding against oneDNN's (which
+# rounds silu(gate) and the product before the multiply), through three layers
+_ON_OFF_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=5e-2, atol=5e-2)}
 
 
 @needs_kernel
 @needs_onednn
-def test_small_steps_run_on_the_decode_products_and_give_onednns_numbers_to_rounding(model_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_small_steps_run_on_the_decode_products_and_give_onednns_numbers_to_rounding(model_dir, dtype, monkeypatch):
     """A step of at most DECODE_ROWS rows (the 45-row mixed step) runs its products on the compiled decode
     products, in the program and in the modules alike (``Linear.decode_panels``: the bit-for-bit test above
-    compares those two); with ``MINIPAGED_DECODE_PRODUCTS=0`` oneDNN does, and the numbers agree to fp32 rounding.
+    compares those two); with ``MINIPAGED_DECODE_PRODUCTS=0`` oneDNN does, and the numbers agree to rounding.
     A step past DECODE_ROWS runs on oneDNN."""
-    _products_here()
+    _products_here(dtype)
     calls = []
     real = cpu_kernel.decode_product
     monkeypatch.setattr(cpu_kernel, "decode_product", lambda *a, **k: calls.append(1) or real(*a, **k))
-    model = LlamaForCausalLM.from_pretrained(model_dir)
-    on, k_on = run_step(model, True, torch.float32)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    on, k_on = run_step(model, True, dtype)
     # building the program runs each merged QKV once on a probe row; then the context and the step: qkv, o and
     # down in each of three layers
     assert len(calls) == 3 + 2 * 3 * 3
     calls.clear()
     monkeypatch.setenv("MINIPAGED_DECODE_PRODUCTS", "0")
-    off, k_off = run_step(model, True, torch.float32)
+    off, k_off = run_step(model, True, dtype)
     assert not calls and not torch.equal(on, off)
-    torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k_on, k_off, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(on, off, **_ON_OFF_TOL[dtype])
+    torch.testing.assert_close(k_on, k_off, **_ON_OFF_TOL[dtype])
     monkeypatch.delenv("MINIPAGED_DECODE_PRODUCTS")
     monkeypatch.setattr(layers, "DECODE_ROWS", 44)  # the step's 45 rows are past it now
     monkeypatch.setattr(step_program, "DECODE_ROWS", 44)
-    past, _ = run_step(model, True, torch.float32)
+    past, _ = run_step(model, True, dtype)
     assert len(calls) == 3 and torch.equal(past, off)  # the build's probe rows only
 
 
 @needs_kernel
-def test_a_linear_takes_the_decode_products_only_where_they_apply(monkeypatch):
-    """fp32, no bias, whole 32-column panels, 1 to DECODE_ROWS rows, no gradients, switched on; the panels follow
-    the weight. Everywhere else, None: the caller multiplies with oneDNN or PyTorch."""
-    _products_here()
-    lin = Linear(40, 64, bias=False)
-    x = torch.randn(5, 40)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_linear_takes_the_decode_products_only_where_they_apply(dtype, monkeypatch):
+    """The weight's dtype (fp32, or bf16 with an even number of input features: it multiplies pairs), no bias,
+    whole 32-column panels, 1 to DECODE_ROWS rows, no gradients, switched on; the panels follow the weight.
+    Everywhere else, None: the caller multiplies with oneDNN or PyTorch."""
+    _products_here(dtype)
+    lin = Linear(40, 64, bias=False).to(dtype)
+    x = torch.randn(5, 40).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+
+    def want(x: torch.Tensor, r: torch.Tensor | float = 0.0) -> torch.Tensor:
+        return (x.double() @ lin.weight.double().T + (r.double() if isinstance(r, torch.Tensor) else r)).to(dtype)
+
     with torch.no_grad():
         panels = lin.decode_panels(x)
         assert panels is not None and lin.decode_panels(x) is panels  # packed once
-        torch.testing.assert_close(lin(x), x @ lin.weight.T, rtol=1e-5, atol=1e-5)
+        assert lin(x).dtype == dtype
+        torch.testing.assert_close(lin(x), want(x), **tol)
         lin.weight.mul_(2)
         assert lin.decode_panels(x) is not panels  # a changed weight is packed again
-        torch.testing.assert_close(lin(x), x @ lin.weight.T, rtol=1e-5, atol=1e-5)
-        r = torch.randn(5, 64)
-        torch.testing.assert_close(lin.add(x, r), x @ lin.weight.T + r, rtol=1e-5, atol=1e-5)
-        assert lin.decode_panels(torch.randn(layers.DECODE_ROWS + 1, 40)) is None
-        assert lin.decode_panels(x.bfloat16()) is None
-        assert Linear(40, 64, bias=True).decode_panels(x) is None
-        assert Linear(40, 48, bias=False).decode_panels(x) is None  # 48 columns: one and a half panels
+        torch.testing.assert_close(lin(x), want(x), **tol)
+        r = torch.randn(5, 64).to(dtype)
+        torch.testing.assert_close(lin.add(x, r), want(x, r), **tol)
+        assert lin.decode_panels(torch.randn(layers.DECODE_ROWS + 1, 40).to(dtype)) is None
+        other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+        assert lin.decode_panels(x.to(other)) is None
+        assert Linear(40, 64, bias=True).to(dtype).decode_panels(x) is None
+        assert Linear(40, 48, bias=False).to(dtype).decode_panels(x) is None  # 48 columns: one and a half panels
+        if dtype == torch.bfloat16:
+            assert Linear(41, 64, bias=False).to(dtype).decode_panels(torch.randn(5, 41).to(dtype)) is None
         monkeypatch.setenv("MINIPAGED_DECODE_PRODUCTS", "0")
         assert lin.decode_panels(x) is None
     monkeypatch.delenv("MINIPAGED_DECODE_PRODUCTS")

@@ -1,6 +1,6 @@
 """The engine's CPU attention: ``cpu_paged_attention.cpp``, compiled on first use, read the cache in place.
-(The same library holds the layer ops around it and, in AVX-512 builds, the decode products: ``decode_product``,
-``decode_glu``.)
+(The same library holds the layer ops around it and, in AVX2 and AVX-512 builds, the decode products:
+``decode_product``, ``decode_glu``.)
 
 Why a kernel of our own. On a CPU, attention over a paged cache is a memory problem, not
 an arithmetic one: a decode step reads every context token's K and V row once and does a
@@ -223,9 +223,9 @@ def _build(target: str | None = None) -> tuple[ctypes.CDLL | None, str]:
         "minipaged_rms_norm": [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int],
         "minipaged_rope_and_cache": [ptr, i64] + [ptr] * 6 + [i64] * 4 + [ctypes.c_int],
         "minipaged_features": [],
-        "minipaged_pack_panels": [ptr, ptr, i64, i64],
-        "minipaged_decode_product": [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64],
-        "minipaged_decode_glu": [ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64],
+        "minipaged_pack_panels": [ptr, ptr, i64, i64, ctypes.c_int],
+        "minipaged_decode_product": [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, ctypes.c_int],
+        "minipaged_decode_glu": [ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ctypes.c_int],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -320,22 +320,27 @@ def tiles(lib: ctypes.CDLL) -> str:
 
 
 PANEL = 32  # output columns per packed panel of the decode products (kPanel in the source)
+# minipaged_features' bit for each dtype's decode products: fp32 with AVX-512, or AVX2 and FMA; bf16 with AVX512-BF16
+# where there is no AMX (oneDNN's AMX kernels multiply bf16 there)
+_PRODUCT_BITS = {torch.float32: 8, torch.bfloat16: 16}
 
 
-def decode_products(lib: ctypes.CDLL | None) -> bool:
-    """True when this build has the decode-sized fp32 products (its AVX-512 tiles; ``minipaged_features`` bit 8)."""
-    return lib is not None and bool(lib.minipaged_features() & 8)
+def decode_products(lib: ctypes.CDLL | None, dtype: torch.dtype = torch.float32) -> bool:
+    """True when this build has the decode-sized products in ``dtype`` (``minipaged_features``' bit for it)."""
+    bit = _PRODUCT_BITS.get(dtype, 0)
+    return lib is not None and bool(lib.minipaged_features() & bit)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] (fp32, N a multiple of ``PANEL``) re-laid-out for the decode products: N / 32 panels, each
-    [K, 32] contiguous (the source's diagram), in a tensor of the weight's shape. The caller has checked
-    ``decode_products``."""
+    """``weight`` [N, K] (fp32 or bf16, N a multiple of ``PANEL``, K even in bf16) re-laid-out for the decode
+    products: N / 32 panels of K x 32 elements (the source's diagram), in a tensor of the weight's shape. The
+    caller has checked ``decode_products`` for the dtype."""
     lib = library()
     w = weight.detach().contiguous()
-    assert lib is not None and w.dtype == torch.float32 and w.dim() == 2 and w.shape[0] % PANEL == 0
+    assert lib is not None and w.dtype in _PRODUCT_BITS and w.dim() == 2 and w.shape[0] % PANEL == 0
+    assert w.dtype != torch.bfloat16 or w.shape[1] % 2 == 0
     out = torch.empty_like(w)
-    lib.minipaged_pack_panels(w.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1])
+    lib.minipaged_pack_panels(w.data_ptr(), out.data_ptr(), w.shape[0], w.shape[1], CACHE_DTYPES[w.dtype])
     return out
 
 
@@ -347,18 +352,20 @@ def decode_product(
     rows: int | None = None,
 ) -> torch.Tensor:
     """``out = a @ W^T`` (``+ residual``, which may be ``out`` itself) over the first ``rows`` rows (all of
-    ``a``'s by default), W packed into ``panels`` by ``pack_panels``. Every tensor fp32 on the CPU, 2-D, its rows
-    contiguous; the caller has checked ``decode_products``. Returns ``out``."""
+    ``a``'s by default), W packed into ``panels`` by ``pack_panels``. Every tensor of the panels' dtype, on the CPU,
+    2-D, its rows contiguous; the caller has checked ``decode_products``. Returns ``out``."""
     lib = library()
     n, k = panels.shape
     m = a.shape[0] if rows is None else rows
     assert lib is not None and a.shape[1] == k and a.stride(1) == 1 and out.shape[1] == n and out.stride(1) == 1
     assert out.shape[0] >= m and (residual is None or (residual.shape[0] >= m and residual.shape[1] == n))
+    assert a.dtype == out.dtype == panels.dtype and (residual is None or residual.dtype == a.dtype)
     add, add_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
     with _product_span():
         lib.minipaged_decode_product(
-            a.data_ptr(), a.stride(0), panels.data_ptr(), n, k, out.data_ptr(), out.stride(0), add, add_stride, m
-        )
+            a.data_ptr(), a.stride(0), panels.data_ptr(), n, k, out.data_ptr(), out.stride(0), add, add_stride, m,
+            CACHE_DTYPES[a.dtype],
+        )  # fmt: skip
     return out
 
 
@@ -378,10 +385,12 @@ def decode_glu(
     m = a.shape[0] if rows is None else rows
     assert lib is not None and up.shape == gate.shape and a.shape[1] == k and a.stride(1) == 1
     assert out.shape[0] >= m and out.shape[1] == n and out.stride(1) == 1
+    assert a.dtype == out.dtype == gate.dtype == up.dtype
     with _product_span():
         lib.minipaged_decode_glu(
-            a.data_ptr(), a.stride(0), gate.data_ptr(), up.data_ptr(), n, k, out.data_ptr(), out.stride(0), m
-        )
+            a.data_ptr(), a.stride(0), gate.data_ptr(), up.data_ptr(), n, k, out.data_ptr(), out.stride(0), m,
+            CACHE_DTYPES[a.dtype],
+        )  # fmt: skip
     return out
 
 

@@ -24,7 +24,7 @@
 // tests/test_cpu_kernel.py compares the two.
 //
 // The file also holds what runs around attention in a CPU step: RMSNorm, RoPE with the cache write, and the
-// decode-sized matrix products (AVX-512, fp32), each described where it starts.
+// decode-sized matrix products (fp32 on AVX-512 or AVX2, bf16 on AVX512-BF16), each described where it starts.
 //
 // Which code runs is fixed when the file is compiled (cpu_kernel.py picks -march / -mcpu): the AVX-512 tiles where
 // the target has AVX-512F (an x86 macro: never defined on Arm), else the portable C++ tiles, which the compiler
@@ -33,6 +33,9 @@
 #include <algorithm>
 #if defined(__AVX512F__) && (defined(__x86_64__) || defined(_M_X64))
 #define MINIPAGED_AVX512 1
+#endif
+#if (defined(MINIPAGED_AVX512) || (defined(__AVX2__) && defined(__FMA__))) && (defined(__x86_64__) || defined(_M_X64))
+#define MINIPAGED_PRODUCTS 1  // the decode-sized products: AVX-512 tiles where there is AVX-512, else AVX2 ones
 #include <immintrin.h>
 #include <omp.h>
 #endif
@@ -441,21 +444,31 @@ void rope_and_cache(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin
 }
 
 
-// ---- decode-sized matrix products (fp32, AVX-512) ------------------------------------------------------------
+// ---- decode-sized matrix products (fp32 on AVX-512 or AVX2; bf16 where the CPU has AVX512-BF16) --------------
 // A decode step multiplies a few dozen rows through every weight. oneDNN's packed GEMMs, called through PyTorch,
 // lose a fifth of their rate there and pay a dispatch, a primitive lookup and a fork and join per call
 // (benchmarks/bench_gemm_rows.py). These tiles do the model's products at those sizes (layers.Linear and the
 // step program call them alike), with what follows each product applied while the tile is still in registers.
 //
-// A weight W [N, K] is packed once into panels of 32 output columns, each K rows of 32 floats:
+// A weight W [N, K] is packed once into panels of 32 output columns. fp32: each panel is K rows of 32 floats.
+// bf16: K/2 rows of 32 column pairs, the pair being W's two elements at k and k + 1 (what vdpbf16ps multiplies):
 //
-//     panel p = W[32p : 32p + 32, :]^T        [K][32], contiguous; panels one after another
+//     fp32 panel p = W[32p : 32p + 32, :]^T                        [K][32]       contiguous; panels one after another
+//     bf16 panel p = (W[32p + j, 2q], W[32p + j, 2q + 1])          [K/2][32][2]
 //
-// A tile multiplies up to 12 rows of the input by one panel (12 x 32 outputs: 24 zmm accumulators), so each panel
-// streams from memory once per 12 rows, in order. The threads split the panels.
-#if defined(MINIPAGED_AVX512)
+// A tile is R rows of the input times two vectors' worth of a panel's columns, accumulated in fp32 registers:
+// on AVX-512, 12 rows x 32 columns (the whole panel; 24 of the 32 zmm); on AVX2, 6 rows x 16 columns (half a panel;
+// 12 of the 16 ymm: two tiles per panel). The gate-and-up tile holds both weights' columns, so half as many rows.
+// Each panel streams from memory once per tile of rows, in order; the threads split the panels. A bf16 output is
+// rounded once, after the residual add or silu(gate) * up, as one PyTorch op in fp32 would round it.
+#if defined(MINIPAGED_PRODUCTS)
 constexpr int64_t kPanel = 32;
-constexpr int kTileRows = 12;  // product tiles; the gate-and-up tile holds two panels, so half as many rows
+
+#if defined(MINIPAGED_AVX512)
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+// Not where the CPU has AMX: there oneDNN multiplies bf16 on AMX tiles, which these were never measured against.
+#define MINIPAGED_BF16_PRODUCTS 1
+#endif
 
 // silu(x) = x / (1 + e^-x), from e^-|x| so the exponent is never positive
 inline __m512 silu16(__m512 x) {
@@ -466,80 +479,179 @@ inline __m512 silu16(__m512 x) {
   return _mm512_mul_ps(x, _mm512_mask_mul_ps(r, negative, e, r));              // sigmoid(x) = e * r where x < 0
 }
 
-// c[R, 32] = a[R, K] . panel (+ residual[R, 32] when there is one)
-template <int R>
-void product_tile(const float* a, int64_t lda, const float* panel, int64_t k_dim, float* c, int64_t ldc,
-                  const float* residual, int64_t ldr) {
-  __m512 lo[R], hi[R];
-  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_dim; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(panel + k * kPanel), b1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+// What a tile needs of its vectors and dtype: fp32 accumulators (Acc, kLanes wide) and their arithmetic, the
+// elements of K one step takes (kStep), a row's broadcast and a panel's columns (Vec), their multiply-add, the
+// residual's load and the output's store, and the tile's rows.
+struct Zmm {
+  using Acc = __m512;
+  static constexpr int64_t kLanes = 16;
+  static constexpr int kRows = 12;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static Acc mul(Acc a, Acc b) { return _mm512_mul_ps(a, b); }
+  static Acc silu(Acc x) { return silu16(x); }
+};
+struct Fp32Tile : Zmm {
+  using T = float;
+  using Vec = __m512;
+  static constexpr int64_t kStep = 1;
+  static Vec row(const float* a) { return _mm512_set1_ps(*a); }
+  static Vec weights(const float* w) { return _mm512_loadu_ps(w); }
+  static Acc madd(Acc acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+  static Acc load(const float* r) { return _mm512_loadu_ps(r); }
+  static void store(float* c, Acc v) { _mm512_storeu_ps(c, v); }
+};
+#if defined(MINIPAGED_BF16_PRODUCTS)
+struct Bf16Tile : Zmm {
+  using T = uint16_t;
+  using Vec = __m512bh;
+  static constexpr int64_t kStep = 2;
+  static Vec row(const uint16_t* a) {  // the pair a[k], a[k + 1] in every 32-bit lane
+    int32_t pair;
+    std::memcpy(&pair, a, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+  }
+  static Vec weights(const uint16_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
+  static Acc madd(Acc acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }  // both products of a pair
+  static Acc load(const uint16_t* r) { return load16(r); }
+  static void store(uint16_t* c, Acc v) {  // round to nearest even (a NaN stays a NaN)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+};
+#endif
+
+#else  // AVX2 and FMA: 8 lanes
+
+// exp_nonpositive, 8 lanes at once (2^n put into the exponent bits: n >= -126 once x >= -87)
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 floor_ = _mm256_set1_ps(-87.f);
+  const __m256 keep = _mm256_cmp_ps(x, floor_, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, floor_);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep);
+}
+
+inline __m256 silu8(__m256 x) {  // as silu16
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);
+  const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_setzero_ps(), abs));
+  const __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
+  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  return _mm256_mul_ps(x, _mm256_blendv_ps(r, _mm256_mul_ps(e, r), negative));
+}
+
+struct Fp32Tile {
+  using Acc = __m256;
+  using T = float;
+  using Vec = __m256;
+  static constexpr int64_t kLanes = 8;
+  static constexpr int kRows = 6;
+  static constexpr int64_t kStep = 1;
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
+  static Acc mul(Acc a, Acc b) { return _mm256_mul_ps(a, b); }
+  static Acc silu(Acc x) { return silu8(x); }
+  static Vec row(const float* a) { return _mm256_broadcast_ss(a); }
+  static Vec weights(const float* w) { return _mm256_loadu_ps(w); }
+  static Acc madd(Acc acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
+  static Acc load(const float* r) { return _mm256_loadu_ps(r); }
+  static void store(float* c, Acc v) { _mm256_storeu_ps(c, v); }
+};
+#endif  // MINIPAGED_AVX512
+
+// c[R, 2 lanes] = a[R, K] . the panel's columns from `panel` on (+ residual[R, 2 lanes] when there is one)
+template <typename D, int R>
+void product_tile(const typename D::T* a, int64_t lda, const typename D::T* panel, int64_t k_dim,
+                  typename D::T* c, int64_t ldc, const typename D::T* residual, int64_t ldr) {
+  constexpr int64_t kHalf = D::kLanes * D::kStep;  // where the tile's second vector of columns starts
+  typename D::Acc lo[R], hi[R];  // every loop over them unrolled, so they live in registers
+#pragma GCC unroll 12
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = D::zero();
+  for (int64_t k = 0; k < k_dim; k += D::kStep) {
+    const typename D::Vec b0 = D::weights(panel + k * kPanel), b1 = D::weights(panel + k * kPanel + kHalf);
 #pragma GCC unroll 12
     for (int i = 0; i < R; ++i) {
-      const __m512 x = _mm512_set1_ps(a[i * lda + k]);
-      lo[i] = _mm512_fmadd_ps(x, b0, lo[i]);
-      hi[i] = _mm512_fmadd_ps(x, b1, hi[i]);
+      const typename D::Vec x = D::row(a + i * lda + k);
+      lo[i] = D::madd(lo[i], x, b0);
+      hi[i] = D::madd(hi[i], x, b1);
     }
   }
+#pragma GCC unroll 12
   for (int i = 0; i < R; ++i) {
     if (residual != nullptr) {
-      lo[i] = _mm512_add_ps(lo[i], _mm512_loadu_ps(residual + i * ldr));
-      hi[i] = _mm512_add_ps(hi[i], _mm512_loadu_ps(residual + i * ldr + 16));
+      lo[i] = D::add(lo[i], D::load(residual + i * ldr));
+      hi[i] = D::add(hi[i], D::load(residual + i * ldr + D::kLanes));
     }
-    _mm512_storeu_ps(c + i * ldc, lo[i]);
-    _mm512_storeu_ps(c + i * ldc + 16, hi[i]);
+    D::store(c + i * ldc, lo[i]);
+    D::store(c + i * ldc + D::kLanes, hi[i]);
   }
 }
 
-// c[R, 32] = silu(a . gate_panel) * (a . up_panel)
-template <int R>
-void glu_tile(const float* a, int64_t lda, const float* gate, const float* up, int64_t k_dim, float* c, int64_t ldc) {
-  __m512 g0[R], g1[R], u0[R], u1[R];
-  for (int i = 0; i < R; ++i) g0[i] = g1[i] = u0[i] = u1[i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_dim; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(gate + k * kPanel), w1 = _mm512_loadu_ps(gate + k * kPanel + 16);
-    const __m512 v0 = _mm512_loadu_ps(up + k * kPanel), v1 = _mm512_loadu_ps(up + k * kPanel + 16);
+// c[R, 2 lanes] = silu(a . gate's columns) * (a . up's columns)
+template <typename D, int R>
+void glu_tile(const typename D::T* a, int64_t lda, const typename D::T* gate, const typename D::T* up, int64_t k_dim,
+              typename D::T* c, int64_t ldc) {
+  constexpr int64_t kHalf = D::kLanes * D::kStep;
+  typename D::Acc g0[R], g1[R], u0[R], u1[R];
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) g0[i] = g1[i] = u0[i] = u1[i] = D::zero();
+  for (int64_t k = 0; k < k_dim; k += D::kStep) {
+    const typename D::Vec w0 = D::weights(gate + k * kPanel), w1 = D::weights(gate + k * kPanel + kHalf);
+    const typename D::Vec v0 = D::weights(up + k * kPanel), v1 = D::weights(up + k * kPanel + kHalf);
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
-      const __m512 x = _mm512_set1_ps(a[i * lda + k]);
-      g0[i] = _mm512_fmadd_ps(x, w0, g0[i]);
-      g1[i] = _mm512_fmadd_ps(x, w1, g1[i]);
-      u0[i] = _mm512_fmadd_ps(x, v0, u0[i]);
-      u1[i] = _mm512_fmadd_ps(x, v1, u1[i]);
+      const typename D::Vec x = D::row(a + i * lda + k);
+      g0[i] = D::madd(g0[i], x, w0);
+      g1[i] = D::madd(g1[i], x, w1);
+      u0[i] = D::madd(u0[i], x, v0);
+      u1[i] = D::madd(u1[i], x, v1);
     }
   }
+#pragma GCC unroll 6
   for (int i = 0; i < R; ++i) {
-    _mm512_storeu_ps(c + i * ldc, _mm512_mul_ps(silu16(g0[i]), u0[i]));
-    _mm512_storeu_ps(c + i * ldc + 16, _mm512_mul_ps(silu16(g1[i]), u1[i]));
+    D::store(c + i * ldc, D::mul(D::silu(g0[i]), u0[i]));
+    D::store(c + i * ldc + D::kLanes, D::mul(D::silu(g1[i]), u1[i]));
   }
 }
 
-// One panel's tiles, for over_rows: the product (with its residual, if any) and the gate-and-up pair.
+// One tile column's tiles, for over_rows: the product (with its residual, if any) and the gate-and-up pair.
+template <typename D>
 struct ProductTiles {
-  const float* a;
+  using T = typename D::T;
+  const T* a;
   int64_t lda;
-  const float* panel;
+  const T* panel;
   int64_t k;
-  float* c;
+  T* c;
   int64_t ldc;
-  const float* residual;
+  const T* residual;
   int64_t ldr;
   template <int R>
   void operator()(int64_t row) const {
-    product_tile<R>(a + row * lda, lda, panel, k, c + row * ldc, ldc, residual ? residual + row * ldr : nullptr, ldr);
+    product_tile<D, R>(a + row * lda, lda, panel, k, c + row * ldc, ldc, residual ? residual + row * ldr : nullptr,
+                       ldr);
   }
 };
+template <typename D>
 struct GluTiles {
-  const float* a;
+  using T = typename D::T;
+  const T* a;
   int64_t lda;
-  const float* gate;
-  const float* up;
+  const T* gate;
+  const T* up;
   int64_t k;
-  float* c;
+  T* c;
   int64_t ldc;
   template <int R>
   void operator()(int64_t row) const {
-    glu_tile<R>(a + row * lda, lda, gate, up, k, c + row * ldc, ldc);
+    glu_tile<D, R>(a + row * lda, lda, gate, up, k, c + row * ldc, ldc);
   }
 };
 
@@ -564,7 +676,58 @@ inline void my_panels(int64_t n_panels, int64_t& lo, int64_t& hi) {
   lo = n_panels * t / nt;
   hi = n_panels * (t + 1) / nt;
 }
-#endif  // MINIPAGED_AVX512
+
+// The products' drivers, per dtype: a panel of 32 columns is kPanel * k elements in either layout; a tile's columns
+// start 2 * kLanes columns (times kStep elements) after the last's.
+template <typename D>
+void pack_panels(const typename D::T* w, typename D::T* out, int64_t n, int64_t k) {
+#pragma omp parallel for
+  for (int64_t p = 0; p < n / kPanel; ++p)
+    for (int64_t kk = 0; kk < k; kk += D::kStep)
+      for (int64_t j = 0; j < kPanel; ++j)
+        for (int64_t e = 0; e < D::kStep; ++e)
+          out[p * k * kPanel + kk * kPanel + j * D::kStep + e] = w[(p * kPanel + j) * k + kk + e];
+}
+
+template <typename D>
+void decode_product(const void* a, int64_t lda, const void* packed, int64_t n, int64_t k, void* c, int64_t ldc,
+                    const void* residual, int64_t ldr, int64_t m) {
+  using T = typename D::T;
+  const T* at = static_cast<const T*>(a);
+  const T* wt = static_cast<const T*>(packed);
+  const T* rt = static_cast<const T*>(residual);
+  T* ct = static_cast<T*>(c);
+#pragma omp parallel
+  {
+    int64_t lo, hi;
+    my_panels(n / kPanel, lo, hi);
+    for (int64_t p = lo; p < hi; ++p)
+      for (int64_t col = p * kPanel; col < (p + 1) * kPanel; col += 2 * D::kLanes)
+        over_rows<D::kRows>(m, ProductTiles<D>{at, lda, wt + p * k * kPanel + (col - p * kPanel) * D::kStep, k,
+                                               ct + col, ldc, rt ? rt + col : nullptr, ldr});
+  }
+}
+
+template <typename D>
+void decode_glu(const void* a, int64_t lda, const void* gate, const void* up, int64_t n, int64_t k, void* c,
+                int64_t ldc, int64_t m) {
+  using T = typename D::T;
+  const T* at = static_cast<const T*>(a);
+  const T* gt = static_cast<const T*>(gate);
+  const T* ut = static_cast<const T*>(up);
+  T* ct = static_cast<T*>(c);
+#pragma omp parallel
+  {
+    int64_t lo, hi;
+    my_panels(n / kPanel, lo, hi);
+    for (int64_t p = lo; p < hi; ++p)
+      for (int64_t col = p * kPanel; col < (p + 1) * kPanel; col += 2 * D::kLanes) {
+        const int64_t at_col = p * k * kPanel + (col - p * kPanel) * D::kStep;
+        over_rows<D::kRows / 2>(m, GluTiles<D>{at, lda, gt + at_col, ut + at_col, k, ct + col, ldc});
+      }
+  }
+}
+#endif  // MINIPAGED_PRODUCTS
 
 }  // namespace
 
@@ -598,11 +761,18 @@ void minipaged_paged_attention(const void* query, void* out, const void* key_cac
 }
 
 // What this build has: bit 0 the AVX-512 tiles; bits 1 and 2 the vectors its portable loops were compiled
-// for, AVX2 or NEON (neither: the target's baseline, SSE2 on x86-64); bit 3 the decode products (AVX-512).
+// for, AVX2 or NEON (neither: the target's baseline, SSE2 on x86-64); bit 3 the fp32 decode products (AVX-512, or
+// AVX2 with FMA), bit 4 the bf16 ones (AVX512-BF16, no AMX).
 int minipaged_features() {
   int features = 0;
 #if defined(MINIPAGED_AVX512)
-  features |= 1 | 8;  // 8: the decode-sized products
+  features |= 1;
+#endif
+#if defined(MINIPAGED_PRODUCTS)
+  features |= 8;
+#endif
+#if defined(MINIPAGED_BF16_PRODUCTS)
+  features |= 16;
 #endif
 #if defined(__AVX2__)
   features |= 2;
@@ -639,43 +809,37 @@ void minipaged_rope_and_cache(const void* qkv, int64_t qkv_stride, const void* c
   }
 }
 
-// ---- decode-sized products: see above. Callers check minipaged_features() & 8 first: without AVX-512 these do
-// nothing. Shapes: n a multiple of 32; a [m, k] with rows lda apart; c [m, n] with rows ldc apart.
-void minipaged_pack_panels(const float* w, float* out, int64_t n, int64_t k) {
-#if defined(MINIPAGED_AVX512)
-#pragma omp parallel for
-  for (int64_t p = 0; p < n / kPanel; ++p)
-    for (int64_t kk = 0; kk < k; ++kk)
-      for (int64_t j = 0; j < kPanel; ++j) out[(p * k + kk) * kPanel + j] = w[(p * kPanel + j) * k + kk];
+// ---- decode-sized products: see above. dtype: 0 fp32, 1 bf16. Callers check minipaged_features() first (bit 3
+// fp32, bit 4 bf16): a dtype the build lacks does nothing. Shapes: n a multiple of 32 (and k even in bf16); a [m, k]
+// with rows lda apart; c [m, n] with rows ldc apart.
+void minipaged_pack_panels(const void* w, void* out, int64_t n, int64_t k, int dtype) {
+#if defined(MINIPAGED_PRODUCTS)
+  if (dtype == 0) pack_panels<Fp32Tile>(static_cast<const float*>(w), static_cast<float*>(out), n, k);
+#endif
+#if defined(MINIPAGED_BF16_PRODUCTS)
+  if (dtype == 1) pack_panels<Bf16Tile>(static_cast<const uint16_t*>(w), static_cast<uint16_t*>(out), n, k);
 #endif
 }
 
 // c = a . W^T (+ residual, rows ldr apart, when it is not null; it may be c itself)
-void minipaged_decode_product(const float* a, int64_t lda, const float* packed, int64_t n, int64_t k, float* c,
-                              int64_t ldc, const float* residual, int64_t ldr, int64_t m) {
-#if defined(MINIPAGED_AVX512)
-#pragma omp parallel
-  {
-    int64_t lo, hi;
-    my_panels(n / kPanel, lo, hi);
-    for (int64_t p = lo; p < hi; ++p)
-      over_rows<kTileRows>(m, ProductTiles{a, lda, packed + p * k * kPanel, k, c + p * kPanel, ldc,
-                                           residual ? residual + p * kPanel : nullptr, ldr});
-  }
+void minipaged_decode_product(const void* a, int64_t lda, const void* packed, int64_t n, int64_t k, void* c,
+                              int64_t ldc, const void* residual, int64_t ldr, int64_t m, int dtype) {
+#if defined(MINIPAGED_PRODUCTS)
+  if (dtype == 0) decode_product<Fp32Tile>(a, lda, packed, n, k, c, ldc, residual, ldr, m);
+#endif
+#if defined(MINIPAGED_BF16_PRODUCTS)
+  if (dtype == 1) decode_product<Bf16Tile>(a, lda, packed, n, k, c, ldc, residual, ldr, m);
 #endif
 }
 
 // c = silu(a . Wgate^T) * (a . Wup^T)
-void minipaged_decode_glu(const float* a, int64_t lda, const float* gate, const float* up, int64_t n, int64_t k,
-                          float* c, int64_t ldc, int64_t m) {
-#if defined(MINIPAGED_AVX512)
-#pragma omp parallel
-  {
-    int64_t lo, hi;
-    my_panels(n / kPanel, lo, hi);
-    for (int64_t p = lo; p < hi; ++p)
-      over_rows<kTileRows / 2>(m, GluTiles{a, lda, gate + p * k * kPanel, up + p * k * kPanel, k, c + p * kPanel, ldc});
-  }
+void minipaged_decode_glu(const void* a, int64_t lda, const void* gate, const void* up, int64_t n, int64_t k,
+                          void* c, int64_t ldc, int64_t m, int dtype) {
+#if defined(MINIPAGED_PRODUCTS)
+  if (dtype == 0) decode_glu<Fp32Tile>(a, lda, gate, up, n, k, c, ldc, m);
+#endif
+#if defined(MINIPAGED_BF16_PRODUCTS)
+  if (dtype == 1) decode_glu<Bf16Tile>(a, lda, gate, up, n, k, c, ldc, m);
 #endif
 }
 

@@ -27,11 +27,13 @@ log = logging.getLogger("minipaged")
 DECODE_ROWS = 256
 
 
-def decode_products_on() -> bool:
-    """True where fp32 products of up to ``DECODE_ROWS`` rows run on the compiled decode products
-    (``kernels/cpu_paged_attention.cpp``, AVX-512 builds): the library has them and ``MINIPAGED_DECODE_PRODUCTS``
-    is not ``0`` (``0``: oneDNN for every size, the path every other CPU runs)."""
-    return os.environ.get("MINIPAGED_DECODE_PRODUCTS", "1") != "0" and cpu_kernel.decode_products(cpu_kernel.library())
+def decode_products_on(dtype: torch.dtype = torch.float32) -> bool:
+    """True where products in ``dtype`` of up to ``DECODE_ROWS`` rows run on the compiled decode products
+    (``kernels/cpu_paged_attention.cpp``; fp32: AVX-512 or AVX2 builds, bf16: AVX512-BF16 without AMX): the library has
+    them and ``MINIPAGED_DECODE_PRODUCTS`` is not ``0`` (``0``: oneDNN for every size, the path every other CPU
+    runs)."""
+    on = os.environ.get("MINIPAGED_DECODE_PRODUCTS", "1") != "0"
+    return on and cpu_kernel.decode_products(cpu_kernel.library(), dtype)
 
 
 class Linear(nn.Linear):
@@ -51,10 +53,11 @@ class Linear(nn.Linear):
     pass over a [tokens, features] tensor: on a 2048-token prefill the MLP took 8 % less
     time here. The plain path computes the same with separate PyTorch ops.
 
-    At up to ``DECODE_ROWS`` rows (a decode step) an fp32 weight without bias multiplies on the compiled decode
-    products instead, where the build has them (AVX-512): its own panels (``decode_panels``), the residual of
-    ``add`` in the product's tile, and ``glu`` for silu(gate) * up in one pass. oneDNN's kernels lose rate at a
-    few dozen rows, and each of its calls through PyTorch costs more than the product of a small one.
+    At up to ``DECODE_ROWS`` rows (a decode step) an fp32 or bf16 weight without bias multiplies on the compiled
+    decode products instead, where the build has them for its dtype (``decode_products_on``): its own panels
+    (``decode_panels``), the residual of ``add`` in the product's tile, and ``glu`` for silu(gate) * up in one pass.
+    oneDNN's kernels lose rate at a few dozen rows, and each of its calls through PyTorch costs more than the
+    product of a small one.
 
     The packed path rests on private ``torch.ops.mkldnn`` operators, so it is only ever an
     optimisation: :func:`onednn_ops` checks them once against the plain path, and a packed
@@ -66,20 +69,22 @@ class Linear(nn.Linear):
     _panels: tuple[int, int, torch.Tensor] | None = None  # the same for the decode products' panels
 
     def decode_panels(self, x: torch.Tensor) -> torch.Tensor | None:
-        """This weight packed for the decode products, where ``x``'s product runs on them: an fp32 weight
-        without bias on the CPU, whole panels of output columns, ``x`` 2-D fp32 with 1 to ``DECODE_ROWS`` rows,
-        no gradients, ``decode_products_on()``. Else None: oneDNN or PyTorch multiplies. Packed on first use,
+        """This weight packed for the decode products, where ``x``'s product runs on them: an fp32 or bf16
+        weight without bias on the CPU, whole panels of output columns (and an even number of input features in
+        bf16, which multiplies them in pairs), ``x`` 2-D of the weight's dtype with 1 to ``DECODE_ROWS`` rows, no
+        gradients, ``decode_products_on(dtype)``. Else None: oneDNN or PyTorch multiplies. Packed on first use,
         again when the weight changes."""
         w = self.weight
         if not (
             x.dim() == 2
             and 1 <= x.shape[0] <= DECODE_ROWS
-            and x.dtype == w.dtype == torch.float32
+            and x.dtype == w.dtype
             and x.device.type == w.device.type == "cpu"
             and self.bias is None
             and self.out_features % cpu_kernel.PANEL == 0
+            and (w.dtype != torch.bfloat16 or self.in_features % 2 == 0)
             and not torch.is_grad_enabled()
-            and decode_products_on()
+            and decode_products_on(w.dtype)
         ):
             return None
         key = (w._version, w.data_ptr())
@@ -94,7 +99,7 @@ class Linear(nn.Linear):
         g, u = gate.decode_panels(x), up.decode_panels(x)
         if g is None or u is None or g.shape != u.shape:
             return None
-        return cpu_kernel.decode_glu(x.contiguous(), g, u, torch.empty(x.shape[0], g.shape[0]))
+        return cpu_kernel.decode_glu(x.contiguous(), g, u, x.new_empty(x.shape[0], g.shape[0]))
 
     def _packed_weight(self, x: torch.Tensor) -> tuple[OneDNNOps, torch.Tensor] | None:
         """The oneDNN operators and this weight packed for them, or None where the plain path must run.
@@ -127,7 +132,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         panels = self.decode_panels(x)
         if panels is not None:
-            return cpu_kernel.decode_product(x.contiguous(), panels, torch.empty(x.shape[0], self.out_features))
+            return cpu_kernel.decode_product(x.contiguous(), panels, x.new_empty(x.shape[0], self.out_features))
         found = self._packed_weight(x)
         if found is not None:
             ops, packed = found
@@ -154,10 +159,10 @@ class Linear(nn.Linear):
         return self._binary(x, other, "add")
 
     def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
-        residual_fits = other.shape == (x.shape[0], self.out_features) and other.dtype == x.dtype == torch.float32
+        residual_fits = other.shape == (x.shape[0], self.out_features) and other.dtype == x.dtype
         panels = self.decode_panels(x) if op == "add" and residual_fits and other.device.type == "cpu" else None
         if panels is not None:
-            out = torch.empty(x.shape[0], self.out_features)
+            out = x.new_empty(x.shape[0], self.out_features)
             return cpu_kernel.decode_product(x.contiguous(), panels, out, residual=other.contiguous())
         found = self._packed_weight(x)
         if found is not None and other.dtype == x.dtype and other.shape == (*x.shape[:-1], self.out_features):

@@ -18,7 +18,7 @@ made by hand: every decision is taken once, when the program is built, and a ste
       x   = (h @ Wup^T) * g @ Wdown^T + x             oneDNN, two GEMMs with their multiply and add
 
 A step of at most ``DECODE_ROWS`` rows (a decode step, a small prefill) runs its products on the compiled decode
-products instead, where the build has them (fp32, AVX-512: ``layers.decode_products_on``), with no padding: at a
+products instead, where the build has them for the dtype (``layers.decode_products_on``), with no padding: at a
 few dozen rows oneDNN's kernels lose a fifth of their rate and each call through PyTorch costs a dispatch and a
 fork and join (``benchmarks/bench_gemm_rows.py``)::
 
@@ -136,7 +136,7 @@ class StepProgram:
             norm = _spanned("rms_norm", norm)
             attend = _spanned("paged_attention", attend)
         # where the modules' Linear takes them too (decode_panels: the same rows, switch and build)
-        if n <= DECODE_ROWS and self.layers[0].panels is not None and decode_products_on():
+        if n <= DECODE_ROWS and self.layers[0].panels is not None and decode_products_on(x.dtype):
             return self._on_decode_products(x if x.shape[0] > n else x.clone(), n, norm, attend, kv_caches)[:n]
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
             b_qkv, b_o, b_gate, b_up, b_down = layer.biases
