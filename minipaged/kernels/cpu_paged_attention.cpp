@@ -522,31 +522,6 @@ struct Bf16Tile : Zmm {
 
 #else  // AVX2 and FMA: 8 lanes
 
-// exp_nonpositive, 8 lanes at once (2^n put into the exponent bits: n >= -126 once x >= -87)
-inline __m256 exp_nonpositive8(__m256 x) {
-  const __m256 floor_ = _mm256_set1_ps(-87.f);
-  const __m256 keep = _mm256_cmp_ps(x, floor_, _CMP_GE_OQ);
-  x = _mm256_max_ps(x, floor_);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep);
-}
-
-inline __m256 silu8(__m256 x) {  // as silu16
-  const __m256 one = _mm256_set1_ps(1.f);
-  const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);
-  const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_setzero_ps(), abs));
-  const __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
-  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-  return _mm256_mul_ps(x, _mm256_blendv_ps(r, _mm256_mul_ps(e, r), negative));
-}
-
 struct Fp32Tile {
   using Acc = __m256;
   using T = float;
@@ -557,7 +532,16 @@ struct Fp32Tile {
   static Acc zero() { return _mm256_setzero_ps(); }
   static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
   static Acc mul(Acc a, Acc b) { return _mm256_mul_ps(a, b); }
-  static Acc silu(Acc x) { return silu8(x); }
+  static Acc silu(Acc x) {  // as silu16, lane by lane: the compiler vectorises the scalar exp_nonpositive
+    alignas(32) float v[8];
+    _mm256_store_ps(v, x);
+#pragma omp simd
+    for (int i = 0; i < 8; ++i) {
+      const float e = exp_nonpositive(-std::fabs(v[i])), r = 1.f / (1.f + e);
+      v[i] *= v[i] < 0.f ? e * r : r;
+    }
+    return _mm256_load_ps(v);
+  }
   static Vec row(const float* a) { return _mm256_broadcast_ss(a); }
   static Vec weights(const float* w) { return _mm256_loadu_ps(w); }
   static Acc madd(Acc acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
