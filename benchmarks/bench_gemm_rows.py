@@ -15,13 +15,13 @@ kernels run well below the rate they reach on a prefill chunk. ``bench_engine.py
 
 Three paths over the same random weights, in one run:
 
-- ``products``: the engine's path up to ``layers.DECODE_ROWS`` rows where the build has them for the dtype
-  (``layers.decode_products_on``: fp32 with AVX-512, bf16 with AVX512-BF16 and no AMX): the
+- ``products``: the engine's path up to ``layers.PRODUCT_ROWS`` rows where the build has them for the dtype
+  (``layers.decode_products_on``: fp32 with AVX2 or AVX-512, bf16 with AVX512-BF16 and no AMX): the
   compiled decode products (``cpu_kernel.decode_product``, ``decode_glu``), called through ``layers.Linear`` as the
   model calls them per layer (qkv; o + residual; silu(gate) * up in one pass; down + residual), then the head;
 - ``packed``: the same calls with ``MINIPAGED_DECODE_PRODUCTS=0``: oneDNN's pre-packed GEMMs with their post-ops,
   the rows padded once per step to ``packed_rows`` as the step program pads them (54 rows run as 56); the
-  engine's path past ``DECODE_ROWS`` rows and on every other CPU;
+  engine's path past ``PRODUCT_ROWS`` rows and on every other CPU;
 - ``plain``: PyTorch's default, ``nn.functional.linear`` followed by the same elementwise ops (``MINIPAGED_ONEDNN=0``
   in the engine).
 
@@ -174,7 +174,7 @@ def main() -> int:
         for round_ in range(args.rounds):
             for rows in row_counts:
                 for path, step in paths.items():
-                    if path == "products" and rows > layers.DECODE_ROWS:
+                    if path == "products" and rows > layers.PRODUCT_ROWS:
                         continue  # the engine runs oneDNN there: the packed path's time
                     t = seconds(step, stack, head, rows, dtype, args.budget_s)
                     best[rows, path] = min(best[rows, path], t)

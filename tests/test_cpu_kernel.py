@@ -132,20 +132,20 @@ def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 def test_each_build_is_its_own_library_and_runs_the_path_it_names(target, monkeypatch):
     """What each build was compiled with, from the library itself: the native build has the AVX-512 tiles exactly
     where the CPU has AVX-512F; x86-64-v4 has them; x86-64-v3 has AVX2 and not them; x86-64 neither. The fp32
-    decode products come with AVX2 and FMA (AVX-512 or AVX2 tiles), the bf16 ones with AVX512-BF16 where there is no
-    AMX."""
+    decode products come with AVX2 and FMA (AVX-512 or AVX2 tiles), and so do the bf16 ones (vdpbf16ps where the
+    target has AVX512-BF16, else widened to fp32), except where there is AMX."""
     native = cpu_kernel.build("native")[0]
     assert native is not None
     lib = use_build(target, monkeypatch)
     features, flags = lib.minipaged_features(), cpu_kernel._cpu_flags()
-    expected = {"x86-64": 0, "x86-64-v3": 2 | 8, "x86-64-v4": 3 | 8, "armv8-a": 4}  # 8: the fp32 decode products
+    expected = {"x86-64": 0, "x86-64-v3": 2 | 8 | 16, "x86-64-v4": 3 | 8 | 16, "armv8-a": 4}  # 8, 16: the products
     if target == "native":
         assert lib._name == native._name
         if flags and cpu_kernel._machine() == "x86_64":
             assert bool(features & 1) == ("avx512f" in flags) and bool(features & 2) == ("avx2" in flags)
             assert bool(features & 8) == ("avx2" in flags and "fma" in flags)  # the fp32 decode products: AVX2 on
-            # bf16 ones where the CPU multiplies bf16 pairs and has no AMX (oneDNN's AMX kernels multiply there)
-            assert bool(features & 16) == (bool(features & 1) and "avx512_bf16" in flags and "amx_bf16" not in flags)
+            # and the bf16 ones, except where the CPU has AMX (oneDNN's AMX kernels multiply bf16 there)
+            assert bool(features & 16) == (bool(features & 8) and "amx_bf16" not in flags)
         if cpu_kernel._machine() == "aarch64":
             assert features == 4
     else:
@@ -159,8 +159,9 @@ def test_each_build_is_its_own_library_and_runs_the_path_it_names(target, monkey
 
 
 def _products_build(target: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``target``'s build in use, skipped where it has no decode products in ``dtype`` (fp32: AVX2 and FMA or
-    AVX-512; bf16: AVX512-BF16 without AMX, which the x86-64-v4 level does not include)."""
+    """``target``'s build in use, skipped where it has no decode products in ``dtype`` (AVX2 and FMA or AVX-512;
+    bf16 not with AMX). In bf16 the native build multiplies with vdpbf16ps where the CPU has AVX512-BF16, the
+    x86-64-v4 and x86-64-v3 builds widen to fp32: both ways are tested wherever the CPU runs them."""
     lib = use_build(target, monkeypatch)
     if not cpu_kernel.decode_products(lib, dtype):
         pytest.skip(f"the {target} build has no {dtype} decode products ({cpu_kernel.tiles(lib)}): oneDNN runs instead")
@@ -197,6 +198,10 @@ def test_decode_product_is_the_matmul_for_every_row_count(target, dtype, residua
         torch.testing.assert_close(got, want, **_PRODUCT_TOL[dtype])
         if dtype == torch.bfloat16:  # rounded once: most elements are the exact sum's nearest bf16
             assert (got == want).float().mean() > 0.9
+    a = torch.randn(3, k, generator=g).to(dtype)
+    a[1, 5] = float("nan")  # a NaN stays a NaN (rounding to bf16 must not carry it into an infinity or a number)
+    got = cpu_kernel.decode_product(a, panels, torch.zeros(3, 64, dtype=dtype))
+    assert got[1].isnan().all() and not got[[0, 2]].isnan().any()
 
 
 @needs_kernel
@@ -220,6 +225,27 @@ def test_decode_glu_is_silu_of_gate_times_up_and_leaves_rows_past_its_count(targ
         rtol = 1e-5 if dtype == torch.float32 else 2**-8
         torch.testing.assert_close(out[:m].double(), want, rtol=rtol, atol=rtol * float(want.abs().max()))
         assert (out[m:] == 7.0).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("target", ["native", "x86-64-v4", "x86-64-v3"])
+def test_the_products_take_rows_past_a_block_of_1024(target, monkeypatch):
+    """A prefill's rows are taken 1,024 at a time (kRowBlock): rows on both sides of each block's edge, with the
+    residual in place and silu(gate) * up, are the same products as below it."""
+    _products_build(target, torch.float32, monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    w, wg, wu = (torch.randn(64, 24, generator=g) for _ in range(3))
+    a = torch.randn(2100, 24, generator=g)
+    r = torch.randn(2100, 64, generator=g)
+    out = r.clone()
+    cpu_kernel.decode_product(a, cpu_kernel.pack_panels(w), out, out, rows=2090)
+    torch.testing.assert_close(out[:2090], a[:2090] @ w.T + r[:2090], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[2090:], r[2090:])  # rows past its count: untouched
+    glu = torch.full((2100, 64), 7.0)
+    cpu_kernel.decode_glu(a, cpu_kernel.pack_panels(wg), cpu_kernel.pack_panels(wu), glu, rows=2090)
+    want = torch.nn.functional.silu(a[:2090] @ wg.T) * (a[:2090] @ wu.T)
+    torch.testing.assert_close(glu[:2090], want, rtol=1e-4, atol=1e-4)
+    assert (glu[2090:] == 7.0).all()
 
 
 def _mixed_batch(case: Case, seed: int):

@@ -396,10 +396,10 @@ _ON_OFF_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(r
 @needs_onednn
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_small_steps_run_on_the_decode_products_and_give_onednns_numbers_to_rounding(model_dir, dtype, monkeypatch):
-    """A step of at most DECODE_ROWS rows (the 45-row mixed step) runs its products on the compiled decode
+    """A step of at most PRODUCT_ROWS rows (the 45-row mixed step) runs its products on the compiled decode
     products, in the program and in the modules alike (``Linear.decode_panels``: the bit-for-bit test above
     compares those two); with ``MINIPAGED_DECODE_PRODUCTS=0`` oneDNN does, and the numbers agree to rounding.
-    A step past DECODE_ROWS runs on oneDNN."""
+    A step past PRODUCT_ROWS runs on oneDNN."""
     _products_here(dtype)
     calls = []
     real = cpu_kernel.decode_product
@@ -416,8 +416,8 @@ def test_small_steps_run_on_the_decode_products_and_give_onednns_numbers_to_roun
     torch.testing.assert_close(on, off, **_ON_OFF_TOL[dtype])
     torch.testing.assert_close(k_on, k_off, **_ON_OFF_TOL[dtype])
     monkeypatch.delenv("MINIPAGED_DECODE_PRODUCTS")
-    monkeypatch.setattr(layers, "DECODE_ROWS", 44)  # the step's 45 rows are past it now
-    monkeypatch.setattr(step_program, "DECODE_ROWS", 44)
+    monkeypatch.setattr(layers, "PRODUCT_ROWS", 44)  # the step's 45 rows are past it now
+    monkeypatch.setattr(step_program, "PRODUCT_ROWS", 44)
     past, _ = run_step(model, True, dtype)
     assert len(calls) == 3 and torch.equal(past, off)  # the build's probe rows only
 
@@ -426,7 +426,7 @@ def test_small_steps_run_on_the_decode_products_and_give_onednns_numbers_to_roun
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_linear_takes_the_decode_products_only_where_they_apply(dtype, monkeypatch):
     """The weight's dtype (fp32, or bf16 with an even number of input features: it multiplies pairs), no bias,
-    whole 32-column panels, 1 to DECODE_ROWS rows, no gradients, switched on; the panels follow the weight.
+    whole 32-column panels, 1 to PRODUCT_ROWS rows, no gradients, switched on; the panels follow the weight.
     Everywhere else, None: the caller multiplies with oneDNN or PyTorch."""
     _products_here(dtype)
     lin = Linear(40, 64, bias=False).to(dtype)
@@ -446,7 +446,7 @@ def test_a_linear_takes_the_decode_products_only_where_they_apply(dtype, monkeyp
         torch.testing.assert_close(lin(x), want(x), **tol)
         r = torch.randn(5, 64).to(dtype)
         torch.testing.assert_close(lin.add(x, r), want(x, r), **tol)
-        assert lin.decode_panels(torch.randn(layers.DECODE_ROWS + 1, 40).to(dtype)) is None
+        assert lin.decode_panels(torch.randn(layers.PRODUCT_ROWS + 1, 40).to(dtype)) is None
         other = torch.bfloat16 if dtype == torch.float32 else torch.float32
         assert lin.decode_panels(x.to(other)) is None
         assert Linear(40, 64, bias=True).to(dtype).decode_panels(x) is None

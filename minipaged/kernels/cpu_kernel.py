@@ -320,8 +320,8 @@ def tiles(lib: ctypes.CDLL) -> str:
 
 
 PANEL = 32  # output columns per packed panel of the decode products (kPanel in the source)
-# minipaged_features' bit for each dtype's decode products: fp32 with AVX-512, or AVX2 and FMA; bf16 with AVX512-BF16
-# where there is no AMX (oneDNN's AMX kernels multiply bf16 there)
+# minipaged_features' bit for each dtype's decode products: fp32 with AVX-512, or AVX2 and FMA; bf16 in the same
+# builds except where there is AMX (oneDNN's AMX kernels multiply bf16 there)
 _PRODUCT_BITS = {torch.float32: 8, torch.bfloat16: 16}
 
 

@@ -24,7 +24,7 @@
 // tests/test_cpu_kernel.py compares the two.
 //
 // The file also holds what runs around attention in a CPU step: RMSNorm, RoPE with the cache write, and the
-// decode-sized matrix products (fp32 on AVX-512 or AVX2, bf16 on AVX512-BF16), each described where it starts.
+// decode-sized matrix products (fp32 and bf16, on AVX-512 or AVX2), each described where it starts.
 //
 // Which code runs is fixed when the file is compiled (cpu_kernel.py picks -march / -mcpu): the AVX-512 tiles where
 // the target has AVX-512F (an x86 macro: never defined on Arm), else the portable C++ tiles, which the compiler
@@ -444,7 +444,7 @@ void rope_and_cache(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin
 }
 
 
-// ---- decode-sized matrix products (fp32 on AVX-512 or AVX2; bf16 where the CPU has AVX512-BF16) --------------
+// ---- decode-sized matrix products (fp32 and bf16, on AVX-512 or AVX2) ------------------------------------------
 // A decode step multiplies a few dozen rows through every weight. oneDNN's packed GEMMs, called through PyTorch,
 // lose a fifth of their rate there and pay a dispatch, a primitive lookup and a fork and join per call
 // (benchmarks/bench_gemm_rows.py). These tiles do the model's products at those sizes (layers.Linear and the
@@ -464,11 +464,20 @@ void rope_and_cache(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin
 #if defined(MINIPAGED_PRODUCTS)
 constexpr int64_t kPanel = 32;
 
-#if defined(MINIPAGED_AVX512)
-#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
-// Not where the CPU has AMX: there oneDNN multiplies bf16 on AMX tiles, which these were never measured against.
+#if !defined(__AMX_BF16__)
+// bf16 too, except where the CPU has AMX: oneDNN multiplies bf16 on AMX tiles there, and these were never measured
+// against them.
 #define MINIPAGED_BF16_PRODUCTS 1
 #endif
+
+// bf16 pairs in 32-bit lanes (x[k] low, x[k + 1] high) as two fp32 vectors, for CPUs without vdpbf16ps: a bf16 is
+// the high half of an fp32, so the even element shifts up and the odd one keeps its place with the low half cleared.
+template <typename V>
+struct Pairs {
+  V even, odd;
+};
+
+#if defined(MINIPAGED_AVX512)
 
 // silu(x) = x / (1 + e^-x), from e^-|x| so the exponent is never positive
 inline __m512 silu16(__m512 x) {
@@ -481,7 +490,8 @@ inline __m512 silu16(__m512 x) {
 
 // What a tile needs of its vectors and dtype: fp32 accumulators (Acc, kLanes wide) and their arithmetic, the
 // elements of K one step takes (kStep), a row's broadcast and a panel's columns (Vec), their multiply-add, the
-// residual's load and the output's store, and the tile's rows.
+// residual's load and the output's store, and the tile's rows. bf16 multiplies pairs of K (kStep 2) in every
+// build, so its panels are laid out alike everywhere: with vdpbf16ps where the CPU has it, else widened to fp32.
 struct Zmm {
   using Acc = __m512;
   static constexpr int64_t kLanes = 16;
@@ -501,7 +511,7 @@ struct Fp32Tile : Zmm {
   static Acc load(const float* r) { return _mm512_loadu_ps(r); }
   static void store(float* c, Acc v) { _mm512_storeu_ps(c, v); }
 };
-#if defined(MINIPAGED_BF16_PRODUCTS)
+#if defined(MINIPAGED_BF16_PRODUCTS) && defined(__AVX512BF16__)
 struct Bf16Tile : Zmm {
   using T = uint16_t;
   using Vec = __m512bh;
@@ -518,17 +528,37 @@ struct Bf16Tile : Zmm {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), (__m256i)_mm512_cvtneps_pbh(v));
   }
 };
+#elif defined(MINIPAGED_BF16_PRODUCTS)
+struct Bf16Tile : Zmm {  // AVX-512 without AVX512-BF16 (a Cascade Lake): the same panels, widened to fp32
+  using T = uint16_t;
+  using Vec = Pairs<__m512>;
+  static constexpr int64_t kStep = 2;
+  static Vec split(__m512i pairs) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+  }
+  static Vec row(const uint16_t* a) {
+    int32_t pair;
+    std::memcpy(&pair, a, sizeof pair);
+    return split(_mm512_set1_epi32(pair));
+  }
+  static Vec weights(const uint16_t* w) { return split(_mm512_loadu_si512(w)); }
+  static Acc madd(Acc acc, Vec x, Vec w) { return _mm512_fmadd_ps(x.odd, w.odd, _mm512_fmadd_ps(x.even, w.even, acc)); }
+  static Acc load(const uint16_t* r) { return load16(r); }
+  static void store(uint16_t* c, Acc v) {  // round_bf16's rounding, a NaN kept a NaN, then the high halves
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
+    const __m512i kept = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), _mm512_cvtepi32_epi16(kept));
+  }
+};
 #endif
 
 #else  // AVX2 and FMA: 8 lanes
 
-struct Fp32Tile {
+struct Ymm {
   using Acc = __m256;
-  using T = float;
-  using Vec = __m256;
   static constexpr int64_t kLanes = 8;
   static constexpr int kRows = 6;
-  static constexpr int64_t kStep = 1;
   static Acc zero() { return _mm256_setzero_ps(); }
   static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
   static Acc mul(Acc a, Acc b) { return _mm256_mul_ps(a, b); }
@@ -542,12 +572,49 @@ struct Fp32Tile {
     }
     return _mm256_load_ps(v);
   }
+};
+struct Fp32Tile : Ymm {
+  using T = float;
+  using Vec = __m256;
+  static constexpr int64_t kStep = 1;
   static Vec row(const float* a) { return _mm256_broadcast_ss(a); }
   static Vec weights(const float* w) { return _mm256_loadu_ps(w); }
   static Acc madd(Acc acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
   static Acc load(const float* r) { return _mm256_loadu_ps(r); }
   static void store(float* c, Acc v) { _mm256_storeu_ps(c, v); }
 };
+#if defined(MINIPAGED_BF16_PRODUCTS)
+struct Bf16Tile : Ymm {  // the AVX-512 panels of pairs, widened to fp32 (AVX2 has no bf16 arithmetic)
+  using T = uint16_t;
+  using Vec = Pairs<__m256>;
+  static constexpr int64_t kStep = 2;
+  static constexpr int kRows = 4;  // two vectors per pair: 4 rows' 8 accumulators and the pairs fill the 16 ymm
+  static Vec split(__m256i pairs) {
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+  }
+  static Vec row(const uint16_t* a) {
+    int32_t pair;
+    std::memcpy(&pair, a, sizeof pair);
+    return split(_mm256_set1_epi32(pair));
+  }
+  static Vec weights(const uint16_t* w) { return split(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))); }
+  static Acc madd(Acc acc, Vec x, Vec w) { return _mm256_fmadd_ps(x.odd, w.odd, _mm256_fmadd_ps(x.even, w.even, acc)); }
+  static Acc load(const uint16_t* r) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static void store(uint16_t* c, Acc v) {  // round to nearest even, a NaN kept a NaN, then the high halves
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i high = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    high = _mm256_blendv_epi8(high, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    // packus works within each 128-bit half: [h0..h3, h0..h3 | h4..h7, h4..h7]; quadwords 0 and 2 are h0..h7
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm256_castsi256_si128(packed));
+  }
+};
+#endif
 #endif  // MINIPAGED_AVX512
 
 // c[R, 2 lanes] = a[R, K] . the panel's columns from `panel` on (+ residual[R, 2 lanes] when there is one)
@@ -673,6 +740,11 @@ void pack_panels(const typename D::T* w, typename D::T* out, int64_t n, int64_t 
           out[p * k * kPanel + kk * kPanel + j * D::kStep + e] = w[(p * kPanel + j) * k + kk + e];
 }
 
+// Rows a product takes at a time: each thread's panels stream once per block, while the block's rows are re-read
+// from cache for every panel; past 1,024 rows of a prefill those re-reads fell out of cache (the AVX2 tiles, which
+// read the rows twice per panel, lost 10 % at 2,048 rows before the split).
+constexpr int64_t kRowBlock = 1024;
+
 template <typename D>
 void decode_product(const void* a, int64_t lda, const void* packed, int64_t n, int64_t k, void* c, int64_t ldc,
                     const void* residual, int64_t ldr, int64_t m) {
@@ -685,10 +757,12 @@ void decode_product(const void* a, int64_t lda, const void* packed, int64_t n, i
   {
     int64_t lo, hi;
     my_panels(n / kPanel, lo, hi);
-    for (int64_t p = lo; p < hi; ++p)
-      for (int64_t col = p * kPanel; col < (p + 1) * kPanel; col += 2 * D::kLanes)
-        over_rows<D::kRows>(m, ProductTiles<D>{at, lda, wt + p * k * kPanel + (col - p * kPanel) * D::kStep, k,
-                                               ct + col, ldc, rt ? rt + col : nullptr, ldr});
+    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock)
+      for (int64_t p = lo; p < hi; ++p)
+        for (int64_t col = p * kPanel; col < (p + 1) * kPanel; col += 2 * D::kLanes)
+          over_rows<D::kRows>(std::min(kRowBlock, m - r0),
+                              ProductTiles<D>{at + r0 * lda, lda, wt + p * k * kPanel + (col - p * kPanel) * D::kStep,
+                                              k, ct + r0 * ldc + col, ldc, rt ? rt + r0 * ldr + col : nullptr, ldr});
   }
 }
 
@@ -704,11 +778,13 @@ void decode_glu(const void* a, int64_t lda, const void* gate, const void* up, in
   {
     int64_t lo, hi;
     my_panels(n / kPanel, lo, hi);
-    for (int64_t p = lo; p < hi; ++p)
-      for (int64_t col = p * kPanel; col < (p + 1) * kPanel; col += 2 * D::kLanes) {
-        const int64_t at_col = p * k * kPanel + (col - p * kPanel) * D::kStep;
-        over_rows<D::kRows / 2>(m, GluTiles<D>{at, lda, gt + at_col, ut + at_col, k, ct + col, ldc});
-      }
+    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock)
+      for (int64_t p = lo; p < hi; ++p)
+        for (int64_t col = p * kPanel; col < (p + 1) * kPanel; col += 2 * D::kLanes) {
+          const int64_t at_col = p * k * kPanel + (col - p * kPanel) * D::kStep;
+          over_rows<D::kRows / 2>(std::min(kRowBlock, m - r0), GluTiles<D>{at + r0 * lda, lda, gt + at_col,
+                                                                            ut + at_col, k, ct + r0 * ldc + col, ldc});
+        }
   }
 }
 #endif  // MINIPAGED_PRODUCTS
@@ -746,7 +822,7 @@ void minipaged_paged_attention(const void* query, void* out, const void* key_cac
 
 // What this build has: bit 0 the AVX-512 tiles; bits 1 and 2 the vectors its portable loops were compiled
 // for, AVX2 or NEON (neither: the target's baseline, SSE2 on x86-64); bit 3 the fp32 decode products (AVX-512, or
-// AVX2 with FMA), bit 4 the bf16 ones (AVX512-BF16, no AMX).
+// AVX2 with FMA), bit 4 the bf16 ones (the same builds, except with AMX).
 int minipaged_features() {
   int features = 0;
 #if defined(MINIPAGED_AVX512)

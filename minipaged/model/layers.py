@@ -21,15 +21,16 @@ from ..kernels import cpu_kernel
 
 log = logging.getLogger("minipaged")
 
-# Products of up to this many rows (a decode step's, a small prefill's) run on the compiled decode products where
-# the build has them (``decode_products_on``); beyond it, on oneDNN. ``benchmarks/bench_gemm_rows.py`` measures
-# both.
-DECODE_ROWS = 256
+# Products of up to this many rows run on the compiled decode products where the build has them
+# (``decode_products_on``); beyond it, on oneDNN. Written for decode steps, where oneDNN loses most, they also beat
+# it on a Zen 4 at every row count measured up to 2,048, the engine's default step (``max_num_batched_tokens``),
+# with AVX-512 and with AVX2 (``benchmarks/bench_gemm_rows.py``); past that nothing was measured.
+PRODUCT_ROWS = 2048
 
 
 def decode_products_on(dtype: torch.dtype = torch.float32) -> bool:
-    """True where products in ``dtype`` of up to ``DECODE_ROWS`` rows run on the compiled decode products
-    (``kernels/cpu_paged_attention.cpp``; fp32: AVX-512 or AVX2 builds, bf16: AVX512-BF16 without AMX): the library has
+    """True where products in ``dtype`` of up to ``PRODUCT_ROWS`` rows run on the compiled decode products
+    (``kernels/cpu_paged_attention.cpp``: AVX-512 or AVX2 builds; bf16 not where the CPU has AMX): the library has
     them and ``MINIPAGED_DECODE_PRODUCTS`` is not ``0`` (``0``: oneDNN for every size, the path every other CPU
     runs)."""
     on = os.environ.get("MINIPAGED_DECODE_PRODUCTS", "1") != "0"
@@ -53,11 +54,11 @@ class Linear(nn.Linear):
     pass over a [tokens, features] tensor: on a 2048-token prefill the MLP took 8 % less
     time here. The plain path computes the same with separate PyTorch ops.
 
-    At up to ``DECODE_ROWS`` rows (a decode step) an fp32 or bf16 weight without bias multiplies on the compiled
-    decode products instead, where the build has them for its dtype (``decode_products_on``): its own panels
-    (``decode_panels``), the residual of ``add`` in the product's tile, and ``glu`` for silu(gate) * up in one pass.
-    oneDNN's kernels lose rate at a few dozen rows, and each of its calls through PyTorch costs more than the
-    product of a small one.
+    At up to ``PRODUCT_ROWS`` rows (a decode step, a prefill chunk) an fp32 or bf16 weight without bias multiplies
+    on the compiled decode products instead, where the build has them for its dtype (``decode_products_on``): its
+    own panels (``decode_panels``), the residual of ``add`` in the product's tile, and ``glu`` for silu(gate) * up
+    in one pass. oneDNN's kernels lose rate at a few dozen rows, and each of its calls through PyTorch costs more
+    than the product of a small one.
 
     The packed path rests on private ``torch.ops.mkldnn`` operators, so it is only ever an
     optimisation: :func:`onednn_ops` checks them once against the plain path, and a packed
@@ -71,13 +72,13 @@ class Linear(nn.Linear):
     def decode_panels(self, x: torch.Tensor) -> torch.Tensor | None:
         """This weight packed for the decode products, where ``x``'s product runs on them: an fp32 or bf16
         weight without bias on the CPU, whole panels of output columns (and an even number of input features in
-        bf16, which multiplies them in pairs), ``x`` 2-D of the weight's dtype with 1 to ``DECODE_ROWS`` rows, no
+        bf16, which multiplies them in pairs), ``x`` 2-D of the weight's dtype with 1 to ``PRODUCT_ROWS`` rows, no
         gradients, ``decode_products_on(dtype)``. Else None: oneDNN or PyTorch multiplies. Packed on first use,
         again when the weight changes."""
         w = self.weight
         if not (
             x.dim() == 2
-            and 1 <= x.shape[0] <= DECODE_ROWS
+            and 1 <= x.shape[0] <= PRODUCT_ROWS
             and x.dtype == w.dtype
             and x.device.type == w.device.type == "cpu"
             and self.bias is None

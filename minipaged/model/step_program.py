@@ -17,10 +17,10 @@ made by hand: every decision is taken once, when the program is built, and a ste
       g   = silu(h @ Wgate^T)                         oneDNN, silu in the GEMM
       x   = (h @ Wup^T) * g @ Wdown^T + x             oneDNN, two GEMMs with their multiply and add
 
-A step of at most ``DECODE_ROWS`` rows (a decode step, a small prefill) runs its products on the compiled decode
-products instead, where the build has them for the dtype (``layers.decode_products_on``), with no padding: at a
-few dozen rows oneDNN's kernels lose a fifth of their rate and each call through PyTorch costs a dispatch and a
-fork and join (``benchmarks/bench_gemm_rows.py``)::
+A step of at most ``PRODUCT_ROWS`` rows (every step at the engine's defaults) runs its products on the compiled
+decode products instead, where the build has them for the dtype (``layers.decode_products_on``), with no padding:
+at a few dozen rows oneDNN's kernels lose a fifth of their rate and each call through PyTorch costs a dispatch and
+a fork and join, and at 2,048 rows the products are still a few per cent faster (``benchmarks/bench_gemm_rows.py``)::
 
       qkv = h @ [Wq | Wk | Wv]^T                      decode product (the modules' own panels: Linear.decode_panels)
       x   = a @ Wo^T + x                              decode product, the residual added in its tile
@@ -47,7 +47,7 @@ import torch
 from ..kernels import cpu_kernel, torch_backend
 from ..profiling import profiling as profiler_on
 from ..profiling import span
-from .layers import DECODE_ROWS, decode_products_on
+from .layers import PRODUCT_ROWS, decode_products_on
 
 if TYPE_CHECKING:
     from .attention import TorchAttentionMetadata
@@ -136,7 +136,7 @@ class StepProgram:
             norm = _spanned("rms_norm", norm)
             attend = _spanned("paged_attention", attend)
         # where the modules' Linear takes them too (decode_panels: the same rows, switch and build)
-        if n <= DECODE_ROWS and self.layers[0].panels is not None and decode_products_on(x.dtype):
+        if n <= PRODUCT_ROWS and self.layers[0].panels is not None and decode_products_on(x.dtype):
             return self._on_decode_products(x if x.shape[0] > n else x.clone(), n, norm, attend, kv_caches)[:n]
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
             b_qkv, b_o, b_gate, b_up, b_down = layer.biases
@@ -156,7 +156,7 @@ class StepProgram:
         attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """``run``'s layers for a step of at most ``DECODE_ROWS`` rows, on the decode products
+        """``run``'s layers for a step of at most ``PRODUCT_ROWS`` rows, on the decode products
         (``cpu_kernel.decode_product``/``decode_glu``): the residual adds and silu(gate) * up are done in the
         products' tiles. ``x`` is the step's own, padded; it is updated in place, its first ``n`` rows only."""
         first = self.layers[0]
