@@ -745,6 +745,22 @@ void pack_panels(const typename D::T* w, typename D::T* out, int64_t n, int64_t 
 // read the rows twice per panel, lost 10 % at 2,048 rows before the split).
 constexpr int64_t kRowBlock = 1024;
 
+// The loop both products share: each thread's panels, a tile column at a time, over blocks of kRowBlock rows.
+// fn(r0, rows, w, col) runs the tiles of rows [r0, r0 + rows) for the output columns from col on, whose weights
+// start at element w of the packed weight.
+template <typename D, typename Fn>
+void over_panels(int64_t n, int64_t k, int64_t m, const Fn& fn) {
+#pragma omp parallel
+  {
+    int64_t lo, hi;
+    my_panels(n / kPanel, lo, hi);
+    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock)
+      for (int64_t p = lo; p < hi; ++p)
+        for (int64_t col = p * kPanel; col < (p + 1) * kPanel; col += 2 * D::kLanes)
+          fn(r0, std::min(kRowBlock, m - r0), p * k * kPanel + (col - p * kPanel) * D::kStep, col);
+  }
+}
+
 template <typename D>
 void decode_product(const void* a, int64_t lda, const void* packed, int64_t n, int64_t k, void* c, int64_t ldc,
                     const void* residual, int64_t ldr, int64_t m) {
@@ -753,17 +769,10 @@ void decode_product(const void* a, int64_t lda, const void* packed, int64_t n, i
   const T* wt = static_cast<const T*>(packed);
   const T* rt = static_cast<const T*>(residual);
   T* ct = static_cast<T*>(c);
-#pragma omp parallel
-  {
-    int64_t lo, hi;
-    my_panels(n / kPanel, lo, hi);
-    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock)
-      for (int64_t p = lo; p < hi; ++p)
-        for (int64_t col = p * kPanel; col < (p + 1) * kPanel; col += 2 * D::kLanes)
-          over_rows<D::kRows>(std::min(kRowBlock, m - r0),
-                              ProductTiles<D>{at + r0 * lda, lda, wt + p * k * kPanel + (col - p * kPanel) * D::kStep,
-                                              k, ct + r0 * ldc + col, ldc, rt ? rt + r0 * ldr + col : nullptr, ldr});
-  }
+  over_panels<D>(n, k, m, [&](int64_t r0, int64_t rows, int64_t w, int64_t col) {
+    over_rows<D::kRows>(rows, ProductTiles<D>{at + r0 * lda, lda, wt + w, k, ct + r0 * ldc + col, ldc,
+                                              rt ? rt + r0 * ldr + col : nullptr, ldr});
+  });
 }
 
 template <typename D>
@@ -774,18 +783,9 @@ void decode_glu(const void* a, int64_t lda, const void* gate, const void* up, in
   const T* gt = static_cast<const T*>(gate);
   const T* ut = static_cast<const T*>(up);
   T* ct = static_cast<T*>(c);
-#pragma omp parallel
-  {
-    int64_t lo, hi;
-    my_panels(n / kPanel, lo, hi);
-    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock)
-      for (int64_t p = lo; p < hi; ++p)
-        for (int64_t col = p * kPanel; col < (p + 1) * kPanel; col += 2 * D::kLanes) {
-          const int64_t at_col = p * k * kPanel + (col - p * kPanel) * D::kStep;
-          over_rows<D::kRows / 2>(std::min(kRowBlock, m - r0), GluTiles<D>{at + r0 * lda, lda, gt + at_col,
-                                                                            ut + at_col, k, ct + r0 * ldc + col, ldc});
-        }
-  }
+  over_panels<D>(n, k, m, [&](int64_t r0, int64_t rows, int64_t w, int64_t col) {
+    over_rows<D::kRows / 2>(rows, GluTiles<D>{at + r0 * lda, lda, gt + w, ut + w, k, ct + r0 * ldc + col, ldc});
+  });
 }
 #endif  // MINIPAGED_PRODUCTS
 
